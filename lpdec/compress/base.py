@@ -1,0 +1,128 @@
+"""The compressor interface and the helpers every compressor shares.
+
+A compressor is a frozen, hashable dataclass (so it can be a static argument of
+`jax.jit` and a field of an optax transform). It works on one array at a time;
+applied leaf by leaf to a pytree (`encode_tree`), per-leaf compressors such as
+top-k are layer-wise, as in seed 002.
+
+A payload is a registered pytree dataclass whose array leaves are exactly the
+bytes that cross the wire; the shape and dtype of the original array are static
+fields of its treedef. `lax.ppermute(payload, ...)` therefore sends it as is,
+and `payload_nbytes(payload) == compressor.wire_bytes(x.size, x.dtype)`.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import math
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROUNDINGS = ("nearest", "stochastic")
+
+
+def payload_dataclass(
+    cls=None, *, data: tuple[str, ...], meta: tuple[str, ...] = ("shape", "dtype")
+):
+    """Makes `cls` a frozen dataclass registered as a pytree with `data` leaves."""
+
+    def wrap(c):
+        c = dataclasses.dataclass(frozen=True)(c)
+        return jax.tree_util.register_dataclass(c, data_fields=list(data), meta_fields=list(meta))
+
+    return wrap if cls is None else wrap(cls)
+
+
+def payload_nbytes(payload: Any) -> int:
+    """Total bytes of a payload's (or payload tree's) array leaves: what crosses the wire."""
+    return int(
+        sum(
+            np.dtype(leaf.dtype).itemsize * math.prod(leaf.shape)
+            for leaf in jax.tree.leaves(payload)
+        )
+    )
+
+
+class Compressor(abc.ABC):
+    """Interface of lpdec's compressors (subclasses are frozen dataclasses).
+
+    `encode(x, key)` maps a float array to a payload pytree, `decode(payload)`
+    maps it back to an array of x's shape and dtype, and
+    `wire_bytes(num_elements, dtype)` is the exact byte count of the payload.
+    """
+
+    #: whether `encode` consumes randomness (stochastic rounding, random-k).
+    needs_key: bool = False
+
+    @abc.abstractmethod
+    def encode(self, x: jax.Array, key: jax.Array | None = None) -> Any:
+        """Compresses one float array into a payload pytree."""
+
+    @abc.abstractmethod
+    def decode(self, payload: Any, **kwargs) -> jax.Array:
+        """Decompresses a payload into an array of the encoded shape and dtype."""
+
+    @abc.abstractmethod
+    def wire_bytes(self, num_elements: int, dtype: Any = jnp.float32) -> int:
+        """Exact bytes of the payload of `num_elements` values of `dtype`."""
+
+    @abc.abstractmethod
+    def is_finite(self, payload: Any) -> jax.Array:
+        """bool scalar: False when the encoded array held NaN or Inf."""
+
+    def decode_accumulate(self, payload: Any, acc: jax.Array, weight, **kwargs) -> jax.Array:
+        """acc + weight * decode(payload), in acc's dtype (float32 for gossip sums)."""
+        decoded = self.decode(payload, **kwargs).astype(jnp.float32)
+        return (acc + jnp.asarray(weight, jnp.float32) * decoded).astype(acc.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Argument validation shared by the factories.
+# ----------------------------------------------------------------------------
+
+
+def check_bits(bits) -> int:
+    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
+        raise ValueError(f"bits must be an integer in 1..8; got {bits!r}.")
+    return int(bits)
+
+
+def check_rounding(rounding) -> str:
+    if rounding not in ROUNDINGS:
+        raise ValueError(f"rounding must be 'nearest' or 'stochastic'; got {rounding!r}.")
+    return rounding
+
+
+def check_ratio(ratio) -> float:
+    if (
+        isinstance(ratio, bool)
+        or not isinstance(ratio, (int, float, np.number))
+        or not 0 < ratio <= 1
+    ):
+        raise ValueError(f"ratio must be a number in (0, 1]; got {ratio!r}.")
+    return float(ratio)
+
+
+def check_implementation(implementation) -> None:
+    if implementation not in (None, "xla", "pallas"):
+        raise ValueError(f"implementation must be None, 'xla' or 'pallas'; got {implementation!r}.")
+
+
+def check_float_input(x, who: str) -> jax.Array:
+    x = jnp.asarray(x)
+    if not jnp.issubdtype(x.dtype, jnp.floating):
+        raise TypeError(
+            f"{who} compresses floating-point arrays (float32, bfloat16, float16); "
+            f"got dtype {x.dtype}."
+        )
+    return x
+
+
+def check_key(key, who: str) -> jax.Array:
+    if key is None:
+        raise ValueError(f"{who} draws random bits: pass a PRNG key, encode(x, key).")
+    return key

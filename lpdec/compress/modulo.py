@@ -1,0 +1,175 @@
+"""Moniqua's modulo quantizer (seed 003): send Q((x / B) mod 1), decode against the receiver."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import jax
+import jax.numpy as jnp
+
+from lpdec.compress import base
+from lpdec.kernels_pallas import _common
+from lpdec.kernels_pallas import bitpack
+from lpdec.kernels_pallas import modulo as kernels
+
+_ROW = 1024  # kernel row length; modulo codes have no per-row scales, so any width works.
+
+
+@base.payload_dataclass(data=("codes", "nonfinite"))
+class ModuloPayload:
+    """Wire format of `modulo`: packed codes plus a one-byte non-finite flag.
+
+    Attributes:
+      codes: uint8[ceil(d * bits / 8)].
+      nonfinite: uint8 scalar, 1 if the encoded array held NaN or Inf.
+      shape, dtype: static; the encoded array's shape and dtype.
+    """
+
+    codes: jax.Array
+    nonfinite: jax.Array
+    shape: tuple[int, ...]
+    dtype: jnp.dtype
+
+
+@dataclasses.dataclass(frozen=True)
+class Modulo(base.Compressor):
+    """Modulo quantizer of Moniqua; see `modulo`."""
+
+    bits: int = 8
+    theta: float = 1.0
+    rounding: str = "nearest"
+    implementation: str | None = None
+
+    def __post_init__(self):
+        base.check_bits(self.bits)
+        base.check_rounding(self.rounding)
+        base.check_implementation(self.implementation)
+        _check_theta(self.theta)
+        if self.bits == 1 and self.rounding == "stochastic":
+            raise ValueError(
+                "modulo(bits=1, rounding='stochastic') is unusable: stochastic rounding on a "
+                "2-point circle has error bound delta = 1/2, so B_theta = 2 theta / (1 - 2 delta) "
+                "is unbounded. Use rounding='nearest' (delta = 1/4) for 1 bit."
+            )
+
+    @property
+    def needs_key(self) -> bool:
+        return self.rounding == "stochastic"
+
+    @property
+    def delta(self) -> float:
+        """Quantizer error bound on the unit circle (seed 003, eq. 2).
+
+        Nearest rounding to the 2**bits points k / 2**bits has error <= 2**-(bits+1);
+        stochastic rounding < 2**-bits.
+        """
+        return 2.0 ** -(self.bits + 1) if self.rounding == "nearest" else 2.0**-self.bits
+
+    def modulus(self, theta=None):
+        """B_theta = 2 theta / (1 - 2 delta) (seed 003, Lemma 2); `theta` may be traced."""
+        theta = self.theta if theta is None else theta
+        return 2.0 * theta / (1.0 - 2.0 * self.delta)
+
+    def encode(self, x: jax.Array, key: jax.Array | None = None, *, theta=None) -> ModuloPayload:
+        """Encodes q = Q((x / B) mod 1); `theta` overrides the constant (for schedules)."""
+        x = base.check_float_input(x, "modulo")
+        if isinstance(theta, (int, float)):
+            _check_theta(theta)
+        d = x.size
+        width = max(1, min(_ROW, d))
+        rows = _common.num_rows(d, width)
+        flat = x.reshape(-1)
+        if rows * width != d:
+            flat = jnp.pad(flat, (0, rows * width - d))
+        seeds = None
+        if self.needs_key:
+            seeds = _common.seeds_from_key(base.check_key(key, "modulo(rounding='stochastic')"))
+        scale = jnp.float32(2**self.bits) / jnp.asarray(self.modulus(theta), jnp.float32)
+        codes = kernels.encode(
+            flat.reshape(rows, width),
+            seeds,
+            scale,
+            bits=self.bits,
+            stochastic=self.needs_key,
+            implementation=self.implementation,
+        )
+        packed = bitpack.pack_bits(
+            codes.reshape(-1)[:d], bits=self.bits, implementation=self.implementation
+        )
+        nonfinite = jnp.any(~jnp.isfinite(x)).astype(jnp.uint8)
+        return ModuloPayload(packed, nonfinite, tuple(x.shape), x.dtype)
+
+    def decode(self, payload: ModuloPayload, reference: jax.Array, *, theta=None) -> jax.Array:
+        """x_hat = (q B - y) mod B + y with y = `reference`, the receiver's own model.
+
+        If |x - y| < theta, then |x_hat - x| <= delta * B (seed 003, Lemma 2).
+        """
+        d = math.prod(payload.shape)
+        if reference.shape != payload.shape:
+            raise ValueError(
+                f"reference must have the encoded shape {payload.shape}; got {reference.shape}."
+            )
+        codes = bitpack.unpack_bits(
+            payload.codes, bits=self.bits, num_elements=d, implementation=self.implementation
+        ).reshape(payload.shape)
+        modulus = jnp.asarray(self.modulus(theta), jnp.float32)
+        y = reference.astype(jnp.float32)
+        r = _common.rounded(codes.astype(jnp.float32) * (modulus / 2**self.bits)) - y
+        # Centred modulo: r mod B in [-B/2, B/2).
+        r = r - _common.rounded(modulus * jnp.floor(r / modulus + 0.5))
+        x_hat = y + r
+        x_hat = jnp.where(payload.nonfinite > 0, jnp.nan, x_hat)
+        return x_hat.astype(payload.dtype)
+
+    def wire_bytes(self, num_elements: int, dtype=jnp.float32) -> int:
+        """ceil(d * bits / 8) code bytes + 1 flag byte; independent of dtype."""
+        del dtype
+        return bitpack.packed_size(num_elements, self.bits) + 1
+
+    def is_finite(self, payload: ModuloPayload) -> jax.Array:
+        return payload.nonfinite == 0
+
+
+def _check_theta(theta) -> None:
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)) or not theta > 0:
+        raise ValueError(f"theta must be a number > 0; got {theta!r}.")
+
+
+def modulo(
+    bits: int = 8,
+    theta: float = 1.0,
+    rounding: str = "nearest",
+    *,
+    implementation: str | None = None,
+) -> Modulo:
+    """Moniqua's modulo quantizer: sends Q((x / B) mod 1) with no scales at all.
+
+    .. math::
+
+      B_\\theta = \\frac{2\\theta}{1 - 2\\delta},\\quad
+      q = Q_\\delta\\big((x / B_\\theta) \\bmod 1\\big),\\quad
+      \\hat x = (q B_\\theta - y) \\bmod B_\\theta + y
+
+    where y is the receiver's own model (`decode(payload, reference=y)`), Q rounds
+    onto the 2**bits points k / 2**bits of the unit circle, and delta is its error
+    bound (`Modulo.delta`: 2**-(bits+1) nearest, 2**-bits stochastic). If
+    |x - y| < theta elementwise, |x_hat - x| <= delta * B_theta (Lemma 2).
+
+    Args:
+      bits: code width, 1..8. One bit needs rounding="nearest".
+      theta: the a-priori bound on |x - y|; `encode`/`decode` accept a traced
+        `theta=` override for schedules.
+      rounding: "nearest" or "stochastic" (needs a key).
+      implementation: None (Pallas on GPU/TPU, fused jnp on CPU), "xla", "pallas".
+
+    Example:
+      >>> comp = modulo(bits=2, theta=0.5)
+      >>> y = jnp.zeros(4); x = y + 0.3
+      >>> x_hat = comp.decode(comp.encode(x), reference=y)
+
+    References:
+      Lu & De Sa, Moniqua: Modulo Quantized Communication in Decentralized SGD,
+      ICML 2020, https://arxiv.org/abs/2002.11787
+    """
+    return Modulo(bits=bits, theta=theta, rounding=rounding, implementation=implementation)
