@@ -67,9 +67,14 @@ class Modulo(base.Compressor):
         return 2.0 ** -(self.bits + 1) if self.rounding == "nearest" else 2.0**-self.bits
 
     def modulus(self, theta=None):
-        """B_theta = 2 theta / (1 - 2 delta) (seed 003, Lemma 2); `theta` may be traced."""
+        """B_theta = 2 theta / (1 - 2 delta) (seed 003, Lemma 2); `theta` may be traced.
+
+        B is rounded up to 16 significant bits: Lemma 2 holds for any B at least
+        this large, and then a code times B / 2**bits is exact in float32, so
+        decoding rounds identically in every program (see `_common.rounded`).
+        """
         theta = self.theta if theta is None else theta
-        return 2.0 * theta / (1.0 - 2.0 * self.delta)
+        return _common.round_up_significand(2.0 * theta / (1.0 - 2.0 * self.delta))
 
     def encode(self, x: jax.Array, key: jax.Array | None = None, *, theta=None) -> ModuloPayload:
         """Encodes q = Q((x / B) mod 1); `theta` overrides the constant (for schedules)."""
@@ -114,10 +119,15 @@ class Modulo(base.Compressor):
             payload.codes, bits=self.bits, num_elements=d, implementation=self.implementation
         ).reshape(payload.shape)
         modulus = jnp.asarray(self.modulus(theta), jnp.float32)
+        # Multiply by explicit reciprocals: XLA turns a division by a constant into a
+        # multiplication in some fusions only, which would move the last bit.
+        step = modulus * jnp.float32(2.0**-self.bits)
+        inv_modulus = 1.0 / modulus
         y = reference.astype(jnp.float32)
-        r = _common.rounded(codes.astype(jnp.float32) * (modulus / 2**self.bits)) - y
+        r = _common.rounded(codes.astype(jnp.float32) * step) - y
         # Centred modulo: r mod B in [-B/2, B/2).
-        r = r - _common.rounded(modulus * jnp.floor(r / modulus + 0.5))
+        turns = jnp.floor(_common.rounded(r * inv_modulus) + 0.5)
+        r = r - _common.rounded(modulus * turns)
         x_hat = y + r
         x_hat = jnp.where(payload.nonfinite > 0, jnp.nan, x_hat)
         return x_hat.astype(payload.dtype)

@@ -150,8 +150,33 @@ def rounded(product: jax.Array) -> jax.Array:
     XLA (CPU and GPU) lets LLVM contract `a * b + c` into a fused multiply-add,
     and whether it does depends on the fusion a kernel lands in: the same jnp
     expression can round once in one program and twice in another. A select on
-    the product is opaque to contraction, so every `a * b + c` in the kernels is
-    written `rounded(a * b) + c` and rounds exactly twice everywhere. NaN stays
-    NaN; the extra compare and select cost nothing next to the memory traffic.
+    the product is opaque to contraction, so `rounded(a * b) + c` rounds twice
+    everywhere. NaN stays NaN; the compare and select cost nothing next to the
+    memory traffic.
+
+    LLVM drops the select when it can prove the product is never NaN (an integer
+    converted to float times a compile-time constant, say). Such products must be
+    exact instead, which makes contraction harmless: see `round_up_significand`.
     """
     return jnp.where(jnp.isnan(product), jnp.asarray(jnp.nan, product.dtype), product)
+
+
+def round_up_significand(value, bits: int = 16):
+    """Smallest float32 >= `value` with at most `bits` significant bits (value > 0).
+
+    A b-bit integer code times such a float32 is exact when b + bits <= 24, so
+    the product rounds the same with or without fused multiply-adds. Accepts a
+    Python number (returns a Python float) or a jax array (returns float32).
+    """
+    drop = 24 - bits
+    mask = (1 << drop) - 1
+    if isinstance(value, (int, float)):
+        f = np.float32(value)
+        if float(f) < value:
+            f = np.nextafter(f, np.float32(np.inf))
+        u = (int(np.array(f).view(np.uint32)) + mask) & ~mask & 0xFFFFFFFF
+        return float(np.array(u, np.uint32).view(np.float32))
+    f = jnp.asarray(value, jnp.float32)
+    u = jax.lax.bitcast_convert_type(f, jnp.uint32)
+    u = (u + jnp.uint32(mask)) & jnp.uint32(~mask & 0xFFFFFFFF)
+    return jax.lax.bitcast_convert_type(u, jnp.float32)
