@@ -25,6 +25,9 @@ import numpy as np
 ROUNDINGS = ("nearest", "stochastic")
 
 
+_PAYLOAD_TYPES: set[type] = set()
+
+
 def payload_dataclass(
     cls=None, *, data: tuple[str, ...], meta: tuple[str, ...] = ("shape", "dtype")
 ):
@@ -32,9 +35,16 @@ def payload_dataclass(
 
     def wrap(c):
         c = dataclasses.dataclass(frozen=True)(c)
-        return jax.tree_util.register_dataclass(c, data_fields=list(data), meta_fields=list(meta))
+        c = jax.tree_util.register_dataclass(c, data_fields=list(data), meta_fields=list(meta))
+        _PAYLOAD_TYPES.add(c)
+        return c
 
     return wrap if cls is None else wrap(cls)
+
+
+def is_payload(x) -> bool:
+    """True for a single array's payload (use as `is_leaf` when mapping over payload trees)."""
+    return type(x) in _PAYLOAD_TYPES
 
 
 def payload_nbytes(payload: Any) -> int:
@@ -63,8 +73,13 @@ class Compressor(abc.ABC):
         """Compresses one float array into a payload pytree."""
 
     @abc.abstractmethod
-    def decode(self, payload: Any, **kwargs) -> jax.Array:
-        """Decompresses a payload into an array of the encoded shape and dtype."""
+    def decode(self, payload: Any, *, reference=None, key=None) -> jax.Array:
+        """Decompresses a payload into an array of the encoded shape and dtype.
+
+        Every compressor accepts both keywords and ignores what it does not use:
+        `reference` is the receiver's own array (modulo decodes against it) and
+        `key` the sender's key (random-k re-draws its positions from it).
+        """
 
     @abc.abstractmethod
     def wire_bytes(self, num_elements: int, dtype: Any = jnp.float32) -> int:
@@ -74,9 +89,11 @@ class Compressor(abc.ABC):
     def is_finite(self, payload: Any) -> jax.Array:
         """bool scalar: False when the encoded array held NaN or Inf."""
 
-    def decode_accumulate(self, payload: Any, acc: jax.Array, weight, **kwargs) -> jax.Array:
+    def decode_accumulate(
+        self, payload: Any, acc: jax.Array, weight, *, reference=None, key=None
+    ) -> jax.Array:
         """acc + weight * decode(payload), in acc's dtype (float32 for gossip sums)."""
-        decoded = self.decode(payload, **kwargs).astype(jnp.float32)
+        decoded = self.decode(payload, reference=reference, key=key).astype(jnp.float32)
         return (acc + jnp.asarray(weight, jnp.float32) * decoded).astype(acc.dtype)
 
 

@@ -29,7 +29,8 @@ class Identity(base.Compressor):
         x = base.check_float_input(x, "identity")
         return IdentityPayload(x, tuple(x.shape), x.dtype)
 
-    def decode(self, payload: IdentityPayload) -> jax.Array:
+    def decode(self, payload: IdentityPayload, *, reference=None, key=None) -> jax.Array:
+        del reference, key
         return payload.values
 
     def wire_bytes(self, num_elements: int, dtype=jnp.float32) -> int:

@@ -105,14 +105,18 @@ class MinMax(base.Compressor):
             d,
         )
 
-    def decode(self, payload: MinMaxPayload) -> jax.Array:
+    def decode(self, payload: MinMaxPayload, *, reference=None, key=None) -> jax.Array:
         """lo + code * unit per chunk, in the encoded shape and dtype."""
+        del reference, key
         codes, lo, unit, d = self._codes_2d(payload)
         x = kernels.dequantize(codes, lo, unit, implementation=self.implementation)
         return x.reshape(-1)[:d].reshape(payload.shape).astype(payload.dtype)
 
-    def decode_accumulate(self, payload: MinMaxPayload, acc: jax.Array, weight) -> jax.Array:
+    def decode_accumulate(
+        self, payload: MinMaxPayload, acc: jax.Array, weight, *, reference=None, key=None
+    ) -> jax.Array:
         """acc + weight * decode(payload) in float32, fused (no decoded copy is materialised)."""
+        del reference, key
         codes, lo, unit, d = self._codes_2d(payload)
         rows, chunk = codes.shape
         flat = acc.astype(jnp.float32).reshape(-1)

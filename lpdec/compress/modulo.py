@@ -105,12 +105,17 @@ class Modulo(base.Compressor):
         nonfinite = jnp.any(~jnp.isfinite(x)).astype(jnp.uint8)
         return ModuloPayload(packed, nonfinite, tuple(x.shape), x.dtype)
 
-    def decode(self, payload: ModuloPayload, reference: jax.Array, *, theta=None) -> jax.Array:
+    def decode(
+        self, payload: ModuloPayload, reference: jax.Array | None = None, *, key=None, theta=None
+    ) -> jax.Array:
         """x_hat = (q B - y) mod B + y with y = `reference`, the receiver's own model.
 
         If |x - y| < theta, then |x_hat - x| <= delta * B (seed 003, Lemma 2).
         """
+        del key
         d = math.prod(payload.shape)
+        if reference is None:
+            raise ValueError("modulo decodes against the receiver's model: pass reference=y.")
         if reference.shape != payload.shape:
             raise ValueError(
                 f"reference must have the encoded shape {payload.shape}; got {reference.shape}."

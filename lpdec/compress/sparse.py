@@ -79,11 +79,15 @@ class TopK(base.Compressor):
             flat[indices], indices.astype(_index_dtype(flat.size)), tuple(x.shape), x.dtype
         )
 
-    def decode(self, payload: TopKPayload) -> jax.Array:
+    def decode(self, payload: TopKPayload, *, reference=None, key=None) -> jax.Array:
+        del reference, key
         return _scatter(payload.values, payload.indices, payload.shape, payload.dtype)
 
-    def decode_accumulate(self, payload: TopKPayload, acc: jax.Array, weight) -> jax.Array:
+    def decode_accumulate(
+        self, payload: TopKPayload, acc: jax.Array, weight, *, reference=None, key=None
+    ) -> jax.Array:
         """acc + weight * decode(payload) as a k-element scatter-add."""
+        del reference, key
         return _scatter_add(acc, weight, payload.values, payload.indices)
 
     def wire_bytes(self, num_elements: int, dtype=jnp.float32) -> int:
@@ -121,14 +125,18 @@ class RandomK(base.Compressor):
         values = jnp.where(jnp.all(jnp.isfinite(flat)), values, jnp.asarray(jnp.nan, x.dtype))
         return RandomKPayload(values, tuple(x.shape), x.dtype)
 
-    def decode(self, payload: RandomKPayload, *, key: jax.Array) -> jax.Array:
+    def decode(self, payload: RandomKPayload, *, reference=None, key=None) -> jax.Array:
         """Scatters the values to the positions drawn from `key` (the sender's key)."""
+        del reference
+        key = base.check_key(key, "random_k.decode (the sender's key)")
         indices = self.indices(math.prod(payload.shape), key)
         return _scatter(payload.values, indices, payload.shape, payload.dtype)
 
     def decode_accumulate(
-        self, payload: RandomKPayload, acc: jax.Array, weight, *, key
+        self, payload: RandomKPayload, acc: jax.Array, weight, *, reference=None, key=None
     ) -> jax.Array:
+        del reference
+        key = base.check_key(key, "random_k.decode_accumulate (the sender's key)")
         indices = self.indices(math.prod(payload.shape), key)
         return _scatter_add(acc, weight, payload.values, indices)
 

@@ -1,0 +1,99 @@
+r"""D-PSGD: full-precision gossip averaging, the decentralized baseline.
+
+.. math::
+
+  x_i^{+} = \sum_j W_{ij} x_j + u_i
+
+(combine-then-adapt: the exchange of x does not wait for the gradient, so it
+can overlap with the backward pass). Extra memory: none beyond a step counter.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lpdec import gossip
+from lpdec.algorithms import _common
+from lpdec.topology import Topology
+
+
+class DPSGDState(NamedTuple):
+    """State of `dpsgd`.
+
+    Attributes:
+      count: shape=(), dtype=int32; steps taken (picks the round of a
+        time-varying topology).
+      health: non-finite counters (`_common.Health`).
+    """
+
+    count: jax.Array
+    health: _common.Health
+
+
+def init(params: optax.Params, *, axis_name: str) -> DPSGDState:
+    del params
+    return DPSGDState(count=jnp.zeros((), jnp.int32), health=_common.init_health(axis_name))
+
+
+def step(
+    updates: optax.Updates,
+    state: DPSGDState,
+    params: optax.Params,
+    *,
+    topology: Topology,
+    axis_name: str,
+) -> tuple[optax.Updates, DPSGDState]:
+    """One D-PSGD step; must run under the named axis `axis_name`."""
+    gossip.check_topology(topology, axis_name)
+    updates, _, health = _common.guard_updates(updates, state.health)
+    mixed, skipped = gossip.in_round(
+        topology, state.count, lambda r: gossip.mix(params, r, axis_name=axis_name)
+    )
+    new = jax.tree.map(lambda m, u: m + u.astype(jnp.float32), mixed, updates)
+    health = _common.count_received(health, skipped)
+    return _common.as_updates(new, params), DPSGDState(state.count + 1, health)
+
+
+def dpsgd(topology: Topology, *, axis_name: str = "nodes") -> optax.GradientTransformationExtraArgs:
+    r"""D-PSGD: gossip-average the parameters in full precision, then add the local update.
+
+    .. math::
+
+      x_i^{+} = \sum_j W_{ij} x_j + u_i
+
+    where :math:`W` is `topology.mixing_matrix(step)` and :math:`u_i` the
+    incoming update (the local optimizer's step). Communication per step: the
+    parameters, once per edge class, in their own dtype.
+
+    Args:
+      topology: a row-stochastic `Topology` (static or time-varying). With a
+        row- but not column-stochastic W the nodes agree on a weighted, not the
+        plain, average; use `quant_sgp`/`sparse_push` for such graphs.
+      axis_name: the named axis whose instances are the nodes; the transform
+        must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
+
+    Returns:
+      An optax transform to put last in the chain; `update` needs `params`.
+
+    Example:
+      >>> tx = optax.chain(optax.sgd(0.1), lpdec.dpsgd(lpdec.ring(8), axis_name="nodes"))
+
+    References:
+      Lian et al., Can Decentralized Algorithms Outperform Centralized
+      Algorithms?, NeurIPS 2017, https://arxiv.org/abs/1705.09056
+    """
+    _common.check_topology(topology, "dpsgd", require="row_stochastic")
+
+    def init_fn(params):
+        return init(params, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "dpsgd")
+        return step(updates, state, params, topology=topology, axis_name=axis_name)
+
+    return _common.transform(init_fn, update_fn)

@@ -1,0 +1,190 @@
+"""Communication along a topology's edges: the only module of lpdec that calls collectives.
+
+Every function here must run under the named axis `axis_name` (inside
+`jax.shard_map` over a mesh axis of that name, or `jax.vmap(...,
+axis_name=...)`), with one program instance per node.
+
+A gossip step sends a payload pytree along each edge class of the step's round
+(one `lax.ppermute` per class: two for a ring) and combines what arrives with
+the receiver's weights. Time-varying topologies pick their round with
+`lax.switch` on the (traced) step, so one compiled program serves every step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from collections.abc import Sequence
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from lpdec.compress import base as compress_base
+from lpdec.topology import Round
+from lpdec.topology import Topology
+
+PyTree = Any
+
+
+def node_index(axis_name: str) -> jax.Array:
+    """This node's index along `axis_name` (int32 scalar)."""
+    return jax.lax.axis_index(axis_name)
+
+
+def check_topology(topology: Topology, axis_name: str) -> None:
+    """Raises ValueError at trace time if the topology's node count != the axis size."""
+    topology.check_axis_size(jax.lax.axis_size(axis_name), axis_name)
+
+
+def per_node(values: np.ndarray, axis_name: str) -> jax.Array:
+    """Picks this node's entry of a static per-node numpy array."""
+    return jnp.asarray(values)[node_index(axis_name)]
+
+
+def to_varying(tree: PyTree, axis_name: str | Sequence[str]) -> PyTree:
+    """Marks every leaf as varying over `axis_name` under `shard_map` (no-op elsewhere).
+
+    State that differs between nodes after one step must start out varying, or
+    carrying it through `lax.scan` inside `shard_map(check_vma=True)` fails with
+    a type mismatch between the carry's input and output.
+    """
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    names = tuple(n for n in names if n in manual)
+    if not names:
+        return tree
+
+    def cast(x):
+        missing = tuple(n for n in names if n not in jax.typeof(x).manual_axis_type.varying)
+        return jax.lax.pcast(x, missing, to="varying") if missing else x
+
+    return jax.tree.map(cast, tree)
+
+
+def in_round(topology: Topology, step: jax.Array, fn: Callable[[Round], PyTree]) -> PyTree:
+    """`fn(round)` for the round used at `step`: a `lax.switch` if the topology varies in time.
+
+    `fn`'s output must have the same structure for every round.
+    """
+    if topology.period == 1:
+        return fn(topology.rounds[0])
+    branches = [lambda r=r: fn(r) for r in topology.rounds]
+    return jax.lax.switch(jnp.asarray(step, jnp.int32) % topology.period, branches)
+
+
+class Received(NamedTuple):
+    """What one node receives in one round, class by class.
+
+    Attributes:
+      payloads: one payload tree per edge class (zeros where nothing arrived).
+      weights: W_{i, s_c(i)} per class: float32 scalars, 0 where nothing arrived.
+      senders: s_c(i) per class: int32 scalars, -1 where nothing arrived.
+      self_weight: W_ii, float32 scalar.
+    """
+
+    payloads: list[PyTree]
+    weights: list[jax.Array]
+    senders: list[jax.Array]
+    self_weight: jax.Array
+
+
+def exchange(payload: PyTree, round_: Round, *, axis_name: str) -> Received:
+    """Sends `payload` along every edge class of `round_` (one ppermute each)."""
+    return Received(
+        payloads=[jax.lax.ppermute(payload, axis_name, c.perm) for c in round_.edge_classes],
+        weights=[per_node(c.recv_weight, axis_name) for c in round_.edge_classes],
+        senders=[per_node(c.senders, axis_name) for c in round_.edge_classes],
+        self_weight=per_node(round_.self_weight, axis_name),
+    )
+
+
+def mix(tree: PyTree, round_: Round, *, axis_name: str) -> tuple[PyTree, jax.Array]:
+    """Full-precision gossip: sum_j W_ij x_j in float32 (one ppermute per edge class).
+
+    A neighbour whose tree holds NaN/Inf is replaced by the node's own value
+    (its weight moves to the diagonal), so rows of W still sum to what they did.
+
+    Returns:
+      (the mixed tree in float32, number of non-finite neighbour trees replaced).
+    """
+    received = exchange(tree, round_, axis_name=axis_name)
+    leaves, treedef = jax.tree.flatten(tree)
+    own = [x.astype(jnp.float32) for x in leaves]
+    acc = [received.self_weight * x for x in own]
+    skipped = jnp.int32(0)
+    for payload, weight in zip(received.payloads, received.weights, strict=True):
+        neighbor = treedef.flatten_up_to(payload)
+        ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(y)) for y in neighbor]))
+        acc = [
+            a + weight * jnp.where(ok, y.astype(jnp.float32), x)
+            for a, y, x in zip(acc, neighbor, own, strict=True)
+        ]
+        skipped = skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
+    return treedef.unflatten(acc), skipped
+
+
+def payload_is_finite(compressor: compress_base.Compressor, payload: PyTree) -> jax.Array:
+    """bool scalar: every leaf payload of a payload tree is finite."""
+    flags = [
+        compressor.is_finite(p) for p in jax.tree.leaves(payload, is_leaf=compress_base.is_payload)
+    ]
+    return jnp.all(jnp.stack(flags)) if flags else jnp.bool_(True)
+
+
+def accumulate(
+    compressor: compress_base.Compressor,
+    received: Received,
+    acc: PyTree,
+    *,
+    reference: PyTree | None = None,
+    sender_key: Callable[[jax.Array], jax.Array] | None = None,
+    substitute: PyTree | None = None,
+) -> tuple[PyTree, jax.Array]:
+    """acc + sum_c W_{i, s_c(i)} decode(payload_c): the weighted neighbour sum.
+
+    Each class is decoded into the float32 accumulator directly
+    (`Compressor.decode_accumulate`), so no decoded copy per neighbour is kept.
+    A payload that is not finite (the sender's state held NaN/Inf) is never
+    added: one failing node cannot poison its neighbours.
+
+    Args:
+      compressor: how the payloads were encoded.
+      received: the output of `exchange`.
+      acc: float32 tree shaped like the model.
+      reference: the receiver's own model, for compressors that decode against
+        it (modulo).
+      sender_key: maps a sender's index to the key it encoded with, for
+        compressors whose receivers need it (random-k).
+      substitute: what a non-finite payload stands for (float32 tree, e.g. the
+        receiver's own decoded value, which keeps the row sums of W); None
+        drops it (right for increments, which the sender drops too).
+
+    Returns:
+      (acc, number of non-finite payloads not used, int32 scalar).
+    """
+    skipped = jnp.int32(0)
+    leaves, treedef = jax.tree.flatten(acc)
+    n = len(leaves)
+    refs = [None] * n if reference is None else treedef.flatten_up_to(reference)
+    subs = None if substitute is None else treedef.flatten_up_to(substitute)
+    for payload, weight, sender in zip(
+        received.payloads, received.weights, received.senders, strict=True
+    ):
+        payload_leaves = treedef.flatten_up_to(payload)
+        keys = [None] * n
+        if sender_key is not None:
+            keys = list(jax.random.split(sender_key(sender), n))
+        ok = payload_is_finite(compressor, payload)
+        new = [
+            compressor.decode_accumulate(p, a, weight, reference=r, key=k)
+            for p, a, r, k in zip(payload_leaves, leaves, refs, keys, strict=True)
+        ]
+        if subs is None:
+            fallback = leaves
+        else:
+            fallback = [a + weight * x for a, x in zip(leaves, subs, strict=True)]
+        leaves = [jnp.where(ok, a, b) for a, b in zip(new, fallback, strict=True)]
+        skipped = skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
+    return treedef.unflatten(leaves), skipped
