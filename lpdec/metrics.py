@@ -1,0 +1,140 @@
+"""Training-side measurements: consensus distance, averaged model, wire bytes from compiled HLO.
+
+The functions on parameters take trees whose leaves carry a leading node axis
+(what a `shard_map` over the node axis returns to the caller), so they need no
+collective of their own.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import re
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+_DTYPE_BYTES = {
+    "pred": 1,
+    "s8": 1,
+    "u8": 1,
+    "s16": 2,
+    "u16": 2,
+    "f16": 2,
+    "bf16": 2,
+    "s32": 4,
+    "u32": 4,
+    "f32": 4,
+    "s64": 8,
+    "u64": 8,
+    "f64": 8,
+    "c64": 8,
+    "c128": 16,
+}
+
+COLLECTIVES = (
+    "collective-permute",
+    "all-gather",
+    "all-reduce",
+    "all-to-all",
+    "reduce-scatter",
+    "collective-broadcast",
+)
+
+_ARRAY = re.compile(r"\b(" + "|".join(_DTYPE_BYTES) + r")\[([0-9,]*)\]")
+# `%name = <shape> <opcode>(<operands>), attributes`
+_INSTRUCTION = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.\-]+\s*=\s*(.*?)\s+([a-z][a-z0-9\-]*)\((.*)$")
+
+
+def average_model(params: PyTree) -> PyTree:
+    """The node-averaged model: mean over the leading node axis of every leaf."""
+    return jax.tree.map(lambda x: jnp.mean(x.astype(jnp.float32), axis=0).astype(x.dtype), params)
+
+
+def consensus_distance(params: PyTree) -> jax.Array:
+    """(1/n) sum_i ||x_i - x_bar||^2 over all leaves (leading node axis), float32 scalar."""
+    total = jnp.float32(0)
+    for x in jax.tree.leaves(params):
+        x = x.astype(jnp.float32)
+        total = total + jnp.sum(jnp.square(x - jnp.mean(x, axis=0)))
+    n = jax.tree.leaves(params)[0].shape[0]
+    return total / n
+
+
+def _array_bytes(shape_text: str) -> list[tuple[str, int]]:
+    out = []
+    for dtype, dims in _ARRAY.findall(shape_text):
+        size = 1
+        for d in filter(None, dims.split(",")):
+            size *= int(d)
+        out.append((dtype, size * _DTYPE_BYTES[dtype]))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class CollectiveTraffic:
+    """What one device sends through each kind of collective in one program run.
+
+    Attributes:
+      bytes_by_op: {opcode: bytes of the operands that device contributes}.
+      count_by_op: {opcode: number of instructions}.
+      bytes_by_dtype: {(opcode, dtype): bytes}, e.g. ("collective-permute", "u8").
+    """
+
+    bytes_by_op: dict[str, int]
+    count_by_op: dict[str, int]
+    bytes_by_dtype: dict[tuple[str, str], int]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(self.bytes_by_op.values())
+
+    def ops(self) -> set[str]:
+        return set(self.count_by_op)
+
+
+def collective_traffic(hlo_text: str) -> CollectiveTraffic:
+    """Parses compiled HLO text (`jax.jit(f).lower(...).compile().as_text()`).
+
+    Counts, per collective opcode, the bytes of each instruction's operands
+    (for async `-start` forms, the operands of the start; `-done` is skipped).
+    In an SPMD program these are the bytes one device sends (or contributes)
+    per run; a collective-permute in which a device is no source sends nothing
+    from it, so this is an upper bound for devices outside the permutation.
+    """
+    by_op: dict[str, int] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    by_dtype: dict[tuple[str, str], int] = collections.Counter()
+    for line in hlo_text.splitlines():
+        match = _INSTRUCTION.match(line)
+        if not match:
+            continue
+        result_shape, opcode, rest = match.groups()
+        base = opcode.removesuffix("-start")
+        if base not in COLLECTIVES or opcode.endswith("-done"):
+            continue
+        # Operands run to the closing parenthesis before the attributes.
+        operands = rest.split("), ")[0]
+        arrays = _array_bytes(operands) or _array_bytes(result_shape)
+        count[base] += 1
+        for dtype, nbytes in arrays:
+            by_op[base] += nbytes
+            by_dtype[(base, dtype)] += nbytes
+    return CollectiveTraffic(dict(by_op), dict(count), dict(by_dtype))
+
+
+def compiled_traffic(fn, *args, **kwargs) -> CollectiveTraffic:
+    """Compiles `jax.jit(fn)` for `args` and returns its `collective_traffic`."""
+    text = jax.jit(fn).lower(*args, **kwargs).compile().as_text()
+    return collective_traffic(text)
+
+
+def tree_bytes(tree: PyTree) -> int:
+    """Bytes of every array leaf of a tree (e.g. a payload tree)."""
+    return int(
+        sum(np.dtype(x.dtype).itemsize * int(np.prod(x.shape)) for x in jax.tree.leaves(tree))
+    )
