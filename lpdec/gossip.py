@@ -90,10 +90,33 @@ class Received(NamedTuple):
     self_weight: jax.Array
 
 
+def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: str) -> PyTree:
+    """`lax.ppermute` of a tree along a partial permutation; non-receivers get zeros.
+
+    Under `vmap` jax only batches full permutations, so there the permutation
+    is completed with pairs from the idle senders to the idle receivers and
+    what those pairs deliver is zeroed (no bandwidth is involved in a vmap).
+    Under `shard_map` the partial permutation is sent as is.
+    """
+    n = jax.lax.axis_size(axis_name)
+    if len(perm) == n or axis_name in jax.sharding.get_abstract_mesh().manual_axes:
+        return jax.lax.ppermute(tree, axis_name, perm)
+    sources = {s for s, _ in perm}
+    targets = {d for _, d in perm}
+    idle_sources = [i for i in range(n) if i not in sources]
+    idle_targets = [i for i in range(n) if i not in targets]
+    full = list(perm) + list(zip(idle_sources, idle_targets, strict=True))
+    receives = np.zeros(n, dtype=bool)
+    receives[list(targets)] = True
+    received = jax.lax.ppermute(tree, axis_name, full)
+    keep = per_node(receives, axis_name)
+    return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros_like(x)), received)
+
+
 def exchange(payload: PyTree, round_: Round, *, axis_name: str) -> Received:
     """Sends `payload` along every edge class of `round_` (one ppermute each)."""
     return Received(
-        payloads=[jax.lax.ppermute(payload, axis_name, c.perm) for c in round_.edge_classes],
+        payloads=[ppermute(payload, c.perm, axis_name=axis_name) for c in round_.edge_classes],
         weights=[per_node(c.recv_weight, axis_name) for c in round_.edge_classes],
         senders=[per_node(c.senders, axis_name) for c in round_.edge_classes],
         self_weight=per_node(round_.self_weight, axis_name),
