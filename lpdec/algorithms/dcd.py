@@ -1,0 +1,267 @@
+r"""DCD-PSGD (seed 000, Bagua's low-precision decentralized SGD): gossip of compressed model moves.
+
+Every node keeps replicas :math:`\hat x_j` of its in-neighbours' models and
+sends the compressed difference between where gossip plus its local step would
+take it and where it is:
+
+.. math::
+
+  z_i = \sum_j W_{ij} \hat x_j + u_i - x_i,\qquad
+  x_i^{+} = x_i + Q(z_i),\qquad
+  \hat x_j \mathrel{+}= Q(z_j)
+
+with :math:`u_i` the incoming update (seed 000's :math:`-\gamma g_i`) and Q
+the compressor followed by its decoder. A node moves by exactly the decoded
+message its neighbours add to their replicas of it, so its own replica is its
+model, :math:`\hat x_i \equiv x_i`, and only the neighbours' replicas are kept.
+
+Memory, in model-sized float32 buffers per node: ``replicas="sum"`` (default)
+keeps :math:`s_i = \sum_{j \ne i} W_{ij} \hat x_j`: 1 buffer whatever the
+degree. ``replicas="per_peer"`` keeps one replica per edge class, as Bagua
+does: k buffers (k = number of edge classes, the degree for regular graphs).
+
+Exactness: for float32 parameters, `optax.apply_updates` adds the same decoded
+float32 message the neighbours add, so every replica equals its owner's
+parameters bit for bit (``per_peer`` makes this observable). Parameters in a
+narrower dtype are rounded to it after each move while the replicas are not,
+so an owner and its replicas then differ by that rounding (at most half an
+ulp of the parameter dtype per step).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lpdec import gossip
+from lpdec.algorithms import _collectives
+from lpdec.algorithms import _common
+from lpdec.compress import base as compress_base
+from lpdec.compress.modulo import Modulo
+from lpdec.kernels_pallas._common import rounded
+from lpdec.topology import Topology
+
+REPLICAS = ("sum", "per_peer")
+
+
+class DCDState(NamedTuple):
+    """State of `dcd`.
+
+    Attributes:
+      count: shape=(), dtype=int32; steps taken.
+      key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
+      neighbors: float32 tree s_i = sum_{j != i} W_ij x_hat_j ("sum"), or a
+        tuple of one replica tree per edge class, x_hat of that class's sender
+        ("per_peer"; zeros where the node receives nothing in the class).
+      health: non-finite counters.
+    """
+
+    count: jax.Array
+    key: jax.Array
+    neighbors: Any
+    health: _common.Health
+
+
+def init(
+    params: optax.Params, *, topology: Topology, replicas: str, seed: int, axis_name: str
+) -> DCDState:
+    """Builds the replicas from the neighbours' initial parameters (one full-precision exchange).
+
+    Must run under the named axis `axis_name`: nodes may start from different
+    parameters, and the replicas must be exactly those.
+    """
+    _collectives.require_axis(axis_name, "dcd's init")
+    gossip.check_topology(topology, axis_name)
+    received = gossip.exchange(params, topology.rounds[0], axis_name=axis_name)
+    own = _common.f32(params)
+    health = _common.init_health(axis_name)
+    # A neighbour starting from NaN/Inf never sends a finite message; its replica
+    # stands still at the receiver's own start instead of poisoning the receiver.
+    copies, skipped = [], jnp.int32(0)
+    for payload in received.payloads:
+        ok = _common.all_finite(payload)
+        copies.append(
+            jax.tree.map(lambda y, x, ok=ok: jnp.where(ok, y.astype(jnp.float32), x), payload, own)
+        )
+        skipped = skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
+    health = _common.count_received(health, skipped)
+    if replicas == "sum":
+        neighbors = _weighted_sum(received.weights, copies, own)
+    else:
+        neighbors = tuple(copies)
+    return DCDState(
+        count=jnp.zeros((), jnp.int32),
+        key=_common.key_from_seed(seed),
+        neighbors=neighbors,
+        health=health,
+    )
+
+
+def _weighted_sum(weights: list[jax.Array], trees: list[Any], like: Any) -> Any:
+    """sum_c weights[c] * trees[c] in float32, class by class (zeros shaped like `like`).
+
+    Each product is rounded before it is added (no fused multiply-add), so the sum
+    has the same bits in every program.
+    """
+    total = jax.tree.map(jnp.zeros_like, like)
+    for weight, tree in zip(weights, trees, strict=True):
+        total = jax.tree.map(lambda a, r, w=weight: a + rounded(w * r), total, tree)
+    return total
+
+
+def step(
+    updates: optax.Updates,
+    state: DCDState,
+    params: optax.Params,
+    *,
+    topology: Topology,
+    compressor: compress_base.Compressor,
+    replicas: str,
+    axis_name: str,
+) -> tuple[optax.Updates, DCDState]:
+    """One DCD step; must run under the named axis `axis_name`.
+
+    Returns:
+      (Q(z_i) in each parameter's dtype, the new state).
+    """
+    _collectives.require_axis(axis_name, "dcd")
+    gossip.check_topology(topology, axis_name)
+    round_ = topology.rounds[0]
+    me = gossip.node_index(axis_name)
+    updates, _, health = _common.guard_updates(updates, state.health)
+    weights = [gossip.per_node(c.recv_weight, axis_name) for c in round_.edge_classes]
+    if replicas == "sum":
+        neighbor_sum = state.neighbors
+    else:
+        neighbor_sum = _weighted_sum(weights, list(state.neighbors), _common.f32(params))
+
+    # z_i = W_ii x_i + s_i + u_i - x_i = (s_i + u_i) - (1 - W_ii) x_i. The product is
+    # rounded before the subtraction (no fused multiply-add), so z has the same bits
+    # in every program and can be recomputed outside it.
+    off_diagonal = 1.0 - gossip.per_node(round_.self_weight, axis_name)
+    z = jax.tree.map(
+        lambda s, u, x: (s + u.astype(jnp.float32)) - rounded(off_diagonal * x.astype(jnp.float32)),
+        neighbor_sum,
+        updates,
+        params,
+    )
+    key = _common.node_key(state.key, state.count, me)
+    payload = _common.encode(compressor, z, key)
+    received = gossip.exchange(payload, round_, axis_name=axis_name)
+
+    # A non-finite message moves nobody: the receivers drop it, so the sender must too.
+    sent_ok = gossip.payload_is_finite(compressor, payload)
+    q = _common.decode(compressor, payload, z, key=key)
+    move = jax.tree.map(lambda d, p: jnp.where(sent_ok, d, 0.0).astype(p.dtype), q, params)
+
+    def sender_key(sender):
+        return _common.node_key(state.key, state.count, sender)
+
+    if replicas == "sum":
+        # s_i += sum_{j != i} W_ij Q(z_j).
+        neighbors, skipped = gossip.accumulate(
+            compressor, received, state.neighbors, sender_key=sender_key
+        )
+    else:
+        # x_hat_j += Q(z_j) with weight exactly 1, the same float32 add as the owner's.
+        neighbors, skipped = [], jnp.int32(0)
+        for c, replica in enumerate(state.neighbors):
+            one = received._replace(
+                payloads=[received.payloads[c]],
+                weights=[jnp.where(weights[c] > 0, 1.0, 0.0).astype(jnp.float32)],
+                senders=[received.senders[c]],
+            )
+            replica, s = gossip.accumulate(compressor, one, replica, sender_key=sender_key)
+            neighbors.append(replica)
+            skipped = skipped + s
+        neighbors = tuple(neighbors)
+    health = _common.count_received(health, skipped)
+    return move, DCDState(state.count + 1, state.key, neighbors, health)
+
+
+def dcd(
+    topology: Topology,
+    compressor: compress_base.Compressor,
+    *,
+    axis_name: str = "nodes",
+    replicas: str = "sum",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""DCD-PSGD: each node sends the compressed move toward its gossip-plus-local-step target.
+
+    .. math::
+
+      z_i = \sum_j W_{ij} \hat x_j + u_i - x_i,\quad
+      x_i^{+} = x_i + Q(z_i),\quad
+      \hat x_j \mathrel{+}= Q(z_j)
+
+    :math:`x_i` is params, :math:`u_i` the incoming update, Q is `compressor`
+    (encode then decode), W is `topology`'s mixing matrix and
+    :math:`\hat x_j` the replica of neighbour j (:math:`\hat x_i = x_i`). The
+    returned update is :math:`Q(z_i)`, the exact float32 message the
+    neighbours add, so replicas track float32 parameters bit for bit. A
+    message that is not finite is applied by nobody, sender included, and the
+    receivers count it in ``health.nonfinite_received``.
+
+    `init` exchanges the initial parameters once in full precision, so nodes
+    may start from different parameters; it must run under `axis_name` too.
+
+    Args:
+      topology: a static, doubly stochastic `Topology` (directed or not).
+      compressor: Q, an `lpdec` compressor other than `modulo` (which decodes
+        against the receiver's model, not a difference); seed 000 uses
+        ``lpdec.minmax(8)``.
+      axis_name: the named axis whose instances are the nodes; `init` and
+        `update` must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
+      replicas: "sum" (1 model-sized float32 buffer) or "per_peer" (one per
+        edge class, each bit-identical to its owner's float32 parameters).
+      seed: seeds the shared key for stochastic rounding / random-k.
+
+    Returns:
+      An optax transform to put last in the chain; `update` needs `params`.
+
+    Example:
+      >>> tx = optax.chain(
+      ...     optax.sgd(0.1, momentum=0.9),
+      ...     lpdec.dcd(lpdec.ring(8), lpdec.minmax(8, "stochastic"), axis_name="nodes"),
+      ... )
+
+    References:
+      Tang et al., Communication Compression for Decentralized Training,
+      NeurIPS 2018, https://arxiv.org/abs/1803.06443 (DCD-PSGD);
+      Bagua's LowPrecisionDecentralizedAlgorithm, https://github.com/BaguaSys/bagua
+    """
+    _common.check_topology(topology, "dcd", require="doubly_stochastic", static=True)
+    if replicas not in REPLICAS:
+        raise ValueError(f"dcd: replicas must be 'sum' or 'per_peer'; got {replicas!r}.")
+    if not isinstance(compressor, compress_base.Compressor):
+        raise TypeError(
+            f"dcd needs an lpdec compressor (e.g. lpdec.minmax(8)); got {compressor!r}."
+        )
+    if isinstance(compressor, Modulo):
+        raise ValueError(
+            "dcd sends differences z, which modulo cannot decode (it decodes against the "
+            "receiver's own model); use lpdec.moniqua for modulo quantization."
+        )
+
+    def init_fn(params):
+        return init(params, topology=topology, replicas=replicas, seed=seed, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "dcd")
+        return step(
+            updates,
+            state,
+            params,
+            topology=topology,
+            compressor=compressor,
+            replicas=replicas,
+            axis_name=axis_name,
+        )
+
+    return _common.transform(init_fn, update_fn)

@@ -1,0 +1,91 @@
+r"""Full-precision mean of the updates over a named axis: data parallelism, e.g. within a node.
+
+The uncompressed, single-round counterpart of `compressed_mean`: one
+all-reduce. On a 2-axis mesh it averages the gradients of a node's
+accelerators before a decentralized algorithm gossips between the nodes.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lpdec.algorithms import _collectives
+from lpdec.algorithms import _common
+
+
+class LocalMeanState(NamedTuple):
+    """State of `local_mean`.
+
+    Attributes:
+      health: non-finite counters; updates dropped on this rank
+        (``nonfinite_updates``) and on the other ranks (``nonfinite_received``).
+    """
+
+    health: _common.Health
+
+
+def init(params: optax.Params, *, axis_name: str) -> LocalMeanState:
+    del params
+    return LocalMeanState(health=_common.init_health(axis_name))
+
+
+def step(
+    updates: optax.Updates, state: LocalMeanState, *, axis_name: str
+) -> tuple[optax.Updates, LocalMeanState]:
+    """The mean of `updates` over `axis_name`; must run under that named axis."""
+    size = _collectives.require_axis(axis_name, "local_mean")
+    updates, ok, health = _common.guard_updates(updates, state.health)
+    # A rank with NaN/Inf sends zeros and is left out of the count, so the others'
+    # mean is unaffected; sum and count travel in one all-reduce.
+    total, contributors = _collectives.local_sum(
+        (_common.f32(updates), ok.astype(jnp.float32)), axis_name=axis_name
+    )
+    scale = 1.0 / jnp.maximum(contributors, 1.0)
+    mean = jax.tree.map(lambda t, u: (t * scale).astype(u.dtype), total, updates)
+    dropped = (size - contributors).astype(jnp.int32) - jnp.where(ok, 0, 1).astype(jnp.int32)
+    return mean, LocalMeanState(_common.count_received(health, dropped))
+
+
+def local_mean(*, axis_name: str) -> optax.GradientTransformationExtraArgs:
+    r"""Mean of the incoming updates over the named axis `axis_name`, in full precision.
+
+    .. math::
+
+      \bar u = \frac{1}{|F|} \sum_{l \in F} u_l
+
+    :math:`u_l` is the update of rank l along `axis_name` and F the ranks whose
+    update is finite (all of them, normally: then it is `lax.pmean`). Every
+    rank gets the same :math:`\bar u`.
+
+    Put it FIRST in the chain, on the gradients. It must run under
+    `axis_name` (`jax.shard_map` or `jax.vmap(axis_name=...)`).
+
+    Args:
+      axis_name: the named axis to average over (e.g. the accelerators of a
+        node on a 2-axis mesh).
+
+    Returns:
+      An optax transform; `update` ignores `params`.
+
+    Example:
+      >>> tx = optax.chain(
+      ...     lpdec.local_mean(axis_name="local"),
+      ...     optax.sgd(0.1),
+      ...     lpdec.dpsgd(lpdec.ring(4), axis_name="nodes"),
+      ... )
+    """
+    if not isinstance(axis_name, str):
+        raise TypeError(f"local_mean: axis_name must be a string; got {axis_name!r}.")
+
+    def init_fn(params):
+        return init(params, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        return step(updates, state, axis_name=axis_name)
+
+    return _common.transform(init_fn, update_fn)
