@@ -43,7 +43,6 @@ import jax.numpy as jnp
 import optax
 
 from lpdec import gossip
-from lpdec.algorithms import _collectives
 from lpdec.algorithms import _common
 from lpdec.compress import base as compress_base
 from lpdec.compress.modulo import Modulo
@@ -136,7 +135,7 @@ def _two_round_mean(
         )
         chunks.append(c)
         outgoing.append(jax.vmap(compressor.encode)(c, keys))
-    incoming = _collectives.all_to_all_payload(outgoing, axis_name=axis_name)
+    incoming = gossip.all_to_all_payload(outgoing, axis_name=axis_name)
 
     skipped = jnp.int32(0)
     averages = []
@@ -157,7 +156,7 @@ def _two_round_mean(
         compressor.encode(avg, key_of(device_id(me), _ALL_GATHER, leaf, me))
         for leaf, avg in enumerate(averages)
     ]
-    gathered = _collectives.all_gather_payload(outgoing, axis_name=axis_name)
+    gathered = gossip.all_gather_payload(outgoing, axis_name=axis_name)
     means = []
     for leaf, (vector, rows) in enumerate(zip(vectors, gathered, strict=True)):
         keys = jax.vmap(lambda s, ch, leaf=leaf: key_of(s, _ALL_GATHER, leaf, ch))(senders, peers)
@@ -177,14 +176,14 @@ def step(
     local_axis: str | None,
 ) -> tuple[optax.Updates, CompressedMeanState]:
     """The compressed mean of `updates` over the nodes; must run under the named axes."""
-    _collectives.require_axis(axis_name, "compressed_mean")
+    gossip.require_axis(axis_name, "compressed_mean")
     if local_axis is None:
 
         def device_id(node):
             return node
 
     else:
-        local_size = _collectives.require_axis(local_axis, "compressed_mean")
+        local_size = gossip.require_axis(local_axis, "compressed_mean")
         rank = jax.lax.axis_index(local_axis)
 
         def device_id(node):
@@ -200,11 +199,11 @@ def step(
     vectors = [jnp.where(ok, leaves[i].astype(jnp.float32).reshape(-1), jnp.nan) for i in live]
     if local_axis is not None:
         shards = [_pad(v, local_size) for v in vectors]
-        shards = _collectives.local_reduce_scatter(shards, axis_name=local_axis)
+        shards = gossip.local_reduce_scatter(shards, axis_name=local_axis)
         shard_means, skipped = _two_round_mean(
             shards, state, compressor=compressor, axis_name=axis_name, device_id=device_id
         )
-        gathered = _collectives.local_all_gather(shard_means, axis_name=local_axis)
+        gathered = gossip.local_all_gather(shard_means, axis_name=local_axis)
         means = [g[: v.size] for g, v in zip(gathered, vectors, strict=True)]
     else:
         means, skipped = _two_round_mean(

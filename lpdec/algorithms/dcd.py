@@ -38,7 +38,6 @@ import jax.numpy as jnp
 import optax
 
 from lpdec import gossip
-from lpdec.algorithms import _collectives
 from lpdec.algorithms import _common
 from lpdec.compress import base as compress_base
 from lpdec.compress.modulo import Modulo
@@ -74,7 +73,7 @@ def init(
     Must run under the named axis `axis_name`: nodes may start from different
     parameters, and the replicas must be exactly those.
     """
-    _collectives.require_axis(axis_name, "dcd's init")
+    gossip.require_axis(axis_name, "dcd's init")
     gossip.check_topology(topology, axis_name)
     received = gossip.exchange(params, topology.rounds[0], axis_name=axis_name)
     own = _common.f32(params)
@@ -128,7 +127,7 @@ def step(
     Returns:
       (Q(z_i) in each parameter's dtype, the new state).
     """
-    _collectives.require_axis(axis_name, "dcd")
+    gossip.require_axis(axis_name, "dcd")
     gossip.check_topology(topology, axis_name)
     round_ = topology.rounds[0]
     me = gossip.node_index(axis_name)

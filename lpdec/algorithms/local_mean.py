@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from lpdec.algorithms import _collectives
+from lpdec import gossip
 from lpdec.algorithms import _common
 
 
@@ -37,11 +37,11 @@ def step(
     updates: optax.Updates, state: LocalMeanState, *, axis_name: str
 ) -> tuple[optax.Updates, LocalMeanState]:
     """The mean of `updates` over `axis_name`; must run under that named axis."""
-    size = _collectives.require_axis(axis_name, "local_mean")
+    size = gossip.require_axis(axis_name, "local_mean")
     updates, ok, health = _common.guard_updates(updates, state.health)
     # A rank with NaN/Inf sends zeros and is left out of the count, so the others'
     # mean is unaffected; sum and count travel in one all-reduce.
-    total, contributors = _collectives.local_sum(
+    total, contributors = gossip.local_sum(
         (_common.f32(updates), ok.astype(jnp.float32)), axis_name=axis_name
     )
     scale = 1.0 / jnp.maximum(contributors, 1.0)
