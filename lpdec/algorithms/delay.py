@@ -1,0 +1,105 @@
+r"""A fixed gradient delay: the stale updates of asynchronous training, simulated synchronously.
+
+.. math::
+
+  \mathrm{out}_k = u_{k-\tau} \quad (k \ge \tau), \qquad \mathrm{out}_k = 0 \quad (k < \tau)
+
+A local transform: put it after the local optimizer and before the
+decentralized algorithm, ``optax.chain(optax.sgd(lr), lpdec.delay(tau),
+lpdec.moniqua(lpdec.random_matching(n, seed), ...))``. Each node then applies
+at step k the update it computed at step k - τ (from the model it held
+then), which is how AD-PSGD (seed 003, section 5) perturbs the model:
+gradients of staleness τ. With ``random_matching`` (a fresh random pairwise
+matching each step as W_k) this is the synchronous stand-in for AD-PSGD.
+
+What it simulates: stale gradients of one fixed staleness τ for every node
+and step, each step's averaging over a random matching, all nodes still
+advancing together in synchronous rounds. What it does not: true
+asynchrony, delays that vary over time or differ between nodes, workers
+running at different speeds, and the single-worker-update iteration that
+AD-PSGD's analysis counts (one random worker updates per iteration).
+
+Memory: τ update-sized buffers (a FIFO ring of the last τ updates).
+"""
+
+from __future__ import annotations
+
+import operator
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+
+class DelayState(NamedTuple):
+    """State of `delay`.
+
+    Attributes:
+      head: shape=(), dtype=int32; the ring slot holding the oldest update,
+        the one returned next.
+      buffer: a tree like the updates with a leading axis of size τ: the last
+        τ updates (zeros before any arrived), oldest at `head`.
+    """
+
+    head: jax.Array
+    buffer: Any
+
+
+def delay(steps: int) -> optax.GradientTransformation:
+    r"""Returns the incoming update from `steps` steps ago (zeros for the first `steps` steps).
+
+    .. math::
+
+      \mathrm{out}_k = u_{k-\tau}\;(k \ge \tau),\qquad \mathrm{out}_k = 0\;(k < \tau)
+
+    with τ = `steps` and :math:`u_k` the update this transform receives at
+    step k. Simulates gradients of fixed staleness τ in synchronous rounds
+    (not true asynchrony, not variable or per-node delays; see the module
+    docstring). Memory: τ update-sized buffers. No communication.
+
+    Args:
+      steps: τ >= 0; 0 is the identity.
+
+    Returns:
+      An optax transform to put after the local optimizer and before the
+      decentralized algorithm.
+
+    Example:
+      >>> tx = optax.chain(
+      ...     optax.sgd(0.1),
+      ...     lpdec.delay(2),
+      ...     lpdec.moniqua(lpdec.random_matching(8, seed=0), bits=8, theta=0.5),
+      ... )
+
+    References:
+      Lian et al., Asynchronous Decentralized Parallel Stochastic Gradient
+      Descent, ICML 2018, https://arxiv.org/abs/1710.06952
+    """
+    if isinstance(steps, bool):
+        raise TypeError(f"delay: steps must be an integer >= 0; got {steps!r}.")
+    try:
+        steps = operator.index(steps)
+    except TypeError:
+        raise TypeError(f"delay: steps must be an integer >= 0; got {steps!r}.") from None
+    if steps < 0:
+        raise ValueError(f"delay: steps must be >= 0; got {steps}.")
+    if steps == 0:
+        return optax.identity()
+
+    def init_fn(params):
+        # zeros_like keeps the leaves' varying-ness under shard_map, like the updates'.
+        buffer = jax.tree.map(lambda p: jnp.zeros_like(p, shape=(steps, *p.shape)), params)
+        return DelayState(head=jnp.zeros((), jnp.int32), buffer=buffer)
+
+    def update_fn(updates, state, params=None):
+        del params
+        oldest = jax.tree.map(lambda b, u: b[state.head].astype(u.dtype), state.buffer, updates)
+        buffer = jax.tree.map(
+            lambda b, u: b.at[state.head].set(u.astype(b.dtype)), state.buffer, updates
+        )
+        head = (state.head + 1) % steps
+        return oldest, DelayState(head=head, buffer=buffer)
+
+    return optax.GradientTransformation(init_fn, update_fn)

@@ -1,0 +1,321 @@
+r"""Moniqua (seed 003, Algorithm 1): D-PSGD with modulo-quantized models, no extra memory.
+
+If two nodes' models are known to differ by less than :math:`\theta` in every
+coordinate, a node can recover its neighbour's model from that model modulo
+:math:`B_\theta`, quantized on the unit circle (Lemma 1-2). Each node sends
+
+.. math::
+
+  q_i = Q_\delta\big((x_i / B_\theta) \bmod 1\big),\qquad
+  B_\theta = \frac{2\theta}{1 - 2\delta},
+
+and node i decodes every model it sees, its own included, against its own
+:math:`x_i`:
+
+.. math::
+
+  \hat x_{j|i} = (q_j B_\theta - x_i) \bmod B_\theta + x_i,\qquad
+  x_i^{+} = x_i + \sum_j W'_{ij} (\hat x_{j|i} - \hat x_{i|i}) + u_i,
+
+with :math:`u_i` the incoming update (combine-then-adapt, as `dpsgd`) and
+:math:`W' = \alpha W + (1 - \alpha) I` (Theorem 3's slack matrix, α = `slack`).
+Subtracting the node's own decoded term :math:`\hat x_{i|i}` (Algorithm 1,
+lines 4 and 6) keeps quantization noise out of the averaged model: while
+Lemma 2's premise holds, :math:`\hat x_{j|i}` does not depend on the receiver
+i, so with a doubly stochastic W the corrections sum to zero over the nodes.
+
+Lemma 2: if :math:`|x_j - x_i| < \theta` elementwise, :math:`|\hat x_{j|i} -
+x_j| \le \delta B_\theta`. Where the bound is violated the decode is off by a
+multiple of :math:`B_\theta`: the model jumps. θ must therefore bound the
+disagreement between neighbours, which shrinks with the step size (Theorem 2
+takes θ proportional to it); a schedule step -> θ may follow a decaying step
+size.
+
+Memory: none beyond D-PSGD (a step counter, a key and the health counters);
+no replicas, no error feedback (seed 003, Table 1). Wire: per leaf of d
+elements and per edge, ceil(d * bits / 8) code bytes plus one flag byte that
+marks a non-finite model (`lpdec.modulo`'s payload); one bit per parameter
+needs `slack` < 1 (Theorem 3). With one bit and nearest rounding
+:math:`\hat x_{j|i} - \hat x_{i|i} \in \{0, \pm 2\theta\}`: nodes inside the
+same code cell (2θ wide) do not pull each other, so 1-bit Moniqua keeps
+neighbours within θ but does not bring them closer than that.
+
+AD-PSGD (seed 003, section 5) is simulated, not run asynchronously, by
+``optax.chain(local_optimizer, lpdec.delay(tau), moniqua(random_matching(n, seed), ...))``:
+each step every node averages with one random peer (a fresh random pairwise
+matching per step plays the role of :math:`W_k`) and applies the update it
+computed tau steps earlier (gradients of fixed staleness tau). Everything
+still advances in synchronous rounds. Not simulated: true asynchrony, delays
+that vary over time or between nodes, workers running at different speeds,
+and the single-worker-update iteration in which AD-PSGD's analysis counts
+steps.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lpdec import gossip
+from lpdec.algorithms import _common
+from lpdec.compress import base as compress_base
+from lpdec.compress.modulo import Modulo
+from lpdec.topology import Topology
+
+PyTree = Any
+Theta = float | Callable[[jax.Array], jax.Array]
+
+
+class MoniquaState(NamedTuple):
+    """State of `moniqua`: no model-sized buffer at all.
+
+    Attributes:
+      count: shape=(), dtype=int32; steps taken (picks the round of a
+        time-varying topology and the argument of a θ schedule).
+      key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`),
+        drawn from by stochastic rounding.
+      health: non-finite counters.
+    """
+
+    count: jax.Array
+    key: jax.Array
+    health: _common.Health
+
+
+def init(params: optax.Params, *, seed: int, axis_name: str) -> MoniquaState:
+    del params
+    return MoniquaState(
+        count=jnp.zeros((), jnp.int32),
+        key=_common.key_from_seed(seed),
+        health=_common.init_health(axis_name),
+    )
+
+
+def _leaf_kwargs(theta: jax.Array | None) -> dict:
+    # Only the modulo compressor takes a θ override; others must not see the keyword.
+    return {} if theta is None else {"theta": theta}
+
+
+def _encode(
+    compressor: compress_base.Compressor,
+    tree: PyTree,
+    key: jax.Array,
+    *,
+    theta: jax.Array | None = None,
+) -> PyTree:
+    """`_common.encode` (one key per leaf, split from `key`) with an optional θ override."""
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = list(jax.random.split(key, len(leaves)))
+    kwargs = _leaf_kwargs(theta)
+    return treedef.unflatten(
+        [compressor.encode(x, k, **kwargs) for x, k in zip(leaves, keys, strict=True)]
+    )
+
+
+def consensus_step(
+    compressor: compress_base.Compressor,
+    received: gossip.Received,
+    x_hat: PyTree,
+    *,
+    reference: PyTree,
+    theta: jax.Array | None = None,
+    sender_key: Callable[[jax.Array], jax.Array] | None = None,
+) -> tuple[PyTree, jax.Array]:
+    r"""sum_j W_ij (x^_j - x^_i): the consensus step of Moniqua (and of D² with compression).
+
+    Each neighbour's payload is decoded against `reference` (the receiver's
+    own model, for the modulo compressor; others ignore it) and the node's own
+    decoded term `x_hat` is subtracted neighbour by neighbour, so the float32
+    rounding scales with the differences between models, not with the models.
+    A payload that is not finite stands for x^_i: it adds nothing.
+
+    Args:
+      compressor: how the payloads were encoded.
+      received: `gossip.exchange`'s output for this step's round.
+      x_hat: float32 tree, the node's own payload decoded the same way.
+      reference: float32 tree, the receiver's model that decodes are relative to.
+      theta: a traced θ for the modulo compressor (None: its own constant).
+      sender_key: maps a sender's index to the key it encoded with, for
+        compressors whose decoders need it (random-k).
+
+    Returns:
+      (the float32 sum, number of non-finite payloads not used, int32 scalar).
+    """
+    own, treedef = jax.tree.flatten(x_hat)
+    refs = treedef.flatten_up_to(reference)
+    n = len(own)
+    kwargs = _leaf_kwargs(theta)
+    acc = [jnp.zeros_like(x) for x in own]
+    skipped = jnp.int32(0)
+    for payload, weight, sender in zip(
+        received.payloads, received.weights, received.senders, strict=True
+    ):
+        keys = [None] * n if sender_key is None else list(jax.random.split(sender_key(sender), n))
+        ok = gossip.payload_is_finite(compressor, payload)
+        decoded = [
+            compressor.decode(p, reference=r, key=k, **kwargs).astype(jnp.float32)
+            for p, r, k in zip(treedef.flatten_up_to(payload), refs, keys, strict=True)
+        ]
+        acc = [
+            a + weight * jnp.where(ok, y - x, 0.0)
+            for a, y, x in zip(acc, decoded, own, strict=True)
+        ]
+        skipped = skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
+    return treedef.unflatten(acc), skipped
+
+
+def step(
+    updates: optax.Updates,
+    state: MoniquaState,
+    params: optax.Params,
+    *,
+    topology: Topology,
+    compressor: Modulo,
+    theta: Theta,
+    axis_name: str,
+) -> tuple[optax.Updates, MoniquaState]:
+    """One Moniqua step; must run under the named axis `axis_name`.
+
+    `topology` is the slack topology W' itself; `theta` a float (the
+    compressor's own) or a schedule evaluated on `state.count`.
+    """
+    gossip.check_topology(topology, axis_name)
+    me = gossip.node_index(axis_name)
+    updates, _, health = _common.guard_updates(updates, state.health)
+    x = _common.f32(params)
+    theta_t = theta(state.count) if callable(theta) else None
+    if theta_t is not None:
+        theta_t = jnp.asarray(theta_t, jnp.float32)
+
+    # q_i = Q((x_i / B) mod 1), and the own biased term x^_i = decode(q_i, reference=x_i).
+    key = _common.node_key(state.key, state.count, me)
+    payload = _encode(compressor, x, key, theta=theta_t)
+    kwargs = _leaf_kwargs(theta_t)
+    x_hat = jax.tree.map(
+        lambda p, r: compressor.decode(p, reference=r, **kwargs).astype(jnp.float32),
+        payload,
+        x,
+        is_leaf=compress_base.is_payload,
+    )
+
+    def combine(round_):
+        received = gossip.exchange(payload, round_, axis_name=axis_name)
+        return consensus_step(compressor, received, x_hat, reference=x, theta=theta_t)
+
+    correction, skipped = gossip.in_round(topology, state.count, combine)
+    new = jax.tree.map(lambda xi, c, u: xi + c + u.astype(jnp.float32), x, correction, updates)
+    health = _common.count_received(health, skipped)
+    return _common.as_updates(new, params), MoniquaState(state.count + 1, state.key, health)
+
+
+def check_theta(theta: Theta, name: str) -> Theta:
+    """θ must be a number > 0 or a schedule (a callable step -> θ)."""
+    if callable(theta):
+        return theta
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise TypeError(
+            f"{name}: theta must be a number > 0 or a schedule step -> theta; got {theta!r}."
+        )
+    if not theta > 0:
+        raise ValueError(
+            f"{name}: theta (the a-priori bound on |x_i - x_j|) must be > 0; got {theta!r}."
+        )
+    return float(theta)
+
+
+def moniqua(
+    topology: Topology,
+    bits: int = 8,
+    theta: Theta = 1.0,
+    *,
+    axis_name: str = "nodes",
+    slack: float = 1.0,
+    rounding: str = "nearest",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Moniqua: D-PSGD that sends each model modulo B_θ, quantized to `bits` bits.
+
+    .. math::
+
+      q_i = Q_\delta\big((x_i / B_\theta) \bmod 1\big),\quad
+      \hat x_{j|i} = (q_j B_\theta - x_i) \bmod B_\theta + x_i,\quad
+      x_i^{+} = x_i + \sum_j W'_{ij} (\hat x_{j|i} - \hat x_{i|i}) + u_i
+
+    :math:`x_i` is params, :math:`u_i` the incoming update, :math:`Q_\delta`
+    rounds onto the :math:`2^{bits}` points of the unit circle (`rounding`;
+    :math:`\delta = 2^{-(bits+1)}` nearest, :math:`2^{-bits}` stochastic),
+    :math:`B_\theta = 2\theta/(1 - 2\delta)` with θ = `theta`, and
+    :math:`W' = \alpha W + (1-\alpha) I` with α = `slack` and W `topology`'s
+    mixing matrix. Decoding is exact up to :math:`\delta B_\theta` while
+    neighbours differ by less than θ elementwise (Lemma 2); beyond it a model
+    jumps by multiples of :math:`B_\theta`.
+
+    Extra memory: none (a step counter and a key). Wire per edge and per leaf
+    of d elements: ceil(d * bits / 8) + 1 bytes (codes plus a non-finite flag
+    byte). AD-PSGD is simulated by putting ``lpdec.delay(tau)`` before this
+    transform and using ``lpdec.random_matching``: see the module docstring
+    for what that does and does not model.
+
+    Args:
+      topology: a doubly stochastic `Topology` (seed 003, (A2)); static or
+        time-varying (``random_matching``, ``one_peer_exponential``).
+      bits: code width, 1..8.
+      theta: θ > 0, the a-priori bound on |x_i - x_j|, or a schedule
+        step -> θ (like an optax schedule; evaluated on the step count, traced).
+      axis_name: the named axis whose instances are the nodes; the transform
+        must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
+      slack: α in (0, 1]; 1 uses W itself, smaller values the lazier W' of
+        Theorem 3, which 1-bit codes need: each 1-bit correction moves a model
+        by 2θ W'_ij, which must not push neighbours θ apart.
+      rounding: "nearest" or "stochastic" (1 bit needs "nearest").
+      seed: seeds the shared key for stochastic rounding.
+
+    Returns:
+      An optax transform to put last in the chain; `update` needs `params`.
+
+    Example:
+      >>> tx = optax.chain(
+      ...     optax.sgd(0.1),
+      ...     lpdec.moniqua(lpdec.ring(8), bits=1, theta=0.5, slack=0.2, axis_name="nodes"),
+      ... )
+
+    References:
+      Lu & De Sa, Moniqua: Modulo Quantized Communication in Decentralized
+      SGD, ICML 2020, https://arxiv.org/abs/2002.11787
+    """
+    _common.check_topology(topology, "moniqua", require="doubly_stochastic")
+    if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 < slack <= 1:
+        raise ValueError(
+            f"moniqua: slack (alpha in W' = alpha W + (1 - alpha) I) must be in (0, 1]; "
+            f"got {slack!r}."
+        )
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"moniqua: bits must be an integer in 1..8; got {bits!r}.")
+    theta = check_theta(theta, "moniqua")
+    # With a schedule, every encode and decode passes θ explicitly; the
+    # compressor's own θ is then never read.
+    compressor = Modulo(bits, 1.0 if callable(theta) else theta, rounding)
+    mixing = topology.with_slack(slack) if slack != 1 else topology
+
+    def init_fn(params):
+        return init(params, seed=seed, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "moniqua")
+        return step(
+            updates,
+            state,
+            params,
+            topology=mixing,
+            compressor=compressor,
+            theta=theta,
+            axis_name=axis_name,
+        )
+
+    return _common.transform(init_fn, update_fn)

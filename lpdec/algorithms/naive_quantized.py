@@ -1,0 +1,145 @@
+r"""Naive quantized gossip (seed 003, eq. 4): average quantized models; a baseline that fails.
+
+.. math::
+
+  x_i^{+} = W_{ii} x_i + \sum_{j \ne i} W_{ij} \, \mathrm{dec}(Q(x_j)) + u_i
+
+Models, unlike gradients, do not shrink near an optimum, so the quantization
+error of Q(x_j) does not vanish: with an unbiased quantizer of fixed
+resolution δ the expected squared gradient norm stays above
+δ²ρ²/(8(1 + ρ²)) at every node and step, whatever the step size (seed 003,
+Theorem 1; ρ the smallest non-zero weight of W). lpdec keeps it to show
+what Moniqua, CHOCO and DCD fix. Memory: none beyond a step counter and a key.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lpdec import gossip
+from lpdec.algorithms import _common
+from lpdec.compress import base as compress_base
+from lpdec.compress.modulo import Modulo
+from lpdec.topology import Topology
+
+
+class NaiveQuantizedState(NamedTuple):
+    """State of `naive_quantized`.
+
+    Attributes:
+      count: shape=(), dtype=int32; steps taken.
+      key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
+      health: non-finite counters.
+    """
+
+    count: jax.Array
+    key: jax.Array
+    health: _common.Health
+
+
+def init(params: optax.Params, *, seed: int, axis_name: str) -> NaiveQuantizedState:
+    del params
+    return NaiveQuantizedState(
+        count=jnp.zeros((), jnp.int32),
+        key=_common.key_from_seed(seed),
+        health=_common.init_health(axis_name),
+    )
+
+
+def step(
+    updates: optax.Updates,
+    state: NaiveQuantizedState,
+    params: optax.Params,
+    *,
+    topology: Topology,
+    compressor: compress_base.Compressor,
+    axis_name: str,
+) -> tuple[optax.Updates, NaiveQuantizedState]:
+    """One naive quantized gossip step; must run under the named axis `axis_name`."""
+    gossip.check_topology(topology, axis_name)
+    me = gossip.node_index(axis_name)
+    updates, _, health = _common.guard_updates(updates, state.health)
+    x = _common.f32(params)
+    payload = _common.encode(compressor, x, _common.node_key(state.key, state.count, me))
+
+    def sender_key(sender):
+        return _common.node_key(state.key, state.count, sender)
+
+    def combine(round_):
+        received = gossip.exchange(payload, round_, axis_name=axis_name)
+        own = jax.tree.map(lambda v: received.self_weight * v, x)
+        # A non-finite neighbour counts as the node's own model: rows of W keep their sums.
+        return gossip.accumulate(compressor, received, own, sender_key=sender_key, substitute=x)
+
+    mixed, skipped = gossip.in_round(topology, state.count, combine)
+    new = jax.tree.map(lambda m, u: m + u.astype(jnp.float32), mixed, updates)
+    health = _common.count_received(health, skipped)
+    return _common.as_updates(new, params), NaiveQuantizedState(state.count + 1, state.key, health)
+
+
+def naive_quantized(
+    topology: Topology,
+    compressor: compress_base.Compressor,
+    *,
+    axis_name: str = "nodes",
+    seed: int = 0,
+) -> optax.GradientTransformationExtraArgs:
+    r"""Gossip of quantized models, Q(x_j) used as if it were x_j (seed 003, eq. 4).
+
+    .. math::
+
+      x_i^{+} = W_{ii} x_i + \sum_{j \ne i} W_{ij} \, \mathrm{dec}(Q(x_j)) + u_i
+
+    :math:`x_i` is params, :math:`u_i` the incoming update, Q is `compressor`
+    and W `topology`'s mixing matrix. Does not converge to a small gradient
+    with a fixed-resolution quantizer (Theorem 1); kept as a baseline.
+
+    Args:
+      topology: a row-stochastic `Topology`, static or time-varying.
+      compressor: Q, any `lpdec` compressor that decodes on its own
+        (``lpdec.minmax(8, "stochastic")``, ``lpdec.identity()`` gives D-PSGD);
+        not ``lpdec.modulo``, which decodes against the receiver's model (that
+        is `moniqua`).
+      axis_name: the named axis whose instances are the nodes; the transform
+        must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
+      seed: seeds the shared key for stochastic rounding / random-k.
+
+    Returns:
+      An optax transform to put last in the chain; `update` needs `params`.
+
+    Example:
+      >>> tx = optax.chain(
+      ...     optax.sgd(0.1),
+      ...     lpdec.naive_quantized(lpdec.ring(8), lpdec.minmax(8, "stochastic")),
+      ... )
+
+    References:
+      Lu & De Sa, Moniqua: Modulo Quantized Communication in Decentralized
+      SGD, ICML 2020, https://arxiv.org/abs/2002.11787 (Section 3)
+    """
+    _common.check_topology(topology, "naive_quantized", require="row_stochastic")
+    if not isinstance(compressor, compress_base.Compressor):
+        raise TypeError(
+            f"naive_quantized needs an lpdec compressor (e.g. lpdec.minmax(8)); got {compressor!r}."
+        )
+    if isinstance(compressor, Modulo):
+        raise TypeError(
+            "naive_quantized decodes each Q(x_j) on its own, but lpdec.modulo decodes against "
+            "the receiver's model; use lpdec.moniqua for modulo quantization."
+        )
+
+    def init_fn(params):
+        return init(params, seed=seed, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "naive_quantized")
+        return step(
+            updates, state, params, topology=topology, compressor=compressor, axis_name=axis_name
+        )
+
+    return _common.transform(init_fn, update_fn)
