@@ -146,14 +146,24 @@ class Received(NamedTuple):
     self_weight: jax.Array
 
 
-def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: str) -> PyTree:
+AxisName = str | tuple[str, ...]
+
+
+def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: AxisName) -> PyTree:
     """`lax.ppermute` of a tree along a partial permutation; non-receivers get zeros.
 
     Under `vmap` jax only batches full permutations, so there the permutation
     is completed with pairs from the idle senders to the idle receivers and
     what those pairs deliver is zeroed (no bandwidth is involved in a vmap).
-    Under `shard_map` the partial permutation is sent as is.
+    Under `shard_map` the partial permutation is sent as is. A pair of axis
+    names (a mesh axis, then a vmap axis nested inside it: several simulated
+    nodes per device) goes through `_nested_ppermute`.
     """
+    if isinstance(axis_name, tuple):
+        if len(axis_name) == 1:
+            axis_name = axis_name[0]
+        else:
+            return _nested_ppermute(tree, perm, axis_name)
     n = jax.lax.axis_size(axis_name)
     if len(perm) == n or axis_name in jax.sharding.get_abstract_mesh().manual_axes:
         return jax.lax.ppermute(tree, axis_name, perm)
@@ -169,7 +179,45 @@ def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: str) -
     return jax.tree.map(lambda x: jnp.where(keep, x, jnp.zeros_like(x)), received)
 
 
-def exchange(payload: PyTree, round_: Round, *, axis_name: str) -> Received:
+def _nested_ppermute(tree: PyTree, perm, axis_name: tuple[str, ...]) -> PyTree:
+    """ppermute over (outer, inner) axes: node g = outer_index * L + inner_index.
+
+    jax cannot ppermute over a mesh axis and a vmap axis at once, so each
+    class is split by device shift delta = (destination device - source
+    device) mod D: one ppermute over the outer axis moves every slot by delta
+    devices, then the receiving slot picks its source slot from an all-gather
+    over the inner (vmap) axis, which stays on the device. A device shift moves
+    all L slots of a device even where fewer are needed: this path is for
+    simulating many nodes per device, and bytes on the wire should be counted
+    from payload sizes, not from its HLO.
+    """
+    if len(axis_name) != 2:
+        raise ValueError(f"nested axes must be (mesh_axis, vmap_axis); got {axis_name!r}.")
+    outer, inner = axis_name
+    devices = jax.lax.axis_size(outer)
+    local = jax.lax.axis_size(inner)
+    n = devices * local
+    me = jax.lax.axis_index(axis_name)
+    shift_of = np.full(n, -1, dtype=np.int32)  # device shift that feeds each destination
+    slot_of = np.zeros(n, dtype=np.int32)  # source slot each destination reads
+    for src, dst in perm:
+        shift_of[dst] = (dst // local - src // local) % devices
+        slot_of[dst] = src % local
+    my_shift = jnp.asarray(shift_of)[me]
+    my_slot = jnp.asarray(slot_of)[me]
+    out = jax.tree.map(jnp.zeros_like, tree)
+    for delta in sorted(set(shift_of[shift_of >= 0].tolist())):
+        moved = tree
+        if delta:
+            pairs = [(d, (d + delta) % devices) for d in range(devices)]
+            moved = jax.lax.ppermute(tree, outer, pairs)
+        block = jax.lax.all_gather(moved, inner)  # every slot of this device, after the shift
+        take = my_shift == delta
+        out = jax.tree.map(lambda o, b, t=take: jnp.where(t, b[my_slot], o), out, block)
+    return out
+
+
+def exchange(payload: PyTree, round_: Round, *, axis_name: AxisName) -> Received:
     """Sends `payload` along every edge class of `round_` (one ppermute each)."""
     return Received(
         payloads=[ppermute(payload, c.perm, axis_name=axis_name) for c in round_.edge_classes],

@@ -21,6 +21,8 @@ from lpdec import gossip
 
 AXIS = "nodes"
 MODES = ("shard_map", "vmap")
+# Several simulated nodes per device: a vmap axis nested in the shard_map axis.
+NESTED_AXIS = ("nodes", "local")
 
 
 def run(
@@ -41,7 +43,8 @@ def run(
       updates: a tree [n, T, ...] of the incoming gradients per node and step
         (fed to `tx` as its input), or
       grad_fn: grad_fn(params, node, step) computing them on the fly.
-      mode: "shard_map" (needs n == 8 CPU devices) or "vmap".
+      mode: "shard_map" (needs n == 8 CPU devices), "vmap", or "nested" (n = 8 k
+        nodes, k per device: build `tx` with axis_name=NESTED_AXIS).
 
     Returns:
       (params after each step [n, T, ...], states after each step [n, T, ...],
@@ -50,12 +53,14 @@ def run(
     if (updates is None) == (grad_fn is None):
         raise ValueError("pass exactly one of updates= or grad_fn=")
 
+    axis = NESTED_AXIS if mode == "nested" else AXIS
+
     def program(p, u):
         if mode == "shard_map":
             p = jax.tree.map(lambda x: x[0], p)
             u = None if u is None else jax.tree.map(lambda x: x[0], u)
         state0 = tx.init(p)
-        node = jax.lax.axis_index(AXIS)
+        node = jax.lax.axis_index(axis)
 
         def body(carry, inputs):
             params_t, state_t = carry
@@ -75,8 +80,32 @@ def run(
     if mode == "vmap":
         return jax.jit(jax.vmap(program, axis_name=AXIS))(params, updates)
     n = jax.tree.leaves(params)[0].shape[0]
-    mesh = jax.make_mesh((n,), (AXIS,))
+    devices = len(jax.devices())
     spec = jax.P(AXIS)
+    if mode == "nested":
+        mesh = jax.make_mesh((devices,), (AXIS,))
+        per_device = n // devices
+
+        def blocks(tree):
+            return jax.tree.map(lambda x: x.reshape((devices, per_device) + x.shape[1:]), tree)
+
+        def first(tree):
+            return None if tree is None else jax.tree.map(lambda x: x[0], tree)
+
+        def nested(p, u):
+            out = jax.vmap(program, axis_name=NESTED_AXIS[1])(first(p), first(u))
+            return jax.tree.map(lambda x: x[None], out)
+
+        # jax 0.10 rejects collectives over a vmap axis nested in shard_map under
+        # check_vma, so the nested layout runs unchecked.
+        fn = jax.shard_map(
+            nested, mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=False
+        )
+        sharding = jax.NamedSharding(mesh, spec)
+        put = lambda tree: None if tree is None else jax.device_put(blocks(tree), sharding)  # noqa: E731
+        out = jax.jit(fn)(put(params), put(updates))
+        return jax.tree.map(lambda x: x.reshape((n,) + x.shape[2:]), out)
+    mesh = jax.make_mesh((n,), (AXIS,))
     sharding = jax.NamedSharding(mesh, spec)
     put = lambda tree: None if tree is None else jax.device_put(tree, sharding)  # noqa: E731
     fn = jax.shard_map(program, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
