@@ -1,5 +1,29 @@
-"""lpdec: communication-efficient, low-precision decentralized training in JAX."""
+"""lpdec: communication-efficient, low-precision decentralized training in JAX.
 
+The whole public API is re-exported here; see README.md for a tour.
+"""
+
+from lpdec import compress
+from lpdec import data
+from lpdec import gossip
+from lpdec import metrics
+from lpdec import models
+from lpdec import nn
+from lpdec import topology
+from lpdec.algorithms._common import Health
+from lpdec.algorithms.choco import choco
+from lpdec.algorithms.compressed_mean import compressed_mean
+from lpdec.algorithms.d2 import d2
+from lpdec.algorithms.dcd import dcd
+from lpdec.algorithms.deepsqueeze import deepsqueeze
+from lpdec.algorithms.delay import delay
+from lpdec.algorithms.dpsgd import dpsgd
+from lpdec.algorithms.local_mean import local_mean
+from lpdec.algorithms.moniqua import moniqua
+from lpdec.algorithms.naive_quantized import naive_quantized
+from lpdec.algorithms.qg_momentum import qg_momentum
+from lpdec.algorithms.quant_sgp import quant_sgp
+from lpdec.algorithms.sparse_push import sparse_push
 from lpdec.compress import Compressor
 from lpdec.compress import identity
 from lpdec.compress import minmax
@@ -7,15 +31,54 @@ from lpdec.compress import modulo
 from lpdec.compress import payload_nbytes
 from lpdec.compress import random_k
 from lpdec.compress import top_k
+from lpdec.topology import Topology
+from lpdec.topology import complete
+from lpdec.topology import directed_ring
+from lpdec.topology import exponential
+from lpdec.topology import from_matrix
+from lpdec.topology import one_peer_exponential
+from lpdec.topology import random_matching
+from lpdec.topology import ring
+from lpdec.topology import torus
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Compressor",
+    "Health",
+    "Topology",
+    "choco",
+    "complete",
+    "compress",
+    "compressed_mean",
+    "d2",
+    "data",
+    "dcd",
+    "deepsqueeze",
+    "delay",
+    "directed_ring",
+    "dpsgd",
+    "exponential",
+    "from_matrix",
+    "gossip",
     "identity",
+    "local_mean",
+    "metrics",
     "minmax",
+    "models",
     "modulo",
+    "moniqua",
+    "naive_quantized",
+    "nn",
+    "one_peer_exponential",
     "payload_nbytes",
+    "qg_momentum",
+    "quant_sgp",
     "random_k",
+    "random_matching",
+    "ring",
+    "sparse_push",
     "top_k",
+    "topology",
+    "torus",
 ]
