@@ -1,0 +1,205 @@
+"""D-PSGD and CHOCO-SGD against dense numpy simulations with an explicit mixing matrix W."""
+
+import harness
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lpdec
+from lpdec.algorithms import _common
+
+N, D, T, LR = 8, 37, 20, 0.1
+
+
+def problem(rng, n=N, steps=T):
+    x0 = rng.standard_normal((n, D)).astype(np.float32)
+    grads = rng.standard_normal((n, steps, D)).astype(np.float32)
+    return x0, grads
+
+
+def sgd_updates(grads):
+    """The local optimizer's updates, fed to the algorithm directly so that x + u is one
+    float32 add the test can repeat exactly (inside a chain XLA may fuse -lr * g + x)."""
+    return grads * np.float32(-LR)
+
+
+TOPOLOGIES = [
+    lpdec.ring(N),
+    lpdec.torus(2, 4),
+    lpdec.exponential(N),
+    lpdec.one_peer_exponential(N),
+    lpdec.random_matching(N, seed=3),
+]
+
+
+@pytest.mark.parametrize("mode", harness.MODES)
+@pytest.mark.parametrize("topology", TOPOLOGIES, ids=repr)
+def test_dpsgd_matches_dense_simulation(rng, mode, topology):
+    x0, grads = problem(rng)
+    tx = optax.chain(optax.sgd(LR), lpdec.dpsgd(topology))
+    params, _, _ = harness.run(tx, {"w": x0}, T, updates={"w": grads}, mode=mode)
+    x = x0.astype(np.float64)
+    for t in range(T):
+        x = topology.mixing_matrix(t) @ x - LR * grads[:, t]
+        np.testing.assert_allclose(np.asarray(params["w"])[:, t], x, atol=2e-5, rtol=0)
+
+
+def test_dpsgd_with_more_nodes_than_devices(rng):
+    """16 nodes on 8 devices (vmap nested in shard_map) against the dense simulation."""
+    topology = lpdec.ring(16)
+    x0, grads = problem(rng, n=16)
+    tx = optax.chain(optax.sgd(LR), lpdec.dpsgd(topology, axis_name=harness.NESTED_AXIS))
+    params, _, _ = harness.run(tx, {"w": x0}, T, updates={"w": grads}, mode="nested")
+    x = x0.astype(np.float64)
+    w = topology.mixing_matrix()
+    for t in range(T):
+        x = w @ x - LR * grads[:, t]
+    np.testing.assert_allclose(np.asarray(params["w"])[:, -1], x, atol=2e-5, rtol=0)
+
+
+CHOCO_COMPRESSORS = [
+    lpdec.identity(),
+    lpdec.minmax(bits=8, rounding="stochastic", chunk_size=16),
+    lpdec.minmax(bits=2, rounding="nearest"),
+    lpdec.top_k(0.3),
+    lpdec.random_k(0.3),
+]
+
+
+@pytest.mark.parametrize("mode", harness.MODES)
+@pytest.mark.parametrize("compressor", CHOCO_COMPRESSORS, ids=repr)
+def test_choco_each_step_matches_dense_update(rng, mode, compressor):
+    """From the state after step t, step t+1 in numpy: q bit for bit, the rest in float64."""
+    topology, gamma = lpdec.ring(N), 0.6
+    x0, grads = problem(rng)
+    updates = sgd_updates(grads)
+    tx = lpdec.choco(topology, compressor, gamma=gamma, seed=4)
+    params, states, state0 = harness.run(tx, {"w": x0}, T, updates={"w": updates}, mode=mode)
+    w = topology.mixing_matrix()
+    x_prev = x0
+    x_hat_prev = np.zeros((N, D), np.float32)
+    s_prev = np.zeros((N, D))
+    key = np.asarray(state0.key)[0]
+    for t in range(T):
+        x_tilde = x_prev + updates[:, t]
+        x_hat = np.asarray(states.x_hat["w"])[:, t]
+        q = x_hat.astype(np.float64) - x_hat_prev
+        for i in range(N):
+            # The same compressor with the same key the node used: identical bits.
+            leaf_key = jax.random.split(_common.node_key(key, t, i), 1)[0]
+            payload = compressor.encode(jnp.asarray(x_tilde[i] - x_hat_prev[i]), leaf_key)
+            decoded = np.asarray(compressor.decode(payload, key=leaf_key))
+            np.testing.assert_array_equal(x_hat[i], x_hat_prev[i] + decoded)
+        s = np.asarray(states.neighbors["w"])[:, t]
+        off = w - np.diag(np.diag(w))
+        np.testing.assert_allclose(s, s_prev + off @ q, atol=1e-5, rtol=0)
+        expected = x_tilde + gamma * (w @ x_hat - x_hat)
+        x = np.asarray(params["w"])[:, t]
+        np.testing.assert_allclose(x, expected, atol=1e-5, rtol=0)
+        x_prev, x_hat_prev, s_prev = x, x_hat, s
+
+
+@pytest.mark.parametrize("mode", harness.MODES)
+def test_choco_free_running_matches_float64_simulation(rng, mode):
+    topology, gamma = lpdec.torus(2, 4), 0.5
+    x0, grads = problem(rng)
+    tx = optax.chain(optax.sgd(LR), lpdec.choco(topology, lpdec.identity(), gamma=gamma))
+    params, _, _ = harness.run(tx, {"w": x0}, T, updates={"w": grads}, mode=mode)
+    w = topology.mixing_matrix()
+    x = x0.astype(np.float64)
+    x_hat = np.zeros_like(x)
+    for t in range(T):
+        x_tilde = x - LR * grads[:, t]
+        x_hat = x_hat + (x_tilde - x_hat)
+        x = x_tilde + gamma * (w @ x_hat - x_hat)
+    np.testing.assert_allclose(np.asarray(params["w"])[:, -1], x, atol=3e-5, rtol=0)
+
+
+@pytest.mark.parametrize("mode", harness.MODES)
+def test_choco_per_peer_replicas_equal_owners_public_copies_bit_for_bit(rng, mode):
+    topology, steps = lpdec.ring(N), 100
+    x0, grads = problem(rng, steps=steps)
+    comp = lpdec.minmax(bits=4, rounding="stochastic", chunk_size=8)
+    tx = optax.chain(optax.sgd(LR), lpdec.choco(topology, comp, gamma=0.5, replicas="per_peer"))
+    _, states, _ = harness.run(tx, {"w": x0}, steps, updates={"w": grads}, mode=mode)
+    x_hat = np.asarray(states[1].x_hat["w"])[:, -1]
+    for c, edge_class in enumerate(topology.rounds[0].edge_classes):
+        replicas = np.asarray(states[1].neighbors[c]["w"])[:, -1]
+        for source, destination in edge_class.perm:
+            np.testing.assert_array_equal(replicas[destination], x_hat[source])
+    # The sum mode's running sum stays the weighted sum of the public copies, up to
+    # float32 rounding. (Its trajectory is not bit-identical to the per-peer run's:
+    # the two programs fuse, and so round, the model update differently.)
+    tx_sum = optax.chain(optax.sgd(LR), lpdec.choco(topology, comp, gamma=0.5))
+    _, states_sum, _ = harness.run(tx_sum, {"w": x0}, steps, updates={"w": grads}, mode=mode)
+    w = topology.mixing_matrix()
+    off = w - np.diag(np.diag(w))
+    x_hat_sum = np.asarray(states_sum[1].x_hat["w"])[:, -1].astype(np.float64)
+    np.testing.assert_allclose(
+        np.asarray(states_sum[1].neighbors["w"])[:, -1], off @ x_hat_sum, atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda topo: lpdec.dpsgd(topo),
+        lambda topo: lpdec.choco(topo, lpdec.minmax(8, "stochastic"), gamma=0.8),
+        lambda topo: lpdec.choco(topo, lpdec.top_k(0.1), gamma=0.3),
+    ],
+    ids=["dpsgd", "choco-minmax", "choco-topk"],
+)
+def test_zero_updates_preserve_the_node_average(rng, make):
+    """Symmetric doubly stochastic W and u = 0: the average of the models never moves."""
+    topology = lpdec.ring(N)
+    x0, _ = problem(rng)
+    zeros = np.zeros((N, 60, D), np.float32)
+    params, _, _ = harness.run(make(topology), {"w": x0}, 60, updates={"w": zeros})
+    trajectory = np.asarray(params["w"], np.float64)
+    drift = np.abs(trajectory.mean(axis=0) - x0.astype(np.float64).mean(axis=0)).max()
+    moved = np.abs(trajectory[:, -1] - x0).max()
+    assert moved > 0.1  # the nodes did mix
+    # Worst case float32 rounding: about 4 roundings of |x| per step, 60 steps.
+    bound = 60 * 4 * np.finfo(np.float32).eps * np.abs(x0).max()
+    assert drift < bound, (drift, bound)
+
+
+@pytest.mark.parametrize("mode", harness.MODES)
+def test_a_nan_update_is_dropped_on_its_node_and_never_reaches_neighbours(rng, mode):
+    topology = lpdec.ring(N)
+    x0, grads = problem(rng)
+    grads[3, 5, 7] = np.nan
+    comp = lpdec.minmax(bits=8, rounding="stochastic")
+    for tx in (lpdec.dpsgd(topology), lpdec.choco(topology, comp, gamma=0.5)):
+        chain = optax.chain(optax.sgd(LR), tx)
+        params, states, _ = harness.run(chain, {"w": x0}, T, updates={"w": grads}, mode=mode)
+        assert np.isfinite(np.asarray(params["w"])).all()
+        counts = np.asarray(states[1].health.nonfinite_updates)[:, -1]
+        np.testing.assert_array_equal(counts, [0, 0, 0, 1, 0, 0, 0, 0])
+
+
+def test_choco_rejects_bad_arguments():
+    comp = lpdec.minmax(8)
+    with pytest.raises(ValueError, match="gamma"):
+        lpdec.choco(lpdec.ring(8), comp, gamma=0.0)
+    with pytest.raises(ValueError, match="static topology"):
+        lpdec.choco(lpdec.one_peer_exponential(8), comp)
+    with pytest.raises(ValueError, match="doubly"):
+        lpdec.choco(lpdec.from_matrix(np.array([[0.5, 0.5], [1.0, 0.0]])), comp)
+    with pytest.raises(ValueError, match="replicas"):
+        lpdec.choco(lpdec.ring(8), comp, replicas="all")
+    with pytest.raises(TypeError, match="compressor"):
+        lpdec.choco(lpdec.ring(8), "minmax")
+    with pytest.raises(TypeError, match="Topology"):
+        lpdec.dpsgd(np.eye(8))
+    tx = lpdec.choco(lpdec.ring(8), comp)
+    with pytest.raises(ValueError, match="parameters"):
+        jax.vmap(lambda x: tx.update(x, tx.init(x)), axis_name="nodes")(jnp.ones((8, 3)))
+
+
+def test_topology_size_must_match_the_axis():
+    tx = optax.chain(optax.sgd(LR), lpdec.dpsgd(lpdec.ring(4)))
+    with pytest.raises(ValueError, match="ring\\(4\\) has 4 nodes"):
+        harness.run(tx, {"w": np.zeros((8, 3), np.float32)}, 1, updates={"w": np.zeros((8, 1, 3))})
