@@ -17,6 +17,12 @@ Conventions of lpdec's algorithms (DESIGN.md):
   step that round) and counted in `Health.nonfinite_updates`; a received
   payload that is not finite is not used and is counted in
   `Health.nonfinite_received`. One failing node cannot poison its neighbours.
+  Algorithms that send a compressed function of the local step (CHOCO, DCD)
+  detect a bad update from their own payload (its scales turn non-finite),
+  which costs no extra pass over the update; such a node then skips the whole
+  step: it neither moves nor sends a usable message, and its receivers count
+  the dropped message. The others check the update (`guard_updates`) and still
+  take part in the gossip.
 """
 
 from __future__ import annotations

@@ -90,17 +90,23 @@ def step(
     gossip.check_topology(topology, axis_name)
     round_ = topology.rounds[0]
     me = gossip.node_index(axis_name)
-    updates, _, health = _common.guard_updates(updates, state.health)
-    x_tilde = jax.tree.map(lambda p, u: p.astype(jnp.float32) + u, params, updates)
-
-    # q_i = Q(x~_i - x^_i), sent along every edge class.
+    # q_i = Q(x~_i - x^_i), sent along every edge class. x~ = x + u is formed inside
+    # the encoder's loops and never stored: the step reads each buffer as few times
+    # as it can (see the step-time table in BENCHMARKS.md).
     key = _common.node_key(state.key, state.count, me)
-    diff = jax.tree.map(jnp.subtract, x_tilde, state.x_hat)
+    diff = jax.tree.map(
+        lambda p, u, h: (p.astype(jnp.float32) + u) - h, params, updates, state.x_hat
+    )
     payload = _common.encode(compressor, diff, key)
     received = gossip.exchange(payload, round_, axis_name=axis_name)
 
-    # x^_i += q_i, unless q_i is not finite: the receivers drop it as well.
+    # A local update holding NaN/Inf makes q_i non-finite (every compressor flags
+    # it): the node then takes no local step and keeps x^_i, and every receiver
+    # drops q_i too, so the public copies stay consistent.
     sent_ok = gossip.payload_is_finite(compressor, payload)
+    health = state.health._replace(
+        nonfinite_updates=state.health.nonfinite_updates + jnp.where(sent_ok, 0, 1)
+    )
     q = _common.decode(compressor, payload, diff, key=key)
     x_hat = jax.tree.map(lambda h, d: jnp.where(sent_ok, h + d, h), state.x_hat, q)
 
@@ -131,13 +137,17 @@ def step(
         )
     health = _common.count_received(health, skipped)
 
-    # sum_j W_ij (x^_j - x^_i) = s_i - (1 - W_ii) x^_i for a row-stochastic W.
+    # x+ - x = u + gamma sum_j W_ij (x^_j - x^_i), and for a row-stochastic W
+    # sum_j W_ij (x^_j - x^_i) = s_i - (1 - W_ii) x^_i.
     off_diagonal = 1.0 - received.self_weight
-    new = jax.tree.map(
-        lambda xt, s, h: xt + gamma * (s - off_diagonal * h), x_tilde, neighbor_sum, x_hat
-    )
+
+    def update(u, s, h, p):
+        u = jnp.where(sent_ok, u, jnp.zeros_like(u))
+        return (u + gamma * (s - off_diagonal * h)).astype(p.dtype)
+
+    new_updates = jax.tree.map(update, updates, neighbor_sum, x_hat, params)
     new_state = ChocoState(state.count + 1, state.key, x_hat, neighbors, health)
-    return _common.as_updates(new, params), new_state
+    return new_updates, new_state
 
 
 def choco(

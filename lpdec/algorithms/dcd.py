@@ -131,7 +131,6 @@ def step(
     gossip.check_topology(topology, axis_name)
     round_ = topology.rounds[0]
     me = gossip.node_index(axis_name)
-    updates, _, health = _common.guard_updates(updates, state.health)
     weights = [gossip.per_node(c.recv_weight, axis_name) for c in round_.edge_classes]
     if replicas == "sum":
         neighbor_sum = state.neighbors
@@ -153,7 +152,12 @@ def step(
     received = gossip.exchange(payload, round_, axis_name=axis_name)
 
     # A non-finite message moves nobody: the receivers drop it, so the sender must too.
+    # A local update holding NaN/Inf is caught here (it makes z, hence the payload,
+    # non-finite), which saves a separate pass over the update to check it.
     sent_ok = gossip.payload_is_finite(compressor, payload)
+    health = state.health._replace(
+        nonfinite_updates=state.health.nonfinite_updates + jnp.where(sent_ok, 0, 1)
+    )
     q = _common.decode(compressor, payload, z, key=key)
     move = jax.tree.map(lambda d, p: jnp.where(sent_ok, d, 0.0).astype(p.dtype), q, params)
 
