@@ -149,8 +149,58 @@ class Received(NamedTuple):
 AxisName = str | tuple[str, ...]
 
 
+# Leaves at least this large travel in their own collective; smaller ones are packed.
+PACK_BELOW_BYTES = 1 << 18
+
+
+def pack(tree: PyTree) -> tuple[list[jax.Array], Callable[[list[jax.Array]], PyTree]]:
+    """Groups a tree's leaves into few buffers for transfer; returns them and the inverse.
+
+    Every collective is a rendezvous of all the nodes, which costs far more than
+    its bytes on a host with few cores for many devices (and is latency on a real
+    network). A payload tree holds several small arrays per leaf (a min-max
+    payload: codes, lo, unit), so the leaves smaller than `PACK_BELOW_BYTES` are
+    bit-cast to uint8 and concatenated into one buffer, while large leaves travel
+    as they are (concatenating them would cost a copy of the model).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    large = [i for i, x in enumerate(leaves) if x.size * x.dtype.itemsize >= PACK_BELOW_BYTES]
+    small = [i for i in range(len(leaves)) if i not in large]
+    buffers = [leaves[i] for i in large]
+    specs = []
+    if small:
+        parts = []
+        for i in small:
+            x = leaves[i]
+            raw = x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
+            parts.append(raw.reshape(-1))
+            specs.append((i, x.shape, x.dtype, raw.size))
+        buffers.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+
+    def unpack(received: list[jax.Array]) -> PyTree:
+        out = [None] * len(leaves)
+        for i, x in zip(large, received, strict=False):
+            out[i] = x
+        if small:
+            packed, offset = received[-1], 0
+            for i, shape, dtype, size in specs:
+                raw = packed[offset : offset + size]
+                offset += size
+                if dtype == jnp.uint8:
+                    out[i] = raw.reshape(shape)
+                else:
+                    width = np.dtype(dtype).itemsize
+                    out[i] = jax.lax.bitcast_convert_type(raw.reshape(shape + (width,)), dtype)
+        return treedef.unflatten(out)
+
+    return buffers, unpack
+
+
 def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: AxisName) -> PyTree:
     """`lax.ppermute` of a tree along a partial permutation; non-receivers get zeros.
+
+    The tree travels as few buffers (`pack`): its large leaves and one uint8
+    buffer holding all the small ones.
 
     Under `vmap` jax only batches full permutations, so there the permutation
     is completed with pairs from the idle senders to the idle receivers and
@@ -159,6 +209,11 @@ def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: AxisNa
     names (a mesh axis, then a vmap axis nested inside it: several simulated
     nodes per device) goes through `_nested_ppermute`.
     """
+    buffers, unpack = pack(tree)
+    return unpack(_ppermute_array(buffers, perm, axis_name))
+
+
+def _ppermute_array(tree: PyTree, perm, axis_name: AxisName) -> PyTree:
     if isinstance(axis_name, tuple):
         if len(axis_name) == 1:
             axis_name = axis_name[0]
