@@ -86,10 +86,9 @@ def test_dcd_each_step_matches_dense_reference(mode, name, rng):
         for i in range(N):
             key = _common.node_key(np.asarray(state.key)[i], np.asarray(state.count)[i], i)
             leaf_keys = jax.random.split(key, len(x))
-            off_diagonal = np.float32(1.0) - np.float32(w[i, i])
             for k, leaf_key in enumerate(leaf_keys):
-                # z_i in float32, one rounding per operation, as dcd.step computes it.
-                z = (s[k][i] + u_all[k][i, t]) - off_diagonal * x[k][i]
+                # z_i = r_i + u_i in float32 (r_i: the state's consensus residual).
+                z = s[k][i] + u_all[k][i, t]
                 # The same z from the DCD rule with the explicit W, in float64.
                 z64 = (
                     np.tensordot(w[i], x[k].astype(np.float64), axes=1)
@@ -101,9 +100,14 @@ def test_dcd_each_step_matches_dense_reference(mode, name, rng):
                 # The move x^+ = x + Q(z) with Q(z) = decode(encode(z, key)), bit for bit.
                 np.testing.assert_array_equal(x_next[k][i], x[k][i] + q[k][i])
         for k in range(len(x)):
-            # s_i^+ = s_i + sum_{j != i} W_ij Q(z_j), in float64.
+            # r_i^+ = r_i + sum_{j != i} W_ij Q(z_j) - (1 - W_ii) Q(z_i), in float64.
             off = w - np.diag(np.diag(w))
-            expected = s[k].astype(np.float64) + np.tensordot(off, q[k].astype(np.float64), 1)
+            keep = (1 - np.diag(w)).reshape((N,) + (1,) * (q[k].ndim - 1))
+            expected = (
+                s[k].astype(np.float64)
+                + np.tensordot(off, q[k].astype(np.float64), 1)
+                - keep * q[k].astype(np.float64)
+            )
             np.testing.assert_allclose(s_next[k], expected, rtol=0, atol=2e-5)
     assert int(np.sum(ss.health.nonfinite_received)) == 0
     assert int(np.sum(ss.health.nonfinite_updates)) == 0
@@ -159,18 +163,22 @@ def test_dcd_per_peer_replicas_are_their_owners_bit_for_bit(mode, rng):
 def test_dcd_sum_mode_tracks_neighbors_from_different_starts(rng):
     topo, steps = _birkhoff_topology(rng, full_classes=False), 100
     w = topo.mixing_matrix()
-    off = w - np.diag(np.diag(w))
     params0 = _model(rng)
     updates = _updates(rng, params0, steps)
     tx = dcd(topo, lpdec.minmax(8, "stochastic"))
     ps, ss, state0 = harness.run(tx, params0, steps, updates=updates, mode="shard_map")
+
+    def residual(x):
+        """r_i = sum_{j != i} W_ij x_j - (1 - W_ii) x_i = ((W - I) x)_i."""
+        x = np.asarray(x, np.float64)
+        return np.tensordot(w - np.eye(N), x, 1)
+
     for leaf_p0, leaf_s0 in zip(
         jax.tree.leaves(params0), jax.tree.leaves(state0.neighbors), strict=True
     ):
-        expected = np.tensordot(off, leaf_p0.astype(np.float64), 1)
-        np.testing.assert_allclose(leaf_s0, expected, rtol=0, atol=1e-6)
+        np.testing.assert_allclose(leaf_s0, residual(leaf_p0), rtol=0, atol=1e-6)
     for leaf_p, leaf_s in zip(jax.tree.leaves(ps), jax.tree.leaves(ss.neighbors), strict=True):
-        expected = np.tensordot(off, np.asarray(leaf_p, np.float64)[:, -1], 1)
+        expected = residual(np.asarray(leaf_p)[:, -1])
         np.testing.assert_allclose(np.asarray(leaf_s)[:, -1], expected, rtol=0, atol=2e-5)
 
 

@@ -71,34 +71,37 @@ CHOCO_COMPRESSORS = [
 @pytest.mark.parametrize("mode", harness.MODES)
 @pytest.mark.parametrize("compressor", CHOCO_COMPRESSORS, ids=repr)
 def test_choco_each_step_matches_dense_update(rng, mode, compressor):
-    """From the state after step t, step t+1 in numpy: q bit for bit, the rest in float64."""
+    """From the state after step t, step t+1 in numpy: q bit for bit, the rest in float64.
+
+    The sum mode keeps e = x - x^ and c = sum_j W_ij (x^_j - x^_i); the paper's x^ is
+    rebuilt as the running sum of the q's, and c and e are checked against it.
+    """
     topology, gamma = lpdec.ring(N), 0.6
+    w = topology.mixing_matrix()
     x0, grads = problem(rng)
     updates = sgd_updates(grads)
     tx = lpdec.choco(topology, compressor, gamma=gamma, seed=4)
     params, states, state0 = harness.run(tx, {"w": x0}, T, updates={"w": updates}, mode=mode)
-    w = topology.mixing_matrix()
-    x_prev = x0
-    x_hat_prev = np.zeros((N, D), np.float32)
-    s_prev = np.zeros((N, D))
     key = np.asarray(state0.key)[0]
+    x_prev, lag_prev = x0.astype(np.float64), np.asarray(state0.lag["w"])
+    consensus_prev = np.zeros((N, D))
+    x_hat = np.zeros((N, D))  # the paper's public copies, float64
     for t in range(T):
-        x_tilde = x_prev + updates[:, t]
-        x_hat = np.asarray(states.x_hat["w"])[:, t]
-        q = x_hat.astype(np.float64) - x_hat_prev
+        q = np.zeros((N, D))
         for i in range(N):
-            # The same compressor with the same key the node used: identical bits.
+            # The node's x~ - x^ = e + u (one float32 add), encoded with its key: same bits.
             leaf_key = jax.random.split(_common.node_key(key, t, i), 1)[0]
-            payload = compressor.encode(jnp.asarray(x_tilde[i] - x_hat_prev[i]), leaf_key)
-            decoded = np.asarray(compressor.decode(payload, key=leaf_key))
-            np.testing.assert_array_equal(x_hat[i], x_hat_prev[i] + decoded)
-        s = np.asarray(states.neighbors["w"])[:, t]
-        off = w - np.diag(np.diag(w))
-        np.testing.assert_allclose(s, s_prev + off @ q, atol=1e-5, rtol=0)
-        expected = x_tilde + gamma * (w @ x_hat - x_hat)
-        x = np.asarray(params["w"])[:, t]
-        np.testing.assert_allclose(x, expected, atol=1e-5, rtol=0)
-        x_prev, x_hat_prev, s_prev = x, x_hat, s
+            payload = compressor.encode(jnp.asarray(lag_prev[i] + updates[i, t]), leaf_key)
+            q[i] = np.asarray(compressor.decode(payload, key=leaf_key))
+        x_hat = x_hat + q
+        consensus = np.asarray(states.consensus["w"])[:, t]
+        np.testing.assert_allclose(consensus, consensus_prev + (w - np.eye(N)) @ q, atol=1e-5)
+        np.testing.assert_allclose(consensus, (w - np.eye(N)) @ x_hat, atol=1e-5)
+        x = np.asarray(params["w"])[:, t].astype(np.float64)
+        np.testing.assert_allclose(x, x_prev + updates[:, t] + gamma * consensus, atol=1e-5)
+        lag = np.asarray(states.lag["w"])[:, t]
+        np.testing.assert_allclose(lag, x - x_hat, atol=1e-5)
+        x_prev, lag_prev, consensus_prev = x, lag, consensus
 
 
 @pytest.mark.parametrize("mode", harness.MODES)
@@ -126,19 +129,22 @@ def test_choco_per_peer_replicas_equal_owners_public_copies_bit_for_bit(rng, mod
     _, states, _ = harness.run(tx, {"w": x0}, steps, updates={"w": grads}, mode=mode)
     x_hat = np.asarray(states[1].x_hat["w"])[:, -1]
     for c, edge_class in enumerate(topology.rounds[0].edge_classes):
-        replicas = np.asarray(states[1].neighbors[c]["w"])[:, -1]
+        replicas = np.asarray(states[1].replicas[c]["w"])[:, -1]
         for source, destination in edge_class.perm:
             np.testing.assert_array_equal(replicas[destination], x_hat[source])
-    # The sum mode's running sum stays the weighted sum of the public copies, up to
-    # float32 rounding. (Its trajectory is not bit-identical to the per-peer run's:
-    # the two programs fuse, and so round, the model update differently.)
+    # The sum mode's consensus term stays sum_j W_ij (x^_j - x^_i) of its implicit public
+    # copies x - e, up to float32 rounding. (Its trajectory is not bit-identical to the
+    # per-peer run's: the two programs fuse, and so round, the model update differently.)
     tx_sum = optax.chain(optax.sgd(LR), lpdec.choco(topology, comp, gamma=0.5))
-    _, states_sum, _ = harness.run(tx_sum, {"w": x0}, steps, updates={"w": grads}, mode=mode)
+    params_sum, states_sum, _ = harness.run(
+        tx_sum, {"w": x0}, steps, updates={"w": grads}, mode=mode
+    )
     w = topology.mixing_matrix()
-    off = w - np.diag(np.diag(w))
-    x_hat_sum = np.asarray(states_sum[1].x_hat["w"])[:, -1].astype(np.float64)
+    x_hat_sum = (
+        np.asarray(params_sum["w"], np.float64)[:, -1] - np.asarray(states_sum[1].lag["w"])[:, -1]
+    )
     np.testing.assert_allclose(
-        np.asarray(states_sum[1].neighbors["w"])[:, -1], off @ x_hat_sum, atol=1e-5, rtol=0
+        np.asarray(states_sum[1].consensus["w"])[:, -1], (w - np.eye(N)) @ x_hat_sum, atol=1e-4
     )
 
 

@@ -15,11 +15,19 @@ with :math:`\tilde x_i = x_i + u_i` the local step. The public copies start at
 parameters.
 
 Memory, in model-sized float32 buffers per node, whatever the degree:
-``replicas="sum"`` (default) keeps :math:`\hat x_i` and
-:math:`s_i = \sum_{j \ne i} W_{ij} \hat x_j`: 2 buffers. ``replicas="per_peer"``
-keeps one replica of each in-neighbour's public copy, as Bagua does: 1 + k
-buffers (k = number of edge classes), bit-identical to the owners' copies; it
-exists to make that property testable and for debugging.
+``replicas="sum"`` (default) keeps 2 buffers, the lag
+:math:`e_i = x_i - \hat x_i` and the consensus term
+:math:`c_i = \sum_j W_{ij} (\hat x_j - \hat x_i)`, which is all a step reads:
+:math:`\tilde x_i - \hat x_i = e_i + u_i` and :math:`x_i^+ - x_i = u_i + \gamma
+c_i^+`, with :math:`c_i^+ = c_i + \sum_{j \ne i} W_{ij} q_j - (1 - W_{ii}) q_i`
+(a row-stochastic W) and :math:`e_i^+ = e_i + (x_i^+ - x_i) - q_i`. Reading
+two buffers instead of the parameters, :math:`\hat x_i` and the neighbour sum
+makes the step markedly cheaper (BENCHMARKS.md); the price is that
+:math:`x_i - e_i` equals the exact public copy only up to float32 rounding of
+the parameters (float32 parameters recommended). ``replicas="per_peer"`` keeps
+:math:`\hat x_i` and one replica of each in-neighbour's public copy, as Bagua
+does: 1 + k buffers (k = number of edge classes), bit-identical to the owners'
+copies; it exists to make that property testable and for debugging.
 """
 
 from __future__ import annotations
@@ -40,44 +48,60 @@ REPLICAS = ("sum", "per_peer")
 
 
 class ChocoState(NamedTuple):
-    """State of `choco`.
+    """State of `choco` with ``replicas="sum"``.
 
     Attributes:
       count: shape=(), dtype=int32; steps taken.
       key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
+      lag: float32 tree e_i = x_i - x_hat_i, how far the model is ahead of its
+        public copy.
+      consensus: float32 tree c_i = sum_j W_ij (x_hat_j - x_hat_i).
+      health: non-finite counters.
+    """
+
+    count: jax.Array
+    key: jax.Array
+    lag: Any
+    consensus: Any
+    health: _common.Health
+
+
+class ChocoPerPeerState(NamedTuple):
+    """State of `choco` with ``replicas="per_peer"``.
+
+    Attributes:
+      count: shape=(), dtype=int32; steps taken.
+      key: shape=(2,), dtype=uint32; shared by all nodes.
       x_hat: float32 tree; this node's public copy.
-      neighbors: float32 tree s_i = sum_{j != i} W_ij x_hat_j ("sum"), or a
-        tuple of one replica tree per edge class ("per_peer").
+      replicas: one float32 tree per edge class: the public copy of the node's
+        sender in that class (zeros where it receives nothing in the class).
       health: non-finite counters.
     """
 
     count: jax.Array
     key: jax.Array
     x_hat: Any
-    neighbors: Any
+    replicas: tuple
     health: _common.Health
 
 
 def init(
     params: optax.Params, *, topology: Topology, replicas: str, seed: int, axis_name: str
-) -> ChocoState:
+) -> ChocoState | ChocoPerPeerState:
     zeros = _common.zeros_f32(params, axis_name)
+    count, key = jnp.zeros((), jnp.int32), _common.key_from_seed(seed)
+    health = _common.init_health(axis_name)
     if replicas == "sum":
-        neighbors = zeros
-    else:
-        neighbors = tuple(zeros for _ in topology.rounds[0].edge_classes)
-    return ChocoState(
-        count=jnp.zeros((), jnp.int32),
-        key=_common.key_from_seed(seed),
-        x_hat=zeros,
-        neighbors=neighbors,
-        health=_common.init_health(axis_name),
-    )
+        # x_hat = 0 everywhere: the lag is the model itself and there is no consensus term.
+        lag = gossip.to_varying(_common.f32(params), axis_name)
+        return ChocoState(count, key, lag, zeros, health)
+    copies = tuple(zeros for _ in topology.rounds[0].edge_classes)
+    return ChocoPerPeerState(count, key, zeros, copies, health)
 
 
 def step(
     updates: optax.Updates,
-    state: ChocoState,
+    state: ChocoState | ChocoPerPeerState,
     params: optax.Params,
     *,
     topology: Topology,
@@ -85,18 +109,21 @@ def step(
     gamma: float,
     replicas: str,
     axis_name: str,
-) -> tuple[optax.Updates, ChocoState]:
+) -> tuple[optax.Updates, ChocoState | ChocoPerPeerState]:
     """One CHOCO step; must run under the named axis `axis_name`."""
     gossip.check_topology(topology, axis_name)
     round_ = topology.rounds[0]
     me = gossip.node_index(axis_name)
+
     # q_i = Q(x~_i - x^_i), sent along every edge class. x~ = x + u is formed inside
-    # the encoder's loops and never stored: the step reads each buffer as few times
-    # as it can (see the step-time table in BENCHMARKS.md).
+    # the encoder's loops and never stored.
     key = _common.node_key(state.key, state.count, me)
-    diff = jax.tree.map(
-        lambda p, u, h: (p.astype(jnp.float32) + u) - h, params, updates, state.x_hat
-    )
+    if replicas == "sum":
+        diff = jax.tree.map(jnp.add, state.lag, updates)
+    else:
+        diff = jax.tree.map(
+            lambda p, u, h: (p.astype(jnp.float32) + u) - h, params, updates, state.x_hat
+        )
     payload = _common.encode(compressor, diff, key)
     received = gossip.exchange(payload, round_, axis_name=axis_name)
 
@@ -108,45 +135,51 @@ def step(
         nonfinite_updates=state.health.nonfinite_updates + jnp.where(sent_ok, 0, 1)
     )
     q = _common.decode(compressor, payload, diff, key=key)
-    x_hat = jax.tree.map(lambda h, d: jnp.where(sent_ok, h + d, h), state.x_hat, q)
+    q = jax.tree.map(lambda d: jnp.where(sent_ok, d, jnp.zeros_like(d)), q)
+    off_diagonal = 1.0 - received.self_weight
 
     def sender_key(sender):
         return _common.node_key(state.key, state.count, sender)
 
-    if replicas == "sum":
-        # s_i += sum_{j != i} W_ij q_j.
-        neighbors, skipped = gossip.accumulate(
-            compressor, received, state.neighbors, sender_key=sender_key
-        )
-        neighbor_sum = neighbors
-    else:
-        neighbors, skipped = [], jnp.int32(0)
-        for c, replica in enumerate(state.neighbors):
-            one = received._replace(
-                payloads=[received.payloads[c]],
-                weights=[jnp.float32(1)],
-                senders=[received.senders[c]],
-            )
-            replica, s = gossip.accumulate(compressor, one, replica, sender_key=sender_key)
-            neighbors.append(replica)
-            skipped = skipped + s
-        neighbors = tuple(neighbors)
-        neighbor_sum = jax.tree.map(
-            lambda *rs: sum(w * r for w, r in zip(received.weights, rs, strict=True)),
-            *neighbors,
-        )
-    health = _common.count_received(health, skipped)
-
-    # x+ - x = u + gamma sum_j W_ij (x^_j - x^_i), and for a row-stochastic W
-    # sum_j W_ij (x^_j - x^_i) = s_i - (1 - W_ii) x^_i.
-    off_diagonal = 1.0 - received.self_weight
-
-    def update(u, s, h, p):
+    def move(u, consensus, p):
+        # x+ - x = u + gamma sum_j W_ij (x^_j - x^_i), the local step dropped if not finite.
         u = jnp.where(sent_ok, u, jnp.zeros_like(u))
-        return (u + gamma * (s - off_diagonal * h)).astype(p.dtype)
+        return (u + gamma * consensus).astype(p.dtype)
 
-    new_updates = jax.tree.map(update, updates, neighbor_sum, x_hat, params)
-    new_state = ChocoState(state.count + 1, state.key, x_hat, neighbors, health)
+    if replicas == "sum":
+        # c_i += sum_{j != i} W_ij q_j - (1 - W_ii) q_i.
+        own = jax.tree.map(lambda c, d: c - off_diagonal * d, state.consensus, q)
+        consensus, skipped = gossip.accumulate(compressor, received, own, sender_key=sender_key)
+        new_updates = jax.tree.map(move, updates, consensus, params)
+        lag = jax.tree.map(lambda e, v, d: e + v.astype(jnp.float32) - d, state.lag, new_updates, q)
+        new_state = ChocoState(
+            state.count + 1, state.key, lag, consensus, _common.count_received(health, skipped)
+        )
+        return new_updates, new_state
+
+    x_hat = jax.tree.map(jnp.add, state.x_hat, q)
+    copies, skipped = [], jnp.int32(0)
+    for c, replica in enumerate(state.replicas):
+        one = received._replace(
+            payloads=[received.payloads[c]],
+            weights=[jnp.float32(1)],
+            senders=[received.senders[c]],
+        )
+        replica, dropped = gossip.accumulate(compressor, one, replica, sender_key=sender_key)
+        copies.append(replica)
+        skipped = skipped + dropped
+    # sum_j W_ij (x^_j - x^_i) = sum_c w_c replica_c - (1 - W_ii) x^_i (row-stochastic W).
+    consensus = jax.tree.map(
+        lambda h, *rs: (
+            sum(w * r for w, r in zip(received.weights, rs, strict=True)) - off_diagonal * h
+        ),
+        x_hat,
+        *copies,
+    )
+    new_updates = jax.tree.map(move, updates, consensus, params)
+    new_state = ChocoPerPeerState(
+        state.count + 1, state.key, x_hat, tuple(copies), _common.count_received(health, skipped)
+    )
     return new_updates, new_state
 
 

@@ -53,9 +53,10 @@ class DCDState(NamedTuple):
     Attributes:
       count: shape=(), dtype=int32; steps taken.
       key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
-      neighbors: float32 tree s_i = sum_{j != i} W_ij x_hat_j ("sum"), or a
-        tuple of one replica tree per edge class, x_hat of that class's sender
-        ("per_peer"; zeros where the node receives nothing in the class).
+      neighbors: ("sum") float32 tree r_i = sum_{j != i} W_ij x_hat_j - (1 - W_ii) x_i,
+        the consensus residual, so that z_i = r_i + u_i reads one buffer; or
+        ("per_peer") a tuple of one replica tree per edge class, x_hat of that
+        class's sender (zeros where the node receives nothing in the class).
       health: non-finite counters.
     """
 
@@ -89,7 +90,12 @@ def init(
         skipped = skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
     health = _common.count_received(health, skipped)
     if replicas == "sum":
-        neighbors = _weighted_sum(received.weights, copies, own)
+        off_diagonal = 1.0 - received.self_weight
+        neighbors = jax.tree.map(
+            lambda s, x: s - rounded(off_diagonal * x),
+            _weighted_sum(received.weights, copies, own),
+            own,
+        )
     else:
         neighbors = tuple(copies)
     return DCDState(
@@ -132,21 +138,23 @@ def step(
     round_ = topology.rounds[0]
     me = gossip.node_index(axis_name)
     weights = [gossip.per_node(c.recv_weight, axis_name) for c in round_.edge_classes]
-    if replicas == "sum":
-        neighbor_sum = state.neighbors
-    else:
-        neighbor_sum = _weighted_sum(weights, list(state.neighbors), _common.f32(params))
-
-    # z_i = W_ii x_i + s_i + u_i - x_i = (s_i + u_i) - (1 - W_ii) x_i. The product is
-    # rounded before the subtraction (no fused multiply-add), so z has the same bits
-    # in every program and can be recomputed outside it.
     off_diagonal = 1.0 - gossip.per_node(round_.self_weight, axis_name)
-    z = jax.tree.map(
-        lambda s, u, x: (s + u.astype(jnp.float32)) - rounded(off_diagonal * x.astype(jnp.float32)),
-        neighbor_sum,
-        updates,
-        params,
-    )
+    if replicas == "sum":
+        # z_i = sum_j W_ij x_hat_j + u_i - x_i = r_i + u_i: one buffer to read. Keeping
+        # r_i rather than s_i saves two reads of x per step (the quantizer reads z twice).
+        z = jax.tree.map(lambda r, u: r + u.astype(jnp.float32), state.neighbors, updates)
+    else:
+        # z_i = (s_i + u_i) - (1 - W_ii) x_i. The product is rounded before the
+        # subtraction (no fused multiply-add), so z has the same bits in every program.
+        neighbor_sum = _weighted_sum(weights, list(state.neighbors), _common.f32(params))
+        z = jax.tree.map(
+            lambda s, u, x: (
+                (s + u.astype(jnp.float32)) - rounded(off_diagonal * x.astype(jnp.float32))
+            ),
+            neighbor_sum,
+            updates,
+            params,
+        )
     key = _common.node_key(state.key, state.count, me)
     payload = _common.encode(compressor, z, key)
     received = gossip.exchange(payload, round_, axis_name=axis_name)
@@ -165,10 +173,11 @@ def step(
         return _common.node_key(state.key, state.count, sender)
 
     if replicas == "sum":
-        # s_i += sum_{j != i} W_ij Q(z_j).
-        neighbors, skipped = gossip.accumulate(
-            compressor, received, state.neighbors, sender_key=sender_key
+        # r_i += sum_{j != i} W_ij Q(z_j) - (1 - W_ii) Q(z_i): x_i moves by its own Q(z_i).
+        own = jax.tree.map(
+            lambda r, d: jnp.where(sent_ok, r - rounded(off_diagonal * d), r), state.neighbors, q
         )
+        neighbors, skipped = gossip.accumulate(compressor, received, own, sender_key=sender_key)
     else:
         # x_hat_j += Q(z_j) with weight exactly 1, the same float32 add as the owner's.
         neighbors, skipped = [], jnp.int32(0)
