@@ -17,6 +17,8 @@ under `shard_map`, `vmap` and both nested (a 2-axis mesh).
 
 from __future__ import annotations
 
+import contextlib
+import math
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -31,6 +33,56 @@ from lpdec.topology import Round
 from lpdec.topology import Topology
 
 PyTree = Any
+
+
+class TrafficMeter:
+    """Bytes one node sends per call of a traced function (see `traffic_meter`).
+
+    Attributes:
+      bytes: average over the nodes of the bytes each sends, per call.
+      collectives: number of collective calls traced (time-varying rounds count
+        with their share of the period).
+    """
+
+    def __init__(self):
+        self.bytes = 0.0
+        self.collectives = 0.0
+
+
+_METERS: list[TrafficMeter] = []
+_SHARE = [1.0]  # share of the steps a traced branch runs (rounds of a period)
+
+
+@contextlib.contextmanager
+def traffic_meter():
+    """Counts, while jax traces, the bytes each node sends through this module.
+
+    Every collective of lpdec goes through this module, and the shapes it sees
+    while tracing are one node's, so the count holds for every layout: one node
+    per device, `vmap`, or both, where compiled HLO shows no (or inflated)
+    collectives. A ppermute along a partial permutation counts for the nodes
+    that send; a time-varying topology's rounds count with weight 1 / period.
+
+    Example:
+      >>> with gossip.traffic_meter() as meter:
+      ...     jax.jit(step).lower(*args)
+      >>> meter.bytes  # per node per call of step
+    """
+    meter = TrafficMeter()
+    _METERS.append(meter)
+    try:
+        yield meter
+    finally:
+        _METERS.remove(meter)
+
+
+def _record(tree: PyTree, senders: float = 1.0) -> None:
+    if not _METERS:
+        return
+    nbytes = sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in jax.tree.leaves(tree))
+    for meter in _METERS:
+        meter.bytes += nbytes * senders * _SHARE[-1]
+        meter.collectives += _SHARE[-1]
 
 
 def require_axis(axis_name: str, who: str) -> int:
@@ -55,11 +107,13 @@ def all_to_all_payload(payload_chunks: PyTree, *, axis_name: str) -> PyTree:
     Returns:
       The same structure and shapes; row c is what node c sent to this node.
     """
+    _record(payload_chunks)  # counted like compiled HLO counts it: the whole operand
     return jax.lax.all_to_all(payload_chunks, axis_name, 0, 0)
 
 
 def all_gather_payload(payload: PyTree, *, axis_name: str) -> PyTree:
     """Every node's `payload`, stacked along a new leading axis of size n (row c: node c's)."""
+    _record(payload)
     return jax.lax.all_gather(payload, axis_name)
 
 
@@ -70,17 +124,20 @@ def local_reduce_scatter(x: PyTree, *, axis_name: str) -> PyTree:
     result's is 1/L of it.
     """
     size = jax.lax.axis_size(axis_name)
+    _record(x)
     summed = jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
     return jax.tree.map(lambda s: s / size, summed)
 
 
 def local_all_gather(x: PyTree, *, axis_name: str) -> PyTree:
     """Concatenation of every rank's `x` along the leading axis, in rank order (tiled)."""
+    _record(x)
     return jax.lax.all_gather(x, axis_name, tiled=True)
 
 
 def local_sum(x: PyTree, *, axis_name: str) -> PyTree:
     """Full-precision sum over `axis_name` (one all-reduce for the whole tree)."""
+    _record(x)
     return jax.lax.psum(x, axis_name)
 
 
@@ -126,7 +183,15 @@ def in_round(topology: Topology, step: jax.Array, fn: Callable[[Round], PyTree])
     """
     if topology.period == 1:
         return fn(topology.rounds[0])
-    branches = [lambda r=r: fn(r) for r in topology.rounds]
+
+    def branch(round_):
+        _SHARE.append(_SHARE[-1] / topology.period)
+        try:
+            return fn(round_)
+        finally:
+            _SHARE.pop()
+
+    branches = [lambda r=r: branch(r) for r in topology.rounds]
     return jax.lax.switch(jnp.asarray(step, jnp.int32) % topology.period, branches)
 
 
@@ -210,6 +275,7 @@ def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: AxisNa
     nodes per device) goes through `_nested_ppermute`.
     """
     buffers, unpack = pack(tree)
+    _record(buffers, senders=len(perm) / jax.lax.axis_size(axis_name))
     return unpack(_ppermute_array(buffers, perm, axis_name))
 
 

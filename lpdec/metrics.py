@@ -101,25 +101,37 @@ def collective_traffic(hlo_text: str) -> CollectiveTraffic:
     """Parses compiled HLO text (`jax.jit(f).lower(...).compile().as_text()`).
 
     Counts, per collective opcode, the bytes of each instruction's operands
-    (for async `-start` forms, the operands of the start; `-done` is skipped).
+    (for async `-start` forms, the operands of the start; `-done` is skipped),
+    looking operand shapes up by name where the text does not spell them out.
     In an SPMD program these are the bytes one device sends (or contributes)
     per run; a collective-permute in which a device is no source sends nothing
     from it, so this is an upper bound for devices outside the permutation.
     """
-    by_op: dict[str, int] = collections.Counter()
-    count: dict[str, int] = collections.Counter()
-    by_dtype: dict[tuple[str, str], int] = collections.Counter()
+    shapes: dict[str, str] = {}
+    instructions = []
     for line in hlo_text.splitlines():
         match = _INSTRUCTION.match(line)
         if not match:
             continue
+        name = line.split("=", 1)[0].replace("ROOT", "").strip().lstrip("%")
         result_shape, opcode, rest = match.groups()
+        shapes[name] = result_shape
+        instructions.append((result_shape, opcode, rest))
+    by_op: dict[str, int] = collections.Counter()
+    count: dict[str, int] = collections.Counter()
+    by_dtype: dict[tuple[str, str], int] = collections.Counter()
+    for result_shape, opcode, rest in instructions:
         base = opcode.removesuffix("-start")
         if base not in COLLECTIVES or opcode.endswith("-done"):
             continue
         # Operands run to the closing parenthesis before the attributes.
-        operands = rest.split("), ")[0]
-        arrays = _array_bytes(operands) or _array_bytes(result_shape)
+        operands = rest.split("), ")[0].rstrip(")")
+        arrays = _array_bytes(operands)
+        if not arrays:
+            for name in re.findall(r"%([\w.\-]+)", operands):
+                arrays.extend(_array_bytes(shapes.get(name, "")))
+        if not arrays:
+            arrays = _array_bytes(result_shape)
         count[base] += 1
         for dtype, nbytes in arrays:
             by_op[base] += nbytes

@@ -1,0 +1,67 @@
+"""Default configuration: every field `train.py` reads, with its meaning.
+
+    python train.py --config=configs/default.py --workdir=/tmp/lpdec_default
+
+Variants import this file and override a few fields (see quickstart.py). On 2
+CPU cores this default (MNIST-1D, 1-D CNN, 8 nodes on a ring, 8-bit CHOCO,
+10 epochs) takes about 2 minutes.
+"""
+
+import ml_collections
+
+
+def get_config() -> ml_collections.ConfigDict:
+    config = ml_collections.ConfigDict()
+
+    # Data: "mnist1d" (generated locally), "digits" (scikit-learn), "synthetic",
+    # or "cifar10" (binary files in data_dir, supplied by the user).
+    config.dataset = "mnist1d"
+    config.data_dir = ""
+    config.num_samples = 5000  # mnist1d / synthetic size (train + test)
+    config.skew = 0.0  # degree of skew of seed 002's partitioner: 0 = IID, 1 = sorted
+    config.augment = False  # CIFAR random crop + flip
+
+    # Model: "cnn1d", "mlp", "resnet20", "resnet54", "vgg11".
+    config.model = "cnn1d"
+    config.model_kwargs = ml_collections.ConfigDict()
+    config.precision = "fp32"  # or "int8": 8-bit training with gradient bifurcation
+    config.norm = ""  # "" = seed 002's choice (EvoNorm for fp32, Range EvoNorm for int8)
+
+    # Decentralization.
+    config.num_nodes = 8
+    config.topology = "ring"  # see lpdec.registry.TOPOLOGIES
+    config.torus_rows = 0  # 0: the squarest torus
+    config.algorithm = "choco"  # see lpdec.registry.ALGORITHMS ("none": independent nodes)
+    config.gamma = 1.0  # consensus step size (choco, deepsqueeze, quant_sgp, sparse_push)
+    config.theta = 1.0  # Moniqua's a-priori bound (moniqua, modulo compressor)
+    config.theta_follows_lr = False  # scale theta with the learning rate (seed 003, Thm. 2)
+    config.slack = 1.0  # Moniqua's slack matrix alpha W + (1 - alpha) I
+
+    # Compression of what crosses the wire.
+    config.compressor = "minmax"  # see lpdec.registry.COMPRESSORS
+    config.bits = 8
+    config.rounding = "nearest"
+    config.chunk_size = 2048
+    config.ratio = 0.01  # top_k / random_k: fraction kept (0.01 = "99% compression")
+
+    # Local optimization (seed 002: Nesterov 0.9, weight decay 1e-4, lr 0.1).
+    config.optimizer = "nesterov"  # sgd, nesterov, qg_momentum, adam
+    config.learning_rate = 0.1
+    config.momentum = 0.9
+    config.weight_decay = 1e-4
+    config.lr_schedule = "piecewise"  # constant, cosine, piecewise
+    config.lr_boundaries = (0.5, 0.75)  # fractions of training (epochs 100 and 150 of 200)
+    config.lr_decay = 0.1
+    config.warmup_steps = 0
+    config.batch_size = 32  # per node
+    config.num_epochs = 10.0
+    config.num_steps = 0  # > 0 overrides num_epochs
+
+    # Bookkeeping.
+    config.seed = 0
+    config.log_every = 50  # steps per compiled chunk; metrics after each chunk
+    config.checkpoint_every = 500  # a multiple of log_every; 0 = only at the end
+    config.eval_local_examples = 1000  # test examples for each node's own model
+    config.halt_after_steps = 0  # stop after this many steps (as if killed after a checkpoint)
+    config.save_final_params = False  # write final_params.npz (all nodes)
+    return config

@@ -1,0 +1,196 @@
+"""train.py end to end: smoke run, exact resume, bad configs, nested nodes, multi-host."""
+
+import csv
+import json
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+from configs import default  # noqa: E402
+from lpdec import registry  # noqa: E402
+
+
+def tiny_config(**overrides):
+    """A config that trains in seconds: synthetic data, an MLP, 8 nodes, 8-bit CHOCO."""
+    config = default.get_config()
+    config.dataset = "synthetic"
+    config.num_samples = 1200
+    config.model = "mlp"
+    config.model_kwargs.hidden_sizes = (32,)
+    config.precision = "int8"
+    config.algorithm = "choco"
+    config.num_steps = 40
+    config.log_every = 10
+    config.checkpoint_every = 10
+    config.learning_rate = 0.05
+    config.save_final_params = True
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def final_params(workdir):
+    with np.load(os.path.join(workdir, "final_params.npz")) as f:
+        return {k: f[k] for k in f.files}
+
+
+def test_smoke_run_writes_metrics_tensorboard_checkpoints_and_summary(tmp_path):
+    summary = train.train_and_evaluate(tiny_config(), str(tmp_path))
+    assert summary["steps"] == 40 and not summary["halted"]
+    with open(tmp_path / "metrics.csv") as f:
+        rows = list(csv.DictReader(f))
+    assert [int(r["step"]) for r in rows] == [10, 20, 30, 40]
+    final = summary["final"]
+    # 4 balanced classes: chance is 0.25; a trained model does much better.
+    assert final["test_accuracy_avg_model"] > 0.6
+    assert final["consensus_distance"] < 1.0
+    assert final["wire_bytes_per_step"] > 0
+    assert final["nonfinite_updates"] == 0 and final["nonfinite_received"] == 0
+    assert os.listdir(tmp_path / "tensorboard")
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["30", "40"]
+    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 40
+
+
+def test_kill_and_resume_gives_the_same_final_parameters(tmp_path):
+    """A run stopped after step 20 (right after its checkpoint) and restarted ends
+    bit-identical to a run that was never interrupted."""
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    train.train_and_evaluate(tiny_config(), str(straight))
+    first = train.train_and_evaluate(tiny_config(halt_after_steps=20), str(resumed))
+    assert first["halted"] and first["steps"] == 20
+    second = train.train_and_evaluate(tiny_config(), str(resumed))
+    assert second["steps"] == 40 and not second["halted"]
+    a, b = final_params(straight), final_params(resumed)
+    assert a.keys() == b.keys()
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
+    with open(resumed / "metrics.csv") as f:
+        assert [int(r["step"]) for r in csv.DictReader(f)] == [10, 20, 30, 40]
+
+
+def test_more_nodes_than_devices_are_simulated_with_vmap(tmp_path):
+    summary = train.train_and_evaluate(
+        tiny_config(num_nodes=16, algorithm="dcd", save_final_params=False), str(tmp_path)
+    )
+    assert summary["nodes_per_device"] == 2
+    assert summary["final"]["test_accuracy_avg_model"] > 0.6
+
+
+BAD_CONFIGS = [
+    ({"algorithm": "gossip"}, "config.algorithm='gossip' is not one of"),
+    ({"topology": "torus", "torus_rows": 3}, "torus_rows=3 does not divide config.num_nodes=8"),
+    ({"algorithm": "choco", "topology": "one_peer_exponential"}, "static topology"),
+    ({"skew": 1.5}, r"config.skew=1.5 must be in \[0, 1\]"),
+    (
+        {"dataset": "cifar10", "data_dir": "/nonexistent/cifar"},
+        "config.data_dir='/nonexistent/cifar'",
+    ),
+    ({"dataset": "cifar10", "data_dir": ""}, "needs config.data_dir"),
+    ({"model": "resnet999"}, "config.model='resnet999' is not one of"),
+    ({"num_nodes": 12}, "not a multiple of 8"),
+    ({"bits": 12}, "bits must be an integer in 1..8"),
+    ({"checkpoint_every": 15}, "multiple of config.log_every"),
+]
+
+
+@pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[str(o) for o, _ in BAD_CONFIGS])
+def test_bad_config_values_raise_one_clear_error(tmp_path, overrides, message):
+    with pytest.raises(registry.ConfigError, match=message):
+        train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
+
+
+def _env(devices):
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def test_command_line_reports_a_bad_config_in_one_line(tmp_path):
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "train.py"),
+            f"--config={ROOT / 'configs' / 'quickstart.py'}",
+            f"--workdir={tmp_path}",
+            "--config.algorithm=gossip",
+        ],
+        env=_env(8),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: config.algorithm='gossip' is not one of"), last
+    assert "Traceback" not in proc.stderr
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+TINY_FLAGS = [
+    "--config.dataset=synthetic",
+    "--config.num_samples=1200",
+    "--config.model=mlp",
+    "--config.precision=int8",
+    "--config.num_steps=20",
+    "--config.log_every=10",
+    "--config.checkpoint_every=10",
+    "--config.learning_rate=0.05",
+    "--config.save_final_params=True",
+]
+
+
+def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
+    """Multi-host for real: jax.distributed over loopback (gloo CPU collectives)."""
+    base = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
+    single = tmp_path / "single"
+    subprocess.run(
+        base + [f"--workdir={single}"] + TINY_FLAGS,
+        env=_env(8),
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    multi = tmp_path / "multi"
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            base
+            + [
+                f"--workdir={multi}",
+                f"--coordinator_address={address}",
+                "--num_processes=2",
+                f"--process_id={i}",
+            ]
+            + TINY_FLAGS,
+            env=_env(4),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            cwd=ROOT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    outputs = [p.communicate(timeout=600)[0] for p in procs]
+    assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
+    summary = json.loads((multi / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["devices"] == 8
+    a, b = final_params(single), final_params(multi)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
