@@ -3,8 +3,9 @@
     python train.py --config=configs/default.py --workdir=/tmp/lpdec_default
 
 Variants import this file and override a few fields (see quickstart.py). On 2
-CPU cores this default (MNIST-1D, 1-D CNN, 8 nodes on a ring, 8-bit CHOCO,
-10 epochs) takes about 2 minutes.
+CPU cores this default (MNIST-1D 5,000, fp32 1-D CNN, 8 nodes on a ring, 8-bit
+CHOCO, 10 epochs = 150 steps) takes about 15 s and ends near 66% test accuracy
+(measured 2026-11-22; the quickstart trains longer on more data).
 """
 
 import ml_collections
