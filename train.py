@@ -115,6 +115,18 @@ def validate_config(config: ml_collections.ConfigDict) -> None:
     registry.make_schedule(config.lr_schedule, config.learning_rate, 1)
     registry.make_local_optimizer(config.optimizer, 0.1)
     devices = jax.device_count()
+    if config.devices:
+        if not 1 <= config.devices <= devices:
+            _fail(f"config.devices={config.devices} must be in 1..{devices} (0 = all devices).")
+        devices = config.devices
+    if config.hierarchical:
+        if config.algorithm != "compressed_mean":
+            _fail("config.hierarchical=True needs config.algorithm='compressed_mean'.")
+        if config.num_nodes <= devices:
+            _fail(
+                "config.hierarchical=True needs several nodes per device (the devices are "
+                "the machines): set config.devices below config.num_nodes."
+            )
     if config.num_nodes > devices and config.num_nodes % devices:
         _fail(
             f"config.num_nodes={config.num_nodes} exceeds the {devices} devices and is not a "
@@ -169,7 +181,7 @@ def training_length(config, samples_used: int) -> tuple[int, int]:
     return max(total, 1), per_epoch
 
 
-def make_optimizer(config, total_steps: int, axis_name):
+def make_optimizer(config, total_steps: int, layout: NodeLayout):
     boundaries = [int(f * total_steps) for f in config.lr_boundaries]
     schedule = registry.make_schedule(
         config.lr_schedule,
@@ -189,11 +201,17 @@ def make_optimizer(config, total_steps: int, axis_name):
     if config.theta_follows_lr:
         # seed 003, Theorem 2: the a-priori bound proportional to the step size.
         theta = lambda step: config.theta * schedule(step) / config.learning_rate  # noqa: E731
+    axis_name, local_axis = layout.axis_name, None
+    if config.hierarchical:
+        # Seed 004: the mesh axis joins the "machines", the nested vmap axis the
+        # devices inside each: compressed_mean reduces inside, compresses across.
+        axis_name, local_axis = layout.mesh_axis, layout.local_axis
     algorithm = registry.make_algorithm(
         config.algorithm,
         topology,
         make_compressor(config),
         axis_name=axis_name,
+        local_axis=local_axis,
         gamma=config.gamma,
         theta=theta,
         slack=config.slack,
@@ -374,7 +392,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     dataset = load_dataset(config)
     n = config.num_nodes
-    layout = make_layout(n)
+    devices = jax.devices()[: config.devices] if config.devices else None
+    layout = make_layout(n, devices=devices)
     parts = lpdec.data.skew_partition(dataset.y_train, n, config.skew, config.seed)
     batcher = lpdec.data.NodeBatcher(
         dataset.x_train,
@@ -396,7 +415,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     stack = lambda tree: jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape), tree)  # noqa: E731
     params, model_state = layout.put(stack(params)), layout.put(stack(model_state))
 
-    tx, schedule = make_optimizer(config, total_steps, layout.axis_name)
+    tx, schedule = make_optimizer(config, total_steps, layout)
     programs = make_programs(model, tx, layout)
     opt_state = programs["init"](params)
     key = layout.put(jax.random.key_data(jax.random.key(config.seed + 1)), per_node=False)
@@ -436,7 +455,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     writer = MetricWriter(workdir, step)
     compiled: dict[int, Any] = {}
-    wire_bytes, wire_source = None, None
+    wire_bytes, wire_source, collectives, bytes_by_axis = None, None, None, {}
     halt_at = step + config.halt_after_steps if config.halt_after_steps else None
     metrics: dict[str, Any] = {}
     loop_started = time.time()
@@ -450,6 +469,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             with lpdec.gossip.traffic_meter() as meter:
                 compiled[length] = programs["train_chunk"].lower(*args).compile()
             if wire_bytes is None:
+                collectives, bytes_by_axis = meter.collectives, dict(meter.bytes_by_axis)
                 # Bytes one node sends per step: read from the compiled program when
                 # every node has its own device; when nodes share devices the HLO shows
                 # none (or inflated) collectives, so the trace-time meter counts them
@@ -519,6 +539,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         "processes": jax.process_count(),
         "nodes_per_device": layout.per_device,
         "wire_bytes_source": wire_source,
+        "collectives_per_step": collectives,
+        "wire_bytes_by_axis": bytes_by_axis,
         "config": config.to_dict(),
     }
     if jax.process_index() == 0:

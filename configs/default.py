@@ -37,6 +37,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.theta = 1.0  # Moniqua's a-priori bound (moniqua, modulo compressor)
     config.theta_follows_lr = False  # scale theta with the learning rate (seed 003, Thm. 2)
     config.slack = 1.0  # Moniqua's slack matrix alpha W + (1 - alpha) I
+    config.devices = 0  # devices to use (0 = all); fewer than num_nodes nests nodes
+    config.hierarchical = False  # compressed_mean: devices are machines (seed 004)
 
     # Compression of what crosses the wire.
     config.compressor = "minmax"  # see lpdec.registry.COMPRESSORS

@@ -42,11 +42,14 @@ class TrafficMeter:
       bytes: average over the nodes of the bytes each sends, per call.
       collectives: number of collective calls traced (time-varying rounds count
         with their share of the period).
+      bytes_by_axis: `bytes` split by the axis name the collective ran over
+        (e.g. inside vs across machines in a hierarchical layout).
     """
 
     def __init__(self):
         self.bytes = 0.0
         self.collectives = 0.0
+        self.bytes_by_axis: dict[str, float] = {}
 
 
 _METERS: list[TrafficMeter] = []
@@ -76,13 +79,17 @@ def traffic_meter():
         _METERS.remove(meter)
 
 
-def _record(tree: PyTree, senders: float = 1.0) -> None:
+def _record(tree: PyTree, axis_name, senders: float = 1.0) -> None:
     if not _METERS:
         return
     nbytes = sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in jax.tree.leaves(tree))
+    axis = "+".join(axis_name) if isinstance(axis_name, tuple) else str(axis_name)
     for meter in _METERS:
         meter.bytes += nbytes * senders * _SHARE[-1]
         meter.collectives += _SHARE[-1]
+        meter.bytes_by_axis[axis] = (
+            meter.bytes_by_axis.get(axis, 0.0) + nbytes * senders * _SHARE[-1]
+        )
 
 
 def require_axis(axis_name: str, who: str) -> int:
@@ -107,13 +114,13 @@ def all_to_all_payload(payload_chunks: PyTree, *, axis_name: str) -> PyTree:
     Returns:
       The same structure and shapes; row c is what node c sent to this node.
     """
-    _record(payload_chunks)  # counted like compiled HLO counts it: the whole operand
+    _record(payload_chunks, axis_name)  # counted like compiled HLO counts it: the whole operand
     return jax.lax.all_to_all(payload_chunks, axis_name, 0, 0)
 
 
 def all_gather_payload(payload: PyTree, *, axis_name: str) -> PyTree:
     """Every node's `payload`, stacked along a new leading axis of size n (row c: node c's)."""
-    _record(payload)
+    _record(payload, axis_name)
     return jax.lax.all_gather(payload, axis_name)
 
 
@@ -124,20 +131,20 @@ def local_reduce_scatter(x: PyTree, *, axis_name: str) -> PyTree:
     result's is 1/L of it.
     """
     size = jax.lax.axis_size(axis_name)
-    _record(x)
+    _record(x, axis_name)
     summed = jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
     return jax.tree.map(lambda s: s / size, summed)
 
 
 def local_all_gather(x: PyTree, *, axis_name: str) -> PyTree:
     """Concatenation of every rank's `x` along the leading axis, in rank order (tiled)."""
-    _record(x)
+    _record(x, axis_name)
     return jax.lax.all_gather(x, axis_name, tiled=True)
 
 
 def local_sum(x: PyTree, *, axis_name: str) -> PyTree:
     """Full-precision sum over `axis_name` (one all-reduce for the whole tree)."""
-    _record(x)
+    _record(x, axis_name)
     return jax.lax.psum(x, axis_name)
 
 
@@ -275,7 +282,7 @@ def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: AxisNa
     nodes per device) goes through `_nested_ppermute`.
     """
     buffers, unpack = pack(tree)
-    _record(buffers, senders=len(perm) / jax.lax.axis_size(axis_name))
+    _record(buffers, axis_name, senders=len(perm) / jax.lax.axis_size(axis_name))
     return unpack(_ppermute_array(buffers, perm, axis_name))
 
 

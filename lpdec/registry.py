@@ -162,6 +162,7 @@ def make_algorithm(
     compressor: compress.Compressor,
     *,
     axis_name,
+    local_axis: str | None = None,
     gamma: float = 1.0,
     theta: float | Callable = 1.0,
     slack: float = 1.0,
@@ -208,7 +209,9 @@ def make_algorithm(
                 comp=None if isinstance(compressor, compress.Identity) else compressor,
                 seed=seed,
             ),
-            "compressed_mean": lambda: compressed_mean(compressor, axis_name=axis_name, seed=seed),
+            "compressed_mean": lambda: compressed_mean(
+                compressor, axis_name=axis_name, local_axis=local_axis, seed=seed
+            ),
             "allreduce": lambda: local_mean(axis_name=axis_name),
             "none": lambda: None,
         }
