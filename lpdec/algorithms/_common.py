@@ -167,5 +167,27 @@ def check_gamma(gamma: float, name: str) -> float:
     return float(gamma)
 
 
-def transform(init_fn, update_fn) -> optax.GradientTransformationExtraArgs:
+def check_compressor(compressor, name: str, example: str = "lpdec.minmax(8)"):
+    if not isinstance(compressor, compress_base.Compressor):
+        raise TypeError(f"{name} needs an lpdec compressor (e.g. {example}); got {compressor!r}.")
+    return compressor
+
+
+def transform(
+    name: str, init, step, init_kwargs: dict, step_kwargs: dict, *, needs_params: bool = True
+) -> optax.GradientTransformationExtraArgs:
+    """The optax transform of an algorithm module: `init(params, **init_kwargs)` and
+    `step(updates, state, params, **step_kwargs)` (without `params` when the step does
+    not read them), with a clear error when a needed `params` is missing."""
+
+    def init_fn(params):
+        return init(params, **init_kwargs)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        if not needs_params:
+            return step(updates, state, **step_kwargs)
+        params = require_params(params, name)
+        return step(updates, state, params, **step_kwargs)
+
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -231,26 +231,18 @@ def choco(
     gamma = _common.check_gamma(gamma, "choco")
     if replicas not in REPLICAS:
         raise ValueError(f"choco: replicas must be 'sum' or 'per_peer'; got {replicas!r}.")
-    if not isinstance(compressor, compress_base.Compressor):
-        raise TypeError(
-            f"choco needs an lpdec compressor (e.g. lpdec.minmax(8)); got {compressor!r}."
-        )
+    _common.check_compressor(compressor, "choco", "lpdec.minmax(8)")
 
-    def init_fn(params):
-        return init(params, topology=topology, replicas=replicas, seed=seed, axis_name=axis_name)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        params = _common.require_params(params, "choco")
-        return step(
-            updates,
-            state,
-            params,
+    return _common.transform(
+        "choco",
+        init,
+        step,
+        dict(topology=topology, replicas=replicas, seed=seed, axis_name=axis_name),
+        dict(
             topology=topology,
             compressor=compressor,
             gamma=gamma,
             replicas=replicas,
             axis_name=axis_name,
-        )
-
-    return _common.transform(init_fn, update_fn)
+        ),
+    )

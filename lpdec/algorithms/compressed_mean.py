@@ -271,10 +271,7 @@ def compressed_mean(
       Quantization and Encoding, NeurIPS 2017, https://arxiv.org/abs/1610.02132;
       Bagua's low precision gradient all-reduce, https://github.com/BaguaSys/bagua
     """
-    if not isinstance(comp, compress_base.Compressor):
-        raise TypeError(
-            f"compressed_mean needs an lpdec compressor (e.g. lpdec.minmax(8)); got {comp!r}."
-        )
+    _common.check_compressor(comp, "compressed_mean", "lpdec.minmax(8)")
     if isinstance(comp, Modulo):
         raise ValueError(
             "compressed_mean cannot use modulo: it decodes against the receiver's own model, "
@@ -288,11 +285,11 @@ def compressed_mean(
             f"axis_name={axis_name!r}; got {local_axis!r}."
         )
 
-    def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name, local_axis=local_axis)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        return step(updates, state, compressor=comp, axis_name=axis_name, local_axis=local_axis)
-
-    return _common.transform(init_fn, update_fn)
+    return _common.transform(
+        "compressed_mean",
+        init,
+        step,
+        dict(seed=seed, axis_name=axis_name, local_axis=local_axis),
+        dict(compressor=comp, axis_name=axis_name, local_axis=local_axis),
+        needs_params=False,
+    )

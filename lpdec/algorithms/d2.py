@@ -207,14 +207,10 @@ def d2(
         )
     compressor = Identity() if comp is None else comp
 
-    def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        params = _common.require_params(params, "d2")
-        return step(
-            updates, state, params, topology=topology, compressor=compressor, axis_name=axis_name
-        )
-
-    return _common.transform(init_fn, update_fn)
+    return _common.transform(
+        "d2",
+        init,
+        step,
+        dict(seed=seed, axis_name=axis_name),
+        dict(topology=topology, compressor=compressor, axis_name=axis_name),
+    )

@@ -250,30 +250,17 @@ def dcd(
     _common.check_topology(topology, "dcd", require="doubly_stochastic", static=True)
     if replicas not in REPLICAS:
         raise ValueError(f"dcd: replicas must be 'sum' or 'per_peer'; got {replicas!r}.")
-    if not isinstance(compressor, compress_base.Compressor):
-        raise TypeError(
-            f"dcd needs an lpdec compressor (e.g. lpdec.minmax(8)); got {compressor!r}."
-        )
+    _common.check_compressor(compressor, "dcd", "lpdec.minmax(8)")
     if isinstance(compressor, Modulo):
         raise ValueError(
             "dcd sends differences z, which modulo cannot decode (it decodes against the "
             "receiver's own model); use lpdec.moniqua for modulo quantization."
         )
 
-    def init_fn(params):
-        return init(params, topology=topology, replicas=replicas, seed=seed, axis_name=axis_name)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        params = _common.require_params(params, "dcd")
-        return step(
-            updates,
-            state,
-            params,
-            topology=topology,
-            compressor=compressor,
-            replicas=replicas,
-            axis_name=axis_name,
-        )
-
-    return _common.transform(init_fn, update_fn)
+    return _common.transform(
+        "dcd",
+        init,
+        step,
+        dict(topology=topology, replicas=replicas, seed=seed, axis_name=axis_name),
+        dict(topology=topology, compressor=compressor, replicas=replicas, axis_name=axis_name),
+    )

@@ -151,25 +151,12 @@ def deepsqueeze(
     """
     _common.check_topology(topology, "deepsqueeze", require="doubly_stochastic")
     gamma = _common.check_gamma(gamma, "deepsqueeze")
-    if not isinstance(compressor, compress_base.Compressor):
-        raise TypeError(
-            f"deepsqueeze needs an lpdec compressor (e.g. lpdec.top_k(0.1)); got {compressor!r}."
-        )
+    _common.check_compressor(compressor, "deepsqueeze", "lpdec.top_k(0.1)")
 
-    def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        params = _common.require_params(params, "deepsqueeze")
-        return step(
-            updates,
-            state,
-            params,
-            topology=topology,
-            compressor=compressor,
-            gamma=gamma,
-            axis_name=axis_name,
-        )
-
-    return _common.transform(init_fn, update_fn)
+    return _common.transform(
+        "deepsqueeze",
+        init,
+        step,
+        dict(seed=seed, axis_name=axis_name),
+        dict(topology=topology, compressor=compressor, gamma=gamma, axis_name=axis_name),
+    )

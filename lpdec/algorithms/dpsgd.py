@@ -88,12 +88,6 @@ def dpsgd(topology: Topology, *, axis_name: str = "nodes") -> optax.GradientTran
     """
     _common.check_topology(topology, "dpsgd", require="row_stochastic")
 
-    def init_fn(params):
-        return init(params, axis_name=axis_name)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        params = _common.require_params(params, "dpsgd")
-        return step(updates, state, params, topology=topology, axis_name=axis_name)
-
-    return _common.transform(init_fn, update_fn)
+    return _common.transform(
+        "dpsgd", init, step, dict(axis_name=axis_name), dict(topology=topology, axis_name=axis_name)
+    )

@@ -81,11 +81,11 @@ def local_mean(*, axis_name: str) -> optax.GradientTransformationExtraArgs:
     if not isinstance(axis_name, str):
         raise TypeError(f"local_mean: axis_name must be a string; got {axis_name!r}.")
 
-    def init_fn(params):
-        return init(params, axis_name=axis_name)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del params, extra_args
-        return step(updates, state, axis_name=axis_name)
-
-    return _common.transform(init_fn, update_fn)
+    return _common.transform(
+        "local_mean",
+        init,
+        step,
+        dict(axis_name=axis_name),
+        dict(axis_name=axis_name),
+        needs_params=False,
+    )

@@ -302,20 +302,10 @@ def moniqua(
     compressor = Modulo(bits, 1.0 if callable(theta) else theta, rounding)
     mixing = topology.with_slack(slack) if slack != 1 else topology
 
-    def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        params = _common.require_params(params, "moniqua")
-        return step(
-            updates,
-            state,
-            params,
-            topology=mixing,
-            compressor=compressor,
-            theta=theta,
-            axis_name=axis_name,
-        )
-
-    return _common.transform(init_fn, update_fn)
+    return _common.transform(
+        "moniqua",
+        init,
+        step,
+        dict(seed=seed, axis_name=axis_name),
+        dict(topology=mixing, compressor=compressor, theta=theta, axis_name=axis_name),
+    )

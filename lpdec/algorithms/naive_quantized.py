@@ -122,24 +122,17 @@ def naive_quantized(
       SGD, ICML 2020, https://arxiv.org/abs/2002.11787 (Section 3)
     """
     _common.check_topology(topology, "naive_quantized", require="row_stochastic")
-    if not isinstance(compressor, compress_base.Compressor):
-        raise TypeError(
-            f"naive_quantized needs an lpdec compressor (e.g. lpdec.minmax(8)); got {compressor!r}."
-        )
+    _common.check_compressor(compressor, "naive_quantized", "lpdec.minmax(8)")
     if isinstance(compressor, Modulo):
         raise TypeError(
             "naive_quantized decodes each Q(x_j) on its own, but lpdec.modulo decodes against "
             "the receiver's model; use lpdec.moniqua for modulo quantization."
         )
 
-    def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        params = _common.require_params(params, "naive_quantized")
-        return step(
-            updates, state, params, topology=topology, compressor=compressor, axis_name=axis_name
-        )
-
-    return _common.transform(init_fn, update_fn)
+    return _common.transform(
+        "naive_quantized",
+        init,
+        step,
+        dict(seed=seed, axis_name=axis_name),
+        dict(topology=topology, compressor=compressor, axis_name=axis_name),
+    )

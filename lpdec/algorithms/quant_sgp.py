@@ -210,25 +210,12 @@ def quant_sgp(
     """
     _common.check_topology(topology, "quant_sgp", require="column_stochastic", static=True)
     gamma = _common.check_gamma(gamma, "quant_sgp")
-    if not isinstance(compressor, compress_base.Compressor):
-        raise TypeError(
-            f"quant_sgp needs an lpdec compressor (e.g. lpdec.minmax(8)); got {compressor!r}."
-        )
+    _common.check_compressor(compressor, "quant_sgp", "lpdec.minmax(8)")
 
-    def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        params = _common.require_params(params, "quant_sgp")
-        return step(
-            updates,
-            state,
-            params,
-            topology=topology,
-            compressor=compressor,
-            gamma=gamma,
-            axis_name=axis_name,
-        )
-
-    return _common.transform(init_fn, update_fn)
+    return _common.transform(
+        "quant_sgp",
+        init,
+        step,
+        dict(seed=seed, axis_name=axis_name),
+        dict(topology=topology, compressor=compressor, gamma=gamma, axis_name=axis_name),
+    )

@@ -244,25 +244,12 @@ def sparse_push(
     """
     _common.check_topology(topology, "sparse_push", require="column_stochastic")
     gamma = _common.check_gamma(gamma, "sparse_push")
-    if not isinstance(compressor, compress_base.Compressor):
-        raise TypeError(
-            f"sparse_push needs an lpdec compressor (e.g. lpdec.top_k(0.1)); got {compressor!r}."
-        )
+    _common.check_compressor(compressor, "sparse_push", "lpdec.top_k(0.1)")
 
-    def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        params = _common.require_params(params, "sparse_push")
-        return step(
-            updates,
-            state,
-            params,
-            topology=topology,
-            compressor=compressor,
-            gamma=gamma,
-            axis_name=axis_name,
-        )
-
-    return _common.transform(init_fn, update_fn)
+    return _common.transform(
+        "sparse_push",
+        init,
+        step,
+        dict(seed=seed, axis_name=axis_name),
+        dict(topology=topology, compressor=compressor, gamma=gamma, axis_name=axis_name),
+    )
