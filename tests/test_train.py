@@ -4,9 +4,11 @@ import csv
 import json
 import os
 import pathlib
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -75,6 +77,54 @@ def test_kill_and_resume_gives_the_same_final_parameters(tmp_path):
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)
     with open(resumed / "metrics.csv") as f:
         assert [int(r["step"]) for r in csv.DictReader(f)] == [10, 20, 30, 40]
+
+
+def test_a_process_killed_mid_run_resumes_to_the_same_parameters(tmp_path):
+    """SIGKILL a real training process once a checkpoint exists; the restarted run ends
+    bit-identical to an uninterrupted one."""
+    flags = TINY_FLAGS[:-5] + [
+        "--config.num_steps=60",
+        "--config.log_every=10",
+        "--config.checkpoint_every=10",
+        "--config.learning_rate=0.05",
+        "--config.save_final_params=True",
+    ]
+    base = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    subprocess.run(
+        base + [f"--workdir={straight}"] + flags,
+        env=_env(8),
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    proc = subprocess.Popen(
+        base + [f"--workdir={killed}"] + flags,
+        env=_env(8),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        cwd=ROOT,
+    )
+    checkpoint = killed / "checkpoints" / "20"
+    deadline = time.time() + 300
+    while not checkpoint.exists() and proc.poll() is None and time.time() < deadline:
+        time.sleep(0.05)
+    assert checkpoint.exists(), "no checkpoint appeared before the run ended"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    assert not (killed / "final_params.npz").exists()
+    subprocess.run(
+        base + [f"--workdir={killed}"] + flags,
+        env=_env(8),
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    a, b = final_params(straight), final_params(killed)
+    for name in a:
+        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
 
 
 def test_more_nodes_than_devices_are_simulated_with_vmap(tmp_path):
