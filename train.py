@@ -16,6 +16,7 @@ checkpoints that a restarted run resumes from exactly, and `summary.json`.
 from __future__ import annotations
 
 import csv
+import functools
 import json
 import os
 import sys
@@ -151,15 +152,24 @@ def make_compressor(config):
 
 
 def load_dataset(config) -> lpdec.data.Dataset:
-    if config.dataset == "cifar10":
-        try:
-            return lpdec.data.cifar10(config.data_dir)
-        except (FileNotFoundError, ValueError) as error:
-            _fail(f"config.data_dir={config.data_dir!r}: {error}")
-    if config.dataset == "mnist1d":
-        return lpdec.data.mnist1d(num_samples=config.num_samples)
-    if config.dataset == "synthetic":
-        return lpdec.data.synthetic(config.num_samples, 16, 4, config.seed)
+    try:
+        return _load_dataset(config.dataset, config.data_dir, config.num_samples, config.seed)
+    except (FileNotFoundError, ValueError) as error:
+        if config.dataset != "cifar10":
+            raise
+        _fail(f"config.data_dir={config.data_dir!r}: {error}")
+
+
+@functools.lru_cache(maxsize=2)
+def _load_dataset(name: str, data_dir: str, num_samples: int, seed: int) -> lpdec.data.Dataset:
+    # Cached: the data sets are deterministic in these arguments, and generating
+    # MNIST-1D takes longer than a short run (bench/experiments.py runs hundreds).
+    if name == "cifar10":
+        return lpdec.data.cifar10(data_dir)
+    if name == "mnist1d":
+        return lpdec.data.mnist1d(num_samples=num_samples)
+    if name == "synthetic":
+        return lpdec.data.synthetic(num_samples, 16, 4, seed)
     return lpdec.data.digits()
 
 
