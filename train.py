@@ -476,7 +476,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         step0 = layout.put(np.int32(step), per_node=False)
         args = (params, opt_state, model_state, xs, ys, step0, key)
         if length not in compiled:
-            with lpdec.gossip.traffic_meter() as meter:
+            with lpdec.wire.traffic_meter() as meter:
                 compiled[length] = programs["train_chunk"].lower(*args).compile()
             if wire_bytes is None:
                 collectives, bytes_by_axis = meter.collectives, dict(meter.bytes_by_axis)

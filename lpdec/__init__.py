@@ -10,6 +10,7 @@ from lpdec import metrics
 from lpdec import models
 from lpdec import nn
 from lpdec import topology
+from lpdec import wire
 from lpdec.algorithms._common import Health
 from lpdec.algorithms.choco import choco
 from lpdec.algorithms.compressed_mean import compressed_mean
@@ -81,4 +82,5 @@ __all__ = [
     "top_k",
     "topology",
     "torus",
+    "wire",
 ]

@@ -17,8 +17,6 @@ under `shard_map`, `vmap` and both nested (a 2-axis mesh).
 
 from __future__ import annotations
 
-import contextlib
-import math
 from collections.abc import Callable
 from collections.abc import Sequence
 from typing import Any
@@ -28,68 +26,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lpdec import wire
 from lpdec.compress import base as compress_base
 from lpdec.topology import Round
 from lpdec.topology import Topology
 
 PyTree = Any
-
-
-class TrafficMeter:
-    """Bytes one node sends per call of a traced function (see `traffic_meter`).
-
-    Attributes:
-      bytes: average over the nodes of the bytes each sends, per call.
-      collectives: number of collective calls traced (time-varying rounds count
-        with their share of the period).
-      bytes_by_axis: `bytes` split by the axis name the collective ran over
-        (e.g. inside vs across machines in a hierarchical layout).
-    """
-
-    def __init__(self):
-        self.bytes = 0.0
-        self.collectives = 0.0
-        self.bytes_by_axis: dict[str, float] = {}
-
-
-_METERS: list[TrafficMeter] = []
-_SHARE = [1.0]  # share of the steps a traced branch runs (rounds of a period)
-
-
-@contextlib.contextmanager
-def traffic_meter():
-    """Counts, while jax traces, the bytes each node sends through this module.
-
-    Every collective of lpdec goes through this module, and the shapes it sees
-    while tracing are one node's, so the count holds for every layout: one node
-    per device, `vmap`, or both, where compiled HLO shows no (or inflated)
-    collectives. A ppermute along a partial permutation counts for the nodes
-    that send; a time-varying topology's rounds count with weight 1 / period.
-
-    Example:
-      >>> with gossip.traffic_meter() as meter:
-      ...     jax.jit(step).lower(*args)
-      >>> meter.bytes  # per node per call of step
-    """
-    meter = TrafficMeter()
-    _METERS.append(meter)
-    try:
-        yield meter
-    finally:
-        _METERS.remove(meter)
-
-
-def _record(tree: PyTree, axis_name, senders: float = 1.0) -> None:
-    if not _METERS:
-        return
-    nbytes = sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in jax.tree.leaves(tree))
-    axis = "+".join(axis_name) if isinstance(axis_name, tuple) else str(axis_name)
-    for meter in _METERS:
-        meter.bytes += nbytes * senders * _SHARE[-1]
-        meter.collectives += _SHARE[-1]
-        meter.bytes_by_axis[axis] = (
-            meter.bytes_by_axis.get(axis, 0.0) + nbytes * senders * _SHARE[-1]
-        )
 
 
 def require_axis(axis_name: str, who: str) -> int:
@@ -114,13 +56,13 @@ def all_to_all_payload(payload_chunks: PyTree, *, axis_name: str) -> PyTree:
     Returns:
       The same structure and shapes; row c is what node c sent to this node.
     """
-    _record(payload_chunks, axis_name)  # counted like compiled HLO counts it: the whole operand
+    wire.record(payload_chunks, axis_name)  # counted like compiled HLO counts it: the whole operand
     return jax.lax.all_to_all(payload_chunks, axis_name, 0, 0)
 
 
 def all_gather_payload(payload: PyTree, *, axis_name: str) -> PyTree:
     """Every node's `payload`, stacked along a new leading axis of size n (row c: node c's)."""
-    _record(payload, axis_name)
+    wire.record(payload, axis_name)
     return jax.lax.all_gather(payload, axis_name)
 
 
@@ -131,20 +73,20 @@ def local_reduce_scatter(x: PyTree, *, axis_name: str) -> PyTree:
     result's is 1/L of it.
     """
     size = jax.lax.axis_size(axis_name)
-    _record(x, axis_name)
+    wire.record(x, axis_name)
     summed = jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
     return jax.tree.map(lambda s: s / size, summed)
 
 
 def local_all_gather(x: PyTree, *, axis_name: str) -> PyTree:
     """Concatenation of every rank's `x` along the leading axis, in rank order (tiled)."""
-    _record(x, axis_name)
+    wire.record(x, axis_name)
     return jax.lax.all_gather(x, axis_name, tiled=True)
 
 
 def local_sum(x: PyTree, *, axis_name: str) -> PyTree:
     """Full-precision sum over `axis_name` (one all-reduce for the whole tree)."""
-    _record(x, axis_name)
+    wire.record(x, axis_name)
     return jax.lax.psum(x, axis_name)
 
 
@@ -192,11 +134,8 @@ def in_round(topology: Topology, step: jax.Array, fn: Callable[[Round], PyTree])
         return fn(topology.rounds[0])
 
     def branch(round_):
-        _SHARE.append(_SHARE[-1] / topology.period)
-        try:
+        with wire.share(1.0 / topology.period):
             return fn(round_)
-        finally:
-            _SHARE.pop()
 
     branches = [lambda r=r: branch(r) for r in topology.rounds]
     return jax.lax.switch(jnp.asarray(step, jnp.int32) % topology.period, branches)
@@ -221,53 +160,6 @@ class Received(NamedTuple):
 AxisName = str | tuple[str, ...]
 
 
-# Leaves at least this large travel in their own collective; smaller ones are packed.
-PACK_BELOW_BYTES = 1 << 18
-
-
-def pack(tree: PyTree) -> tuple[list[jax.Array], Callable[[list[jax.Array]], PyTree]]:
-    """Groups a tree's leaves into few buffers for transfer; returns them and the inverse.
-
-    Every collective is a rendezvous of all the nodes, which costs far more than
-    its bytes on a host with few cores for many devices (and is latency on a real
-    network). A payload tree holds several small arrays per leaf (a min-max
-    payload: codes, lo, unit), so the leaves smaller than `PACK_BELOW_BYTES` are
-    bit-cast to uint8 and concatenated into one buffer, while large leaves travel
-    as they are (concatenating them would cost a copy of the model).
-    """
-    leaves, treedef = jax.tree.flatten(tree)
-    large = [i for i, x in enumerate(leaves) if x.size * x.dtype.itemsize >= PACK_BELOW_BYTES]
-    small = [i for i in range(len(leaves)) if i not in large]
-    buffers = [leaves[i] for i in large]
-    specs = []
-    if small:
-        parts = []
-        for i in small:
-            x = leaves[i]
-            raw = x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
-            parts.append(raw.reshape(-1))
-            specs.append((i, x.shape, x.dtype, raw.size))
-        buffers.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
-
-    def unpack(received: list[jax.Array]) -> PyTree:
-        out = [None] * len(leaves)
-        for i, x in zip(large, received, strict=False):
-            out[i] = x
-        if small:
-            packed, offset = received[-1], 0
-            for i, shape, dtype, size in specs:
-                raw = packed[offset : offset + size]
-                offset += size
-                if dtype == jnp.uint8:
-                    out[i] = raw.reshape(shape)
-                else:
-                    width = np.dtype(dtype).itemsize
-                    out[i] = jax.lax.bitcast_convert_type(raw.reshape(shape + (width,)), dtype)
-        return treedef.unflatten(out)
-
-    return buffers, unpack
-
-
 def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: AxisName) -> PyTree:
     """`lax.ppermute` of a tree along a partial permutation; non-receivers get zeros.
 
@@ -281,8 +173,8 @@ def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: AxisNa
     names (a mesh axis, then a vmap axis nested inside it: several simulated
     nodes per device) goes through `_nested_ppermute`.
     """
-    buffers, unpack = pack(tree)
-    _record(buffers, axis_name, senders=len(perm) / jax.lax.axis_size(axis_name))
+    buffers, unpack = wire.pack(tree)
+    wire.record(buffers, axis_name, senders=len(perm) / jax.lax.axis_size(axis_name))
     return unpack(_ppermute_array(buffers, perm, axis_name))
 
 

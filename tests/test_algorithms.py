@@ -13,6 +13,7 @@ import pytest
 import lpdec
 from lpdec import gossip
 from lpdec import metrics
+from lpdec import wire
 
 N = 8
 RING = lpdec.ring(N)
@@ -180,7 +181,7 @@ def _compiled_update_traffic(name, d):
     params = jax.device_put(jnp.ones((N, d)), jax.NamedSharding(mesh, spec))
     state = jax.jit(jax.shard_map(init, mesh=mesh, in_specs=spec, out_specs=spec))(params)
     fn = jax.shard_map(update, mesh=mesh, in_specs=(spec, spec, spec), out_specs=spec)
-    with gossip.traffic_meter() as meter:
+    with wire.traffic_meter() as meter:
         traffic = metrics.compiled_traffic(fn, params, params, state)
     # The trace-time meter (what train.py reports when nodes share devices) agrees.
     assert meter.bytes == traffic.total_bytes, (meter.bytes, traffic)

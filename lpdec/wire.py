@@ -1,0 +1,132 @@
+"""What goes on the wire: payload packing and a trace-time byte meter.
+
+`lpdec.gossip` calls these; neither calls a collective itself.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+
+class TrafficMeter:
+    """Bytes one node sends per call of a traced function (see `traffic_meter`).
+
+    Attributes:
+      bytes: average over the nodes of the bytes each sends, per call.
+      collectives: number of collective calls traced (time-varying rounds count
+        with their share of the period).
+      bytes_by_axis: `bytes` split by the axis name the collective ran over
+        (e.g. inside vs across machines in a hierarchical layout).
+    """
+
+    def __init__(self):
+        self.bytes = 0.0
+        self.collectives = 0.0
+        self.bytes_by_axis: dict[str, float] = {}
+
+
+_METERS: list[TrafficMeter] = []
+_SHARE = [1.0]  # share of the steps a traced branch runs (rounds of a period)
+
+
+@contextlib.contextmanager
+def traffic_meter():
+    """Counts, while jax traces, the bytes each node sends through this module.
+
+    Every collective of lpdec goes through this module, and the shapes it sees
+    while tracing are one node's, so the count holds for every layout: one node
+    per device, `vmap`, or both, where compiled HLO shows no (or inflated)
+    collectives. A ppermute along a partial permutation counts for the nodes
+    that send; a time-varying topology's rounds count with weight 1 / period.
+
+    Example:
+      >>> with lpdec.wire.traffic_meter() as meter:
+      ...     jax.jit(step).lower(*args)
+      >>> meter.bytes  # per node per call of step
+    """
+    meter = TrafficMeter()
+    _METERS.append(meter)
+    try:
+        yield meter
+    finally:
+        _METERS.remove(meter)
+
+
+def record(tree: PyTree, axis_name, senders: float = 1.0) -> None:
+    """Adds a collective's operand to the active meters (a no-op when none is active)."""
+    if not _METERS:
+        return
+    nbytes = sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in jax.tree.leaves(tree))
+    axis = "+".join(axis_name) if isinstance(axis_name, tuple) else str(axis_name)
+    for meter in _METERS:
+        meter.bytes += nbytes * senders * _SHARE[-1]
+        meter.collectives += _SHARE[-1]
+        meter.bytes_by_axis[axis] = (
+            meter.bytes_by_axis.get(axis, 0.0) + nbytes * senders * _SHARE[-1]
+        )
+
+
+@contextlib.contextmanager
+def share(fraction: float):
+    """Weights what is recorded inside by `fraction` (a round of a time-varying period)."""
+    _SHARE.append(_SHARE[-1] * fraction)
+    try:
+        yield
+    finally:
+        _SHARE.pop()
+
+
+# Leaves at least this large travel in their own collective; smaller ones are packed.
+PACK_BELOW_BYTES = 1 << 18
+
+
+def pack(tree: PyTree) -> tuple[list[jax.Array], Callable[[list[jax.Array]], PyTree]]:
+    """Groups a tree's leaves into few buffers for transfer; returns them and the inverse.
+
+    Every collective is a rendezvous of all the nodes, which costs far more than
+    its bytes on a host with few cores for many devices (and is latency on a real
+    network). A payload tree holds several small arrays per leaf (a min-max
+    payload: codes, lo, unit), so the leaves smaller than `PACK_BELOW_BYTES` are
+    bit-cast to uint8 and concatenated into one buffer, while large leaves travel
+    as they are (concatenating them would cost a copy of the model).
+    """
+    leaves, treedef = jax.tree.flatten(tree)
+    large = [i for i, x in enumerate(leaves) if x.size * x.dtype.itemsize >= PACK_BELOW_BYTES]
+    small = [i for i in range(len(leaves)) if i not in large]
+    buffers = [leaves[i] for i in large]
+    specs = []
+    if small:
+        parts = []
+        for i in small:
+            x = leaves[i]
+            raw = x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8)
+            parts.append(raw.reshape(-1))
+            specs.append((i, x.shape, x.dtype, raw.size))
+        buffers.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
+
+    def unpack(received: list[jax.Array]) -> PyTree:
+        out = [None] * len(leaves)
+        for i, x in zip(large, received, strict=False):
+            out[i] = x
+        if small:
+            packed, offset = received[-1], 0
+            for i, shape, dtype, size in specs:
+                raw = packed[offset : offset + size]
+                offset += size
+                if dtype == jnp.uint8:
+                    out[i] = raw.reshape(shape)
+                else:
+                    width = np.dtype(dtype).itemsize
+                    out[i] = jax.lax.bitcast_convert_type(raw.reshape(shape + (width,)), dtype)
+        return treedef.unflatten(out)
+
+    return buffers, unpack
