@@ -266,7 +266,13 @@ def make_programs(model, tx, layout: NodeLayout):
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
             accuracy = jnp.mean(jnp.argmax(logits, -1) == y)
-            return (params, opt_state, model_state), (loss, accuracy)
+            carry = (params, opt_state, model_state)
+            if not layout.nested:
+                # The carry entered as varying over the nodes (`NodeLayout.map` casts the
+                # initial state); keep every leaf so, e.g. a constant learning rate that
+                # an optimizer stores, or check_vma rejects the scan.
+                carry = lpdec.gossip.to_varying(carry, layout.mesh_axis)
+            return carry, (loss, accuracy)
 
         steps = jnp.arange(xs.shape[0], dtype=jnp.int32)
         carry, (losses, accuracies) = jax.lax.scan(

@@ -135,6 +135,23 @@ def test_more_nodes_than_devices_are_simulated_with_vmap(tmp_path):
     assert summary["final"]["test_accuracy_avg_model"] > 0.6
 
 
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"optimizer": "qg_momentum", "lr_schedule": "constant"},
+        {"optimizer": "adam", "algorithm": "moniqua", "theta": 0.5, "theta_follows_lr": True},
+        {"algorithm": "compressed_mean", "devices": 2, "hierarchical": True},
+    ],
+    ids=["qgm-constant-lr", "adam-moniqua-theta-schedule", "hierarchical-2x4"],
+)
+def test_optimizers_algorithms_and_layouts_train(tmp_path, overrides):
+    """Combinations whose state types once broke the scan (a constant learning rate kept
+    in the optimizer state) or that use a 2-level layout (seed 004's hierarchy)."""
+    config = tiny_config(num_steps=20, save_final_params=False, **overrides)
+    summary = train.train_and_evaluate(config, str(tmp_path))
+    assert summary["final"]["test_accuracy_avg_model"] > 0.4
+
+
 BAD_CONFIGS = [
     ({"algorithm": "gossip"}, "config.algorithm='gossip' is not one of"),
     ({"topology": "torus", "torus_rows": 3}, "torus_rows=3 does not divide config.num_nodes=8"),
