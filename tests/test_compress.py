@@ -11,6 +11,8 @@ import pytest
 import lpdec
 from lpdec import compress
 from lpdec.kernels_pallas import bitpack
+from test_kernels import np_dequantize
+from test_kernels import np_minmax_quantize
 
 EPS32 = float(np.finfo(np.float32).eps)
 SIZES = [1, 7, 1000, 4099]
@@ -115,6 +117,43 @@ def test_minmax_decode_accumulate_matches_float32_reference(rng):
     out = comp.decode_accumulate(payload, jnp.asarray(acc), weight)
     expected = acc + weight * np.asarray(comp.decode(payload))
     np.testing.assert_array_equal(np.asarray(out), expected)
+
+
+@pytest.mark.parametrize("shape,chunk_size", [((3, 1000), 500), ((7, 333), 500), ((2, 3, 5), 4), ((4097,), 2048)])
+@pytest.mark.parametrize("bits,rounding", [(8, "nearest"), (3, "nearest"), (8, "stochastic"), (5, "stochastic")])
+def test_minmax_cpu_layout_matches_chunked_reference(rng, shape, chunk_size, bits, rounding):
+    # On CPU the compressor works in the leaf's own shape with per-element scales;
+    # the kernels (and the numpy reference) see the padded [rows, chunk] view.
+    # All three must give the same bits.
+    x = rng.standard_normal(shape).astype(np.float32)
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    cpu = lpdec.minmax(bits, rounding, chunk_size, implementation="xla")
+    pallas = lpdec.minmax(bits, rounding, chunk_size, implementation="pallas")
+    payload = cpu.encode(jnp.asarray(x), key)
+    other = pallas.encode(jnp.asarray(x), key)
+    for a, b in zip(jax.tree.leaves(payload), jax.tree.leaves(other), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+    d, chunk = x.size, min(chunk_size, x.size)
+    rows = -(-d // chunk)
+    padded = np.pad(x.reshape(-1), (0, rows * chunk - d), mode="edge").reshape(rows, chunk)
+    seeds = np.asarray(jax.random.bits(key, (1, 2), jnp.uint32))
+    codes, lo, unit = np_minmax_quantize(padded, seeds, bits, rounding == "stochastic")
+    np.testing.assert_array_equal(np.asarray(payload.lo), lo.reshape(-1))
+    np.testing.assert_array_equal(np.asarray(payload.unit), unit.reshape(-1))
+    np.testing.assert_array_equal(
+        np.asarray(bitpack.unpack_bits(payload.codes, bits=bits, num_elements=d)),
+        codes.reshape(-1)[:d],
+    )
+    decoded = np_dequantize(codes, lo, unit).reshape(-1)[:d].reshape(shape)
+    np.testing.assert_array_equal(np.asarray(cpu.decode(payload)), decoded)
+    np.testing.assert_array_equal(np.asarray(pallas.decode(payload)), decoded)
+    acc = rng.standard_normal(shape).astype(np.float32)
+    weight = np.float32(rng.uniform())
+    expected = acc + weight * decoded
+    for comp in (cpu, pallas):
+        out = comp.decode_accumulate(payload, jnp.asarray(acc), weight)
+        np.testing.assert_array_equal(np.asarray(out), expected)
 
 
 # ----------------------------------------------------------------------------

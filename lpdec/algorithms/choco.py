@@ -20,7 +20,8 @@ Memory, in model-sized float32 buffers per node, whatever the degree:
 :math:`c_i = \sum_j W_{ij} (\hat x_j - \hat x_i)`, which is all a step reads:
 :math:`\tilde x_i - \hat x_i = e_i + u_i` and :math:`x_i^+ - x_i = u_i + \gamma
 c_i^+`, with :math:`c_i^+ = c_i + \sum_{j \ne i} W_{ij} q_j - (1 - W_{ii}) q_i`
-(a row-stochastic W) and :math:`e_i^+ = e_i + (x_i^+ - x_i) - q_i`. Reading
+(a row-stochastic W) and :math:`e_i^+ = e_i + (x_i^+ - x_i) - q_i =
+(\tilde x_i - \hat x_i - q_i) + \gamma c_i^+`. Reading
 two buffers instead of the parameters, :math:`\hat x_i` and the neighbour sum
 makes the step markedly cheaper (BENCHMARKS.md); the price is that
 :math:`x_i - e_i` equals the exact public copy only up to float32 rounding of
@@ -151,7 +152,15 @@ def step(
         own = jax.tree.map(lambda c, d: c - off_diagonal * d, state.consensus, q)
         consensus, skipped = gossip.accumulate(compressor, received, own, sender_key=sender_key)
         new_updates = jax.tree.map(move, updates, consensus, params)
-        lag = jax.tree.map(lambda e, v, d: e + v.astype(jnp.float32) - d, state.lag, new_updates, q)
+        # e+ = e + (x+ - x) - q = (x~ - x^ - q) + gamma c+: the quantization residual
+        # plus the consensus move; e + gamma c+ when the local step was dropped.
+        lag = jax.tree.map(
+            lambda e, r, d, c: jnp.where(sent_ok, r - d, e) + gamma * c,
+            state.lag,
+            diff,
+            q,
+            consensus,
+        )
         new_state = ChocoState(
             state.count + 1, state.key, lag, consensus, _common.count_received(health, skipped)
         )

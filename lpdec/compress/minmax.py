@@ -34,6 +34,18 @@ class MinMaxPayload:
     dtype: jnp.dtype
 
 
+def _spread(per_chunk: jax.Array, chunk: int, shape: tuple[int, ...]) -> jax.Array:
+    """Per-chunk values -> one per element of `shape` (chunks of `chunk` row-major elements).
+
+    Only the scales are broadcast and reshaped; the data keeps its own shape, which
+    lets XLA CPU update loop-carried state in place (see kernels_pallas/minmax.py).
+    """
+    d = math.prod(shape)
+    rows = per_chunk.size
+    spread = jnp.broadcast_to(per_chunk.reshape(rows, 1), (rows, chunk)).reshape(-1)
+    return spread[:d].reshape(shape)
+
+
 @dataclasses.dataclass(frozen=True)
 class MinMax(base.Compressor):
     """Min-max quantizer with per-chunk scales; see `minmax`."""
@@ -66,36 +78,69 @@ class MinMax(base.Compressor):
     def num_chunks(self, num_elements: int) -> int:
         return self._layout(num_elements)[0]
 
+    def _use_pallas(self, chunk: int) -> bool:
+        return _common.use_pallas(self.implementation, chunk)
+
     def encode(self, x: jax.Array, key: jax.Array | None = None) -> MinMaxPayload:
         """Quantizes `x` chunk by chunk: codes, lo and unit per chunk (module docstring)."""
         x = base.check_float_input(x, "minmax")
         d = x.size
         rows, chunk = self._layout(d)
-        flat = x.reshape(-1)
-        if rows * chunk != d:
-            # Repeat the last element: the partial chunk's min and max are unchanged.
-            flat = jnp.pad(flat, (0, rows * chunk - d), mode="edge")
         seeds = None
         if self.needs_key:
             seeds = _common.seeds_from_key(base.check_key(key, "minmax(rounding='stochastic')"))
-        codes, lo, unit = kernels.quantize(
-            flat.reshape(rows, chunk),
-            seeds,
-            bits=self.bits,
-            stochastic=self.needs_key,
-            implementation=self.implementation,
-        )
-        packed = bitpack.pack_bits(
-            codes.reshape(-1)[:d], bits=self.bits, implementation=self.implementation
-        )
+        if self._use_pallas(chunk):
+            flat = x.reshape(-1)
+            if rows * chunk != d:
+                # Repeat the last element: the partial chunk's min and max are unchanged.
+                flat = jnp.pad(flat, (0, rows * chunk - d), mode="edge")
+            codes, lo, unit = kernels.quantize(
+                flat.reshape(rows, chunk),
+                seeds,
+                bits=self.bits,
+                stochastic=self.needs_key,
+                implementation=self.implementation,
+            )
+            codes = codes.reshape(-1)[:d]
+        else:
+            lo, unit, inv_unit = self._row_scales(x.reshape(-1), chunk)
+            codes = kernels.quantize_elementwise(
+                x,
+                _spread(lo, chunk, x.shape),
+                _spread(inv_unit, chunk, x.shape),
+                seeds,
+                bits=self.bits,
+                stochastic=self.needs_key,
+            ).reshape(-1)
+        packed = bitpack.pack_bits(codes, bits=self.bits, implementation=self.implementation)
         return MinMaxPayload(packed, lo.reshape(-1), unit.reshape(-1), tuple(x.shape), x.dtype)
+
+    def _row_scales(self, flat: jax.Array, chunk: int):
+        """Per-chunk (lo, unit, 1 / unit) of a flat array, each [rows, 1].
+
+        The full chunks and the partial last one are reduced as two views of
+        `flat`, so a ragged size costs no padded copy.
+        """
+        full = flat.size // chunk
+        parts = []
+        if full:
+            parts.append(kernels.row_scales(flat[: full * chunk].reshape(full, chunk), bits=self.bits))
+        if full * chunk != flat.size:
+            parts.append(kernels.row_scales(flat[full * chunk :].reshape(1, -1), bits=self.bits))
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts, strict=True))
+
+    def _codes(self, payload: MinMaxPayload) -> jax.Array:
+        d = math.prod(payload.shape)
+        return bitpack.unpack_bits(
+            payload.codes, bits=self.bits, num_elements=d, implementation=self.implementation
+        )
 
     def _codes_2d(self, payload: MinMaxPayload):
         d = math.prod(payload.shape)
         rows, chunk = self._layout(d)
-        codes = bitpack.unpack_bits(
-            payload.codes, bits=self.bits, num_elements=d, implementation=self.implementation
-        )
+        codes = self._codes(payload)
         if rows * chunk != d:
             codes = jnp.pad(codes, (0, rows * chunk - d))
         return (
@@ -108,15 +153,34 @@ class MinMax(base.Compressor):
     def decode(self, payload: MinMaxPayload, *, reference=None, key=None) -> jax.Array:
         """lo + code * unit per chunk, in the encoded shape and dtype."""
         del reference, key
+        shape = payload.shape
+        chunk = self._layout(math.prod(shape))[1]
+        if not self._use_pallas(chunk):
+            return kernels.dequantize_elementwise(
+                self._codes(payload).reshape(shape),
+                _spread(payload.lo, chunk, shape),
+                _spread(payload.unit, chunk, shape),
+                dtype=payload.dtype,
+            )
         codes, lo, unit, d = self._codes_2d(payload)
         x = kernels.dequantize(codes, lo, unit, implementation=self.implementation)
-        return x.reshape(-1)[:d].reshape(payload.shape).astype(payload.dtype)
+        return x.reshape(-1)[:d].reshape(shape).astype(payload.dtype)
 
     def decode_accumulate(
         self, payload: MinMaxPayload, acc: jax.Array, weight, *, reference=None, key=None
     ) -> jax.Array:
         """acc + weight * decode(payload) in float32, fused (no decoded copy is materialised)."""
         del reference, key
+        shape = acc.shape
+        chunk = self._layout(math.prod(shape))[1]
+        if not self._use_pallas(chunk):
+            return kernels.dequantize_accumulate_elementwise(
+                acc.astype(jnp.float32),
+                weight,
+                self._codes(payload).reshape(shape),
+                _spread(payload.lo, chunk, shape),
+                _spread(payload.unit, chunk, shape),
+            )
         codes, lo, unit, d = self._codes_2d(payload)
         rows, chunk = codes.shape
         flat = acc.astype(jnp.float32).reshape(-1)
@@ -125,7 +189,7 @@ class MinMax(base.Compressor):
         out = kernels.dequantize_accumulate(
             flat.reshape(rows, chunk), weight, codes, lo, unit, implementation=self.implementation
         )
-        return out.reshape(-1)[:d].reshape(acc.shape)
+        return out.reshape(-1)[:d].reshape(shape)
 
     def wire_bytes(self, num_elements: int, dtype=jnp.float32) -> int:
         """ceil(d * bits / 8) code bytes + 8 bytes (lo, unit) per chunk; independent of dtype."""

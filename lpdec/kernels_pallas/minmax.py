@@ -17,10 +17,11 @@ from the same block in registers/VMEM. The element-wise math is in
 `_quantize_rows` / `_dequantize_rows`, called by both the references and the
 kernels, so they agree bit for bit.
 
-On CPU the reference is the implementation, and XLA runs it as two passes over
-x: one reduction producing each row's (min, max), then one element-wise loop
-producing the codes. Both are written for that: see `_row_min_max` and
-`_codes_from_levels`.
+On CPU there is no kernel: XLA runs the same math as two passes over x, one
+reduction producing each row's (min, max), then one element-wise loop producing
+the codes; both are written for that (`_row_min_max`, `_codes_from_levels`).
+The compressor calls the `*_elementwise` ops there, which keep the caller's
+layout (see the section that defines them for why).
 """
 
 from __future__ import annotations
@@ -103,9 +104,8 @@ def _codes_from_levels(t, top: int):
     return pattern.astype(jnp.uint8)
 
 
-def _quantize_rows(x, seeds, row0, *, bits: int, stochastic: bool, variadic: bool):
-    """[r, c] float -> (uint8 codes [r, c], float32 lo [r, 1], float32 unit [r, 1])."""
-    x = x.astype(jnp.float32)
+def _row_scales(x, *, bits: int, variadic: bool):
+    """[r, c] float32 -> (lo, unit, 1 / unit or 0), each float32 [r, 1]."""
     lo, hi = _row_min_max(x, variadic=variadic)
     # Multiply by a rounded reciprocal rather than divide by a constant: XLA rewrites
     # x / c as x * (1 / c) in some fusions and not others, which would change the last bit.
@@ -114,13 +114,29 @@ def _quantize_rows(x, seeds, row0, *, bits: int, stochastic: bool, variadic: boo
     # so XLA keeps it in its own small fusion: the element-wise loop then loads one
     # scale per row instead of recomputing unit and the select for every vector.
     inv_unit = 1.0 / jnp.where(unit > 0, unit, jnp.float32(jnp.inf))
+    return lo, unit, inv_unit
+
+
+def _codes(x, lo, inv_unit, seeds, index, *, bits: int):
+    """Element-wise codes of float32 x given scales broadcastable to x.
+
+    `index` (uint32, x's shape) is each element's flat index for stochastic
+    rounding, None for nearest.
+    """
     t = (x - lo) * inv_unit
-    if stochastic:
-        index = _common.element_index(x.shape, row0, x.shape[1])
+    if index is not None:
         t = jnp.floor(_common.rounded(t) + _common.hash_uniform(seeds[0, 0], seeds[0, 1], index))
     # Rounding error can push t just outside [0, top]: the codes clamp at both ends.
     # A NaN t (the row's scales already carry the NaN) gets code 0.
-    return _codes_from_levels(t, _common.levels(bits)), lo, unit
+    return _codes_from_levels(t, _common.levels(bits))
+
+
+def _quantize_rows(x, seeds, row0, *, bits: int, stochastic: bool, variadic: bool):
+    """[r, c] float -> (uint8 codes [r, c], float32 lo [r, 1], float32 unit [r, 1])."""
+    x = x.astype(jnp.float32)
+    lo, unit, inv_unit = _row_scales(x, bits=bits, variadic=variadic)
+    index = _common.element_index(x.shape, row0, x.shape[1]) if stochastic else None
+    return _codes(x, lo, inv_unit, seeds, index, bits=bits), lo, unit
 
 
 def _dequantize_rows(codes, lo, unit):
@@ -149,6 +165,48 @@ def dequantize_reference(codes, lo, unit, *, dtype=jnp.float32):
 def dequantize_accumulate_reference(acc, weight, codes, lo, unit):
     """jnp reference: acc + weight * (lo + codes * unit), in float32."""
     return _accumulate_rows(acc, jnp.asarray(weight, jnp.float32).reshape(1, 1), codes, lo, unit)
+
+
+# ----------------------------------------------------------------------------
+# The CPU path in the caller's layout.
+#
+# XLA CPU updates a buffer carried through a loop (an optimizer state in a
+# `lax.scan`) in place only when the fusion that writes it reads the old value
+# element for element in the same shape. Viewing a state leaf as [rows, chunk]
+# breaks that, and XLA then copies the leaf every step: two model-sized copies
+# per CHOCO step. These ops take per-element scales (the per-row scales spread
+# over the caller's shape) and do the same arithmetic as the row functions
+# above, so they give the same bits.
+# ----------------------------------------------------------------------------
+
+
+def row_scales(x2d, *, bits: int):
+    """Per-row (lo, unit, 1 / unit or 0) of a [rows, chunk] float array, each float32 [rows, 1]."""
+    return _row_scales(x2d.astype(jnp.float32), bits=bits, variadic=True)
+
+
+def quantize_elementwise(x, lo, inv_unit, seeds=None, *, bits: int, stochastic: bool):
+    """Codes of `x` (any shape) given per-element lo and 1 / unit of x's shape.
+
+    Stochastic rounding draws element i's bits from its flat (row-major) index,
+    as the [rows, chunk] kernels do.
+    """
+    if stochastic and seeds is None:
+        raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
+    index = None
+    if stochastic:
+        index = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape)
+    return _codes(x.astype(jnp.float32), lo, inv_unit, seeds, index, bits=bits)
+
+
+def dequantize_elementwise(codes, lo, unit, *, dtype=jnp.float32):
+    """lo + codes * unit with per-element scales, cast to `dtype`."""
+    return _dequantize_rows(codes, lo, unit).astype(dtype)
+
+
+def dequantize_accumulate_elementwise(acc, weight, codes, lo, unit):
+    """acc + weight * (lo + codes * unit) in float32, with per-element scales."""
+    return _accumulate_rows(acc, jnp.asarray(weight, jnp.float32), codes, lo, unit)
 
 
 # ----------------------------------------------------------------------------
