@@ -253,7 +253,8 @@ def git_revision() -> str:
             check=True,
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "--untracked-files=no"],
+            # BENCHMARKS.md is what this script rewrites: it does not count.
+            ["git", "status", "--porcelain", "--untracked-files=no", "--", ".", ":!BENCHMARKS.md"],
             cwd=REPO_ROOT,
             capture_output=True,
             text=True,
