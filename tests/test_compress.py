@@ -7,12 +7,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_kernels import np_dequantize
+from test_kernels import np_minmax_quantize
 
 import lpdec
 from lpdec import compress
 from lpdec.kernels_pallas import bitpack
-from test_kernels import np_dequantize
-from test_kernels import np_minmax_quantize
 
 EPS32 = float(np.finfo(np.float32).eps)
 SIZES = [1, 7, 1000, 4099]
@@ -119,8 +119,12 @@ def test_minmax_decode_accumulate_matches_float32_reference(rng):
     np.testing.assert_array_equal(np.asarray(out), expected)
 
 
-@pytest.mark.parametrize("shape,chunk_size", [((3, 1000), 500), ((7, 333), 500), ((2, 3, 5), 4), ((4097,), 2048)])
-@pytest.mark.parametrize("bits,rounding", [(8, "nearest"), (3, "nearest"), (8, "stochastic"), (5, "stochastic")])
+@pytest.mark.parametrize(
+    "shape,chunk_size", [((3, 1000), 500), ((7, 333), 500), ((2, 3, 5), 4), ((4097,), 2048)]
+)
+@pytest.mark.parametrize(
+    "bits,rounding", [(8, "nearest"), (3, "nearest"), (8, "stochastic"), (5, "stochastic")]
+)
 def test_minmax_cpu_layout_matches_chunked_reference(rng, shape, chunk_size, bits, rounding):
     # On CPU the compressor works in the leaf's own shape with per-element scales;
     # the kernels (and the numpy reference) see the padded [rows, chunk] view.

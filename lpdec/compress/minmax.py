@@ -124,7 +124,9 @@ class MinMax(base.Compressor):
         full = flat.size // chunk
         parts = []
         if full:
-            parts.append(kernels.row_scales(flat[: full * chunk].reshape(full, chunk), bits=self.bits))
+            parts.append(
+                kernels.row_scales(flat[: full * chunk].reshape(full, chunk), bits=self.bits)
+            )
         if full * chunk != flat.size:
             parts.append(kernels.row_scales(flat[full * chunk :].reshape(1, -1), bits=self.bits))
         if len(parts) == 1:
