@@ -294,6 +294,18 @@ def test_wire_bytes_equal_payload_nbytes(comp, d, dtype):
 
 
 @pytest.mark.parametrize("comp", ALL_COMPRESSORS, ids=repr)
+@pytest.mark.parametrize("shape", [(0,), (3, 0)])
+def test_empty_leaves_round_trip(comp, shape):
+    x = jnp.zeros(shape, jnp.float32)
+    key = jax.random.key(0)
+    payload = jax.jit(comp.encode)(x, key)
+    assert compress.payload_nbytes(payload) == comp.wire_bytes(0)
+    assert comp.decode(payload, **decode_kwargs(comp, x, key)).shape == shape
+    acc = comp.decode_accumulate(payload, x, 0.5, **decode_kwargs(comp, x, key))
+    assert acc.shape == shape and acc.dtype == jnp.float32
+
+
+@pytest.mark.parametrize("comp", ALL_COMPRESSORS, ids=repr)
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_non_finite_input_is_flagged_and_decodes_non_finite(rng, comp, bad):
     x = rng.standard_normal(3000).astype(np.float32)

@@ -129,6 +129,8 @@ class MinMax(base.Compressor):
             )
         if full * chunk != flat.size:
             parts.append(kernels.row_scales(flat[full * chunk :].reshape(1, -1), bits=self.bits))
+        if not parts:  # an empty leaf: no chunks
+            return tuple(jnp.zeros((0, 1), jnp.float32) for _ in range(3))
         if len(parts) == 1:
             return parts[0]
         return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts, strict=True))
