@@ -45,6 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import train  # noqa: E402
+from bench import _sections  # noqa: E402
 from configs import default  # noqa: E402
 
 STUDIES = ("table2", "qgm", "moniqua", "theorem1", "centralized", "tradeoff")
@@ -748,19 +749,6 @@ STUDY_FUNCTIONS = {
 }
 
 
-def write_section(path: str, name: str, body: str) -> None:
-    start, end = f"<!-- study:{name}:start -->", f"<!-- study:{name}:end -->"
-    text = open(path).read() if os.path.exists(path) else HEADER
-    block = f"{start}\n{body.strip()}\n{end}"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-
-
 HEADER = """# Experiments: the seeds' claims at small scale
 
 Produced by `python -m bench.experiments all` (see `bench/experiments.py` for
@@ -819,7 +807,7 @@ def main(argv=None) -> None:
         body = body.replace(
             "\n", f"\n\n_Command: `{command}`; {timing} on this machine ({stamp})._\n", 1
         )
-        write_section(args.output, name, body)
+        _sections.replace_section(args.output, f"study:{name}", body, header=HEADER)
         print(f"study {name} done in {minutes:.1f} min", flush=True)
 
 

@@ -50,6 +50,9 @@ import numpy as np  # noqa: E402
 
 import lpdec  # noqa: E402
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import _sections  # noqa: E402
+
 try:
     import torch
 except ImportError:
@@ -57,16 +60,7 @@ except ImportError:
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parent.parent
 SECTION = "bench/quantizer.py"
-START_MARKER = f"<!-- {SECTION}:start -->"
-END_MARKER = f"<!-- {SECTION}:end -->"
 HEADING = "## Min-max quantizer throughput (CPU)"
-FILE_INTRO = """# lpdec benchmarks
-
-Numbers measured by the scripts in `bench/`. Each section is owned by the
-script named in its markers and is rewritten in place when that script runs;
-see each section for the command, the machine and the software versions.
-"""
-
 # Bytes per element that each operation must move: quantize reads a float32 and
 # writes a uint8 code; dequantize reads the code and writes the float32; the
 # copy reads and writes a float32.
@@ -328,8 +322,7 @@ def format_section(rows: list[dict], env: list[tuple[str, str]], command: str, q
     warning = ""
     if quick:
         warning = "\n**Quick smoke run: sizes and rounds too small to be representative.**\n"
-    return f"""{START_MARKER}
-{HEADING}
+    return f"""{HEADING}
 {warning}
 8-bit min-max quantization of a float32 array (`encode`) and back (`decode`),
 median wall time per call and effective bandwidth. Bytes counted per element:
@@ -355,20 +348,7 @@ spin-waiting on the cores XLA uses next (see the script).
 Command: `{command}` ({stamp}).
 
 {env_lines}
-{END_MARKER}
 """
-
-
-def write_section(path: pathlib.Path, section: str) -> None:
-    """Replaces this script's section of `path` between its markers (creating the file)."""
-    text = path.read_text() if path.exists() else FILE_INTRO
-    if START_MARKER in text and END_MARKER in text:
-        head, rest = text.split(START_MARKER, 1)
-        _, tail = rest.split(END_MARKER, 1)
-        text = head + section.rstrip("\n") + tail
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text)
 
 
 def main(argv=None) -> None:
@@ -403,7 +383,12 @@ def main(argv=None) -> None:
         command = "python bench/quantizer.py" + (" --quick" if args.quick else "")
         if args.output is not None:
             command += f" --output {args.output}"
-        write_section(output, format_section(rows, env, command, args.quick))
+        _sections.replace_section(
+            output,
+            SECTION,
+            format_section(rows, env, command, args.quick),
+            header=_sections.BENCHMARKS_HEADER,
+        )
         print(f"wrote {output}")
 
 

@@ -37,6 +37,9 @@ import lpdec
 from lpdec import gossip
 from lpdec import metrics
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from bench import _sections  # noqa: E402
+
 AXIS = "nodes"
 SECTION = "bench/step_time.py"
 
@@ -243,19 +246,6 @@ a real link (see EXPERIMENTS.md, simulated wall clock)."""
     )
 
 
-def write_section(path: str, body: str) -> None:
-    start, end = f"<!-- {SECTION}:start -->", f"<!-- {SECTION}:end -->"
-    text = open(path).read() if os.path.exists(path) else "# Benchmarks\n"
-    block = f"{start}\n{body.rstrip()}\n{end}"
-    if start in text and end in text:
-        head, rest = text.split(start, 1)
-        text = head + block + rest.split(end, 1)[1]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    with open(path, "w") as f:
-        f.write(text)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="smoke run: small model, 2 rounds")
@@ -358,7 +348,7 @@ def main() -> None:
         "bytes per node again (fixed degree: the ring).\n\n" + header + "\n".join(rows)
     )
     body += "\n\n" + targets(entries, base, d, scaling)
-    write_section(args.output, body)
+    _sections.replace_section(args.output, SECTION, body, header=_sections.BENCHMARKS_HEADER)
     print(body)
 
 
