@@ -91,14 +91,18 @@ def test_a_process_killed_mid_run_resumes_to_the_same_parameters(tmp_path):
     ]
     base = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
     straight, killed = tmp_path / "straight", tmp_path / "killed"
-    subprocess.run(
-        base + [f"--workdir={straight}"] + flags,
-        env=_env(8),
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+
+    def train_to_the_end(workdir):
+        subprocess.run(
+            base + [f"--workdir={workdir}"] + flags,
+            env=_env(8),
+            check=True,
+            capture_output=True,
+            cwd=ROOT,
+            timeout=600,
+        )
+
+    train_to_the_end(straight)
     proc = subprocess.Popen(
         base + [f"--workdir={killed}"] + flags,
         env=_env(8),
@@ -114,14 +118,7 @@ def test_a_process_killed_mid_run_resumes_to_the_same_parameters(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "final_params.npz").exists()
-    subprocess.run(
-        base + [f"--workdir={killed}"] + flags,
-        env=_env(8),
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+    train_to_the_end(killed)
     a, b = final_params(straight), final_params(killed)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)

@@ -89,10 +89,14 @@ def guard_updates(updates: PyTree, health: Health) -> tuple[PyTree, jax.Array, H
     """Zeroes a non-finite local update (the node skips its local step) and counts it."""
     ok = all_finite(updates)
     updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
-    health = health._replace(
+    return updates, ok, count_update(health, ok)
+
+
+def count_update(health: Health, ok: jax.Array) -> Health:
+    """Counts this node's local update as non-finite unless `ok`."""
+    return health._replace(
         nonfinite_updates=health.nonfinite_updates + jnp.where(ok, 0, 1).astype(jnp.int32)
     )
-    return updates, ok, health
 
 
 def count_received(health: Health, skipped: jax.Array) -> Health:

@@ -132,9 +132,7 @@ def step(
     # it): the node then takes no local step and keeps x^_i, and every receiver
     # drops q_i too, so the public copies stay consistent.
     sent_ok = gossip.payload_is_finite(compressor, payload)
-    health = state.health._replace(
-        nonfinite_updates=state.health.nonfinite_updates + jnp.where(sent_ok, 0, 1)
-    )
+    health = _common.count_update(state.health, sent_ok)
     q = _common.decode(compressor, payload, diff, key=key)
     q = jax.tree.map(lambda d: jnp.where(sent_ok, d, jnp.zeros_like(d)), q)
     off_diagonal = 1.0 - received.self_weight

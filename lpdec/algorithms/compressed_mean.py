@@ -190,9 +190,7 @@ def step(
             return node * local_size + rank
 
     ok = _common.all_finite(updates)
-    health = state.health._replace(
-        nonfinite_updates=state.health.nonfinite_updates + jnp.where(ok, 0, 1).astype(jnp.int32)
-    )
+    health = _common.count_update(state.health, ok)
     leaves, treedef = jax.tree.flatten(updates)
     # Empty leaves have nothing to send; NaN everywhere marks a non-finite update for every chunk.
     live = [i for i, u in enumerate(leaves) if u.size]

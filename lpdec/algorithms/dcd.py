@@ -163,9 +163,7 @@ def step(
     # A local update holding NaN/Inf is caught here (it makes z, hence the payload,
     # non-finite), which saves a separate pass over the update to check it.
     sent_ok = gossip.payload_is_finite(compressor, payload)
-    health = state.health._replace(
-        nonfinite_updates=state.health.nonfinite_updates + jnp.where(sent_ok, 0, 1)
-    )
+    health = _common.count_update(state.health, sent_ok)
     q = _common.decode(compressor, payload, z, key=key)
     move = jax.tree.map(lambda d, p: jnp.where(sent_ok, d, 0.0).astype(p.dtype), q, params)
 
