@@ -11,7 +11,7 @@ from lpdec import models
 from lpdec import nn
 from lpdec import topology
 from lpdec import wire
-from lpdec.algorithms._common import Health
+from lpdec.algorithms.health import Health
 from lpdec.algorithms.choco import choco
 from lpdec.algorithms.compressed_mean import compressed_mean
 from lpdec.algorithms.d2 import d2

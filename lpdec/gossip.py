@@ -32,18 +32,34 @@ from lpdec.topology import Round
 from lpdec.topology import Topology
 
 PyTree = Any
+AxisName = str | tuple[str, ...]
 
 
-def require_axis(axis_name: str, who: str) -> int:
-    """The size of `axis_name`; a ValueError naming `who` if no such axis is bound here."""
+def require_axis(axis_name: AxisName, who: str, *, topology: Topology | None = None) -> int:
+    """The size of `axis_name`; a one-line ValueError naming `who` if it is not bound here.
+
+    With `topology`, also checks that its node count equals the axis size
+    (the trace-time half of a topology check; the algorithms' factories check
+    the matrix itself when they are built).
+    """
     try:
-        return jax.lax.axis_size(axis_name)
-    except NameError as error:
+        size = jax.lax.axis_size(axis_name)
+    except NameError:
+        mesh_axes = tuple(jax.sharding.get_abstract_mesh().axis_names)
+        scope = (
+            f"the mesh axes in scope are {mesh_axes}"
+            if mesh_axes
+            else "no shard_map mesh axis is in scope"
+        )
         raise ValueError(
-            f"{who} communicates over the named axis {axis_name!r}, which is not bound here: "
-            f"call it inside jax.shard_map over a mesh with an axis {axis_name!r}, or inside "
-            f"jax.vmap(..., axis_name={axis_name!r})."
-        ) from error
+            f"{who} communicates over the named axis {axis_name!r}, which is not bound here "
+            f"({scope}; vmap axis names cannot be listed): run it inside jax.shard_map over a "
+            f"mesh with an axis {axis_name!r} or inside jax.vmap(..., axis_name={axis_name!r}) "
+            "(lpdec.init_nodes and NodeLayout.map do this for you), or fix axis_name."
+        ) from None
+    if topology is not None:
+        topology.check_axis_size(size, axis_name)
+    return size
 
 
 def all_to_all_payload(payload_chunks: PyTree, *, axis_name: str) -> PyTree:
@@ -93,11 +109,6 @@ def local_sum(x: PyTree, *, axis_name: str) -> PyTree:
 def node_index(axis_name: str) -> jax.Array:
     """This node's index along `axis_name` (int32 scalar)."""
     return jax.lax.axis_index(axis_name)
-
-
-def check_topology(topology: Topology, axis_name: str) -> None:
-    """Raises ValueError at trace time if the topology's node count != the axis size."""
-    topology.check_axis_size(jax.lax.axis_size(axis_name), axis_name)
 
 
 def per_node(values: np.ndarray, axis_name: str) -> jax.Array:
@@ -155,9 +166,6 @@ class Received(NamedTuple):
     weights: list[jax.Array]
     senders: list[jax.Array]
     self_weight: jax.Array
-
-
-AxisName = str | tuple[str, ...]
 
 
 def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: AxisName) -> PyTree:
@@ -335,3 +343,33 @@ def accumulate(
         leaves = [jnp.where(ok, a, b) for a, b in zip(new, fallback, strict=True)]
         skipped = skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
     return treedef.unflatten(leaves), skipped
+
+
+def accumulate_per_class(
+    compressor: compress_base.Compressor,
+    received: Received,
+    replicas: Sequence[PyTree],
+    *,
+    sender_key: Callable[[jax.Array], jax.Array] | None = None,
+) -> tuple[tuple[PyTree, ...], jax.Array]:
+    """Per-peer replicas: x_hat_c += decode(payload_c), one replica per edge class.
+
+    Each class's payload is added with weight exactly 1 (0 where nothing
+    arrived in that class), the same float32 add its owner makes, so a replica
+    stays bit-identical to the public copy it mirrors. Used by the
+    ``replicas="per_peer"`` variants of CHOCO and DCD.
+
+    Returns:
+      (the updated replicas, number of non-finite payloads not used).
+    """
+    updated, skipped = [], jnp.int32(0)
+    for c, replica in enumerate(replicas):
+        one = received._replace(
+            payloads=[received.payloads[c]],
+            weights=[jnp.where(received.weights[c] > 0, 1.0, 0.0).astype(jnp.float32)],
+            senders=[received.senders[c]],
+        )
+        replica, dropped = accumulate(compressor, one, replica, sender_key=sender_key)
+        updated.append(replica)
+        skipped = skipped + dropped
+    return tuple(updated), skipped

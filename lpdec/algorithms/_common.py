@@ -1,63 +1,55 @@
-"""Pieces every algorithm shares: health counters, keys, checks, tree arithmetic.
+"""Small helpers each algorithm file calls: keys, guards, hyperparameters, checks, tree arithmetic.
 
-Conventions of lpdec's algorithms (DESIGN.md):
+Conventions of lpdec's algorithms (docs/DESIGN.md):
 
-- An algorithm is an optax `GradientTransformationExtraArgs` that comes LAST in
-  the chain. It receives the local update u (so params + u is the local step
-  x~), communicates, and returns the update that lands the node on its new
-  model. It needs `params` and must run under the named axis `axis_name`.
-- State that differs between nodes starts out varying (`gossip.to_varying`),
-  so the state can be carried through `lax.scan` inside
-  `shard_map(check_vma=True)`.
+- An algorithm file holds its `State` (a public NamedTuple), a pure
+  `init`/`step` pair where the paper's update rule lives, and a factory that
+  returns an `optax.GradientTransformationExtraArgs` built from two closures.
+  A gossip algorithm comes LAST in the chain: it receives the local update u
+  (so params + u is the local step x~), communicates, and returns the update
+  that lands the node on its new model. It needs `params`.
+- `init` and `step` must run under the named axis `axis_name`
+  (`gossip.require_axis` raises a one-line error naming the axis otherwise).
+  `init` builds state that differs between nodes as varying
+  (`gossip.to_varying`), so the state can be carried through `lax.scan` inside
+  `shard_map(check_vma=True)`, and owns every buffer it holds (never aliases
+  `params`), so a train state can be donated.
 - Randomness: the state holds a key shared by all nodes (raw uint32[2]); the
   key of node i at step t is `node_key(key, t, i)`. A receiver that must
   re-draw a sender's randomness (random-k) calls the same function with the
   sender's index.
+- Scalar hyperparameters (gamma, theta, ...) may be Python numbers, scalar
+  arrays (so `optax.inject_hyperparams` works) or schedules of the step count;
+  `check_scalar` validates them when they are concrete and `at_step` reads them.
 - A local update holding NaN/Inf is dropped on that node (it takes no local
   step that round) and counted in `Health.nonfinite_updates`; a received
   payload that is not finite is not used and is counted in
-  `Health.nonfinite_received`. One failing node cannot poison its neighbours.
-  Algorithms that send a compressed function of the local step (CHOCO, DCD)
-  detect a bad update from their own payload (its scales turn non-finite),
-  which costs no extra pass over the update; such a node then skips the whole
-  step: it neither moves nor sends a usable message, and its receivers count
-  the dropped message. The others check the update (`guard_updates`) and still
-  take part in the gossip.
+  `Health.nonfinite_received` (`lpdec.algorithms.health`). One failing node
+  cannot poison its neighbours. Algorithms that send a compressed function of
+  the local step (CHOCO, DCD) detect a bad update from their own payload (its
+  scales turn non-finite), which costs no extra pass over the update; such a
+  node then skips the whole step: it neither moves nor sends a usable message,
+  and its receivers count the dropped message. The others check the update
+  (`guard_updates`) and still take part in the gossip.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Callable
 from typing import Any
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-import optax
+import numpy as np
 
 from lpdec import gossip
+from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
 from lpdec.topology import Topology
 
 PyTree = Any
-
-
-class Health(NamedTuple):
-    """Counters of non-finite values an algorithm refused to use (metrics read these).
-
-    Attributes:
-      nonfinite_updates: shape=(), dtype=int32; steps whose local update held
-        NaN/Inf and was dropped on this node.
-      nonfinite_received: shape=(), dtype=int32; neighbour payloads that held
-        NaN/Inf and were not used.
-    """
-
-    nonfinite_updates: jax.Array
-    nonfinite_received: jax.Array
-
-
-def init_health(axis_name: str) -> Health:
-    zero = gossip.to_varying(jnp.zeros((), jnp.int32), axis_name)
-    return Health(zero, zero)
+Scalar = float | jax.Array | Callable[[jax.Array], Any]
 
 
 def require_params(params: PyTree | None, name: str) -> PyTree:
@@ -85,29 +77,28 @@ def all_finite(tree: PyTree) -> jax.Array:
     return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in leaves]))
 
 
-def guard_updates(updates: PyTree, health: Health) -> tuple[PyTree, jax.Array, Health]:
+def guard_updates(
+    updates: PyTree, health: health_lib.Health
+) -> tuple[PyTree, jax.Array, health_lib.Health]:
     """Zeroes a non-finite local update (the node skips its local step) and counts it."""
     ok = all_finite(updates)
     updates = jax.tree.map(lambda u: jnp.where(ok, u, jnp.zeros_like(u)), updates)
-    return updates, ok, count_update(health, ok)
-
-
-def count_update(health: Health, ok: jax.Array) -> Health:
-    """Counts this node's local update as non-finite unless `ok`."""
-    return health._replace(
-        nonfinite_updates=health.nonfinite_updates + jnp.where(ok, 0, 1).astype(jnp.int32)
-    )
-
-
-def count_received(health: Health, skipped: jax.Array) -> Health:
-    return health._replace(nonfinite_received=health.nonfinite_received + skipped)
+    return updates, ok, health_lib.count_update(health, ok)
 
 
 def f32(tree: PyTree) -> PyTree:
+    """Every leaf as float32 (the same array where it already is: for arithmetic, not state)."""
     return jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), tree)
 
 
-def zeros_f32(tree: PyTree, axis_name: str) -> PyTree:
+def own_f32(tree: PyTree, axis_name: gossip.AxisName) -> PyTree:
+    """A float32 copy of `tree` for the state: never the caller's buffers (donation-safe)."""
+    return gossip.to_varying(
+        jax.tree.map(lambda x: jnp.array(x, dtype=jnp.float32, copy=True), tree), axis_name
+    )
+
+
+def zeros_f32(tree: PyTree, axis_name: gossip.AxisName) -> PyTree:
     return gossip.to_varying(
         jax.tree.map(lambda x: jnp.zeros(x.shape, jnp.float32), tree), axis_name
     )
@@ -163,35 +154,52 @@ def check_topology(
     return topology
 
 
-def check_gamma(gamma: float, name: str) -> float:
-    if isinstance(gamma, bool) or not isinstance(gamma, (int, float)) or not 0 < gamma <= 1:
+def check_scalar(
+    value: Scalar,
+    name: str,
+    field: str,
+    *,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = True,
+    what: str = "",
+) -> Scalar:
+    """Validates a scalar hyperparameter in (low, high] (or [low, high] if not `low_open`).
+
+    A Python number, a scalar array or a schedule `count -> value`. Concrete
+    values are checked now; traced ones (`optax.inject_hyperparams` passes them
+    inside jit) and schedules are taken as they are.
+    """
+    interval = f"{'(' if low_open else '['}{low:g}, {high:g}]"
+    if callable(value):
+        return value
+    if isinstance(value, bool) or not isinstance(value, (int, float, np.ndarray, jax.Array)):
         raise ValueError(
-            f"{name}: gamma (the consensus step size) must be in (0, 1]; got {gamma!r}."
+            f"{name}: {field}{what} must be a number in {interval}, a scalar array or a "
+            f"schedule (count -> value); got {value!r}."
         )
-    return float(gamma)
+    if np.ndim(value) != 0:
+        raise ValueError(f"{name}: {field}{what} must be a scalar; got shape {np.shape(value)}.")
+    try:
+        concrete = float(value)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return value
+    if not (low < concrete if low_open else low <= concrete) or not concrete <= high:
+        raise ValueError(f"{name}: {field}{what} must be in {interval}; got {value!r}.")
+    return value
+
+
+def check_gamma(gamma: Scalar, name: str) -> Scalar:
+    """gamma, the consensus step size, in (0, 1]."""
+    return check_scalar(gamma, name, "gamma", low=0.0, high=1.0, what=" (the consensus step size)")
+
+
+def at_step(value: Scalar, count: jax.Array) -> jax.Array:
+    """The value of a hyperparameter at step `count`, as a float32 scalar."""
+    return jnp.asarray(value(count) if callable(value) else value, jnp.float32)
 
 
 def check_compressor(compressor, name: str, example: str = "lpdec.minmax(8)"):
     if not isinstance(compressor, compress_base.Compressor):
         raise TypeError(f"{name} needs an lpdec compressor (e.g. {example}); got {compressor!r}.")
     return compressor
-
-
-def transform(
-    name: str, init, step, init_kwargs: dict, step_kwargs: dict, *, needs_params: bool = True
-) -> optax.GradientTransformationExtraArgs:
-    """The optax transform of an algorithm module: `init(params, **init_kwargs)` and
-    `step(updates, state, params, **step_kwargs)` (without `params` when the step does
-    not read them), with a clear error when a needed `params` is missing."""
-
-    def init_fn(params):
-        return init(params, **init_kwargs)
-
-    def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        if not needs_params:
-            return step(updates, state, **step_kwargs)
-        params = require_params(params, name)
-        return step(updates, state, params, **step_kwargs)
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -42,6 +42,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
 from lpdec.topology import Topology
 
@@ -64,7 +65,7 @@ class ChocoState(NamedTuple):
     key: jax.Array
     lag: Any
     consensus: Any
-    health: _common.Health
+    health: health_lib.Health
 
 
 class ChocoPerPeerState(NamedTuple):
@@ -83,19 +84,25 @@ class ChocoPerPeerState(NamedTuple):
     key: jax.Array
     x_hat: Any
     replicas: tuple
-    health: _common.Health
+    health: health_lib.Health
 
 
 def init(
-    params: optax.Params, *, topology: Topology, replicas: str, seed: int, axis_name: str
+    params: optax.Params,
+    *,
+    topology: Topology,
+    replicas: str = "sum",
+    seed: int = 0,
+    axis_name: gossip.AxisName = "nodes",
 ) -> ChocoState | ChocoPerPeerState:
+    """The state at step 0 (public copies x_hat = 0); must run under `axis_name`."""
+    gossip.require_axis(axis_name, "choco's init", topology=topology)
     zeros = _common.zeros_f32(params, axis_name)
     count, key = jnp.zeros((), jnp.int32), _common.key_from_seed(seed)
-    health = _common.init_health(axis_name)
+    health = health_lib.init(axis_name)
     if replicas == "sum":
         # x_hat = 0 everywhere: the lag is the model itself and there is no consensus term.
-        lag = gossip.to_varying(_common.f32(params), axis_name)
-        return ChocoState(count, key, lag, zeros, health)
+        return ChocoState(count, key, _common.own_f32(params, axis_name), zeros, health)
     copies = tuple(zeros for _ in topology.rounds[0].edge_classes)
     return ChocoPerPeerState(count, key, zeros, copies, health)
 
@@ -107,12 +114,13 @@ def step(
     *,
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: float,
-    replicas: str,
-    axis_name: str,
+    gamma: _common.Scalar = 1.0,
+    replicas: str = "sum",
+    axis_name: gossip.AxisName = "nodes",
 ) -> tuple[optax.Updates, ChocoState | ChocoPerPeerState]:
     """One CHOCO step; must run under the named axis `axis_name`."""
-    gossip.check_topology(topology, axis_name)
+    gossip.require_axis(axis_name, "choco", topology=topology)
+    gamma = _common.at_step(gamma, state.count)
     round_ = topology.rounds[0]
     me = gossip.node_index(axis_name)
 
@@ -132,7 +140,7 @@ def step(
     # it): the node then takes no local step and keeps x^_i, and every receiver
     # drops q_i too, so the public copies stay consistent.
     sent_ok = gossip.payload_is_finite(compressor, payload)
-    health = _common.count_update(state.health, sent_ok)
+    health = health_lib.count_update(state.health, sent_ok)
     q = _common.decode(compressor, payload, diff, key=key)
     q = jax.tree.map(lambda d: jnp.where(sent_ok, d, jnp.zeros_like(d)), q)
     off_diagonal = 1.0 - received.self_weight
@@ -160,21 +168,14 @@ def step(
             consensus,
         )
         new_state = ChocoState(
-            state.count + 1, state.key, lag, consensus, _common.count_received(health, skipped)
+            state.count + 1, state.key, lag, consensus, health_lib.count_received(health, skipped)
         )
         return new_updates, new_state
 
     x_hat = jax.tree.map(jnp.add, state.x_hat, q)
-    copies, skipped = [], jnp.int32(0)
-    for c, replica in enumerate(state.replicas):
-        one = received._replace(
-            payloads=[received.payloads[c]],
-            weights=[jnp.float32(1)],
-            senders=[received.senders[c]],
-        )
-        replica, dropped = gossip.accumulate(compressor, one, replica, sender_key=sender_key)
-        copies.append(replica)
-        skipped = skipped + dropped
+    copies, skipped = gossip.accumulate_per_class(
+        compressor, received, state.replicas, sender_key=sender_key
+    )
     # sum_j W_ij (x^_j - x^_i) = sum_c w_c replica_c - (1 - W_ii) x^_i (row-stochastic W).
     consensus = jax.tree.map(
         lambda h, *rs: (
@@ -185,7 +186,7 @@ def step(
     )
     new_updates = jax.tree.map(move, updates, consensus, params)
     new_state = ChocoPerPeerState(
-        state.count + 1, state.key, x_hat, tuple(copies), _common.count_received(health, skipped)
+        state.count + 1, state.key, x_hat, copies, health_lib.count_received(health, skipped)
     )
     return new_updates, new_state
 
@@ -193,9 +194,9 @@ def step(
 def choco(
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: float = 1.0,
+    gamma: _common.Scalar = 1.0,
     *,
-    axis_name: str = "nodes",
+    axis_name: gossip.AxisName = "nodes",
     replicas: str = "sum",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -215,7 +216,8 @@ def choco(
       compressor: Q, any `lpdec` compressor (e.g. ``lpdec.minmax(8)``,
         ``lpdec.top_k(0.01)``).
       gamma: consensus step size in (0, 1]; 1 without compression, smaller for
-        aggressive compression.
+        aggressive compression. A number, a scalar array, or a schedule
+        ``count -> gamma``; works with ``optax.inject_hyperparams``.
       axis_name: the named axis whose instances are the nodes.
       replicas: "sum" (2 model-sized buffers) or "per_peer" (1 + k buffers,
         replicas bit-identical to the owners' public copies).
@@ -240,16 +242,21 @@ def choco(
         raise ValueError(f"choco: replicas must be 'sum' or 'per_peer'; got {replicas!r}.")
     _common.check_compressor(compressor, "choco", "lpdec.minmax(8)")
 
-    return _common.transform(
-        "choco",
-        init,
-        step,
-        dict(topology=topology, replicas=replicas, seed=seed, axis_name=axis_name),
-        dict(
+    def init_fn(params):
+        return init(params, topology=topology, replicas=replicas, seed=seed, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "choco")
+        return step(
+            updates,
+            state,
+            params,
             topology=topology,
             compressor=compressor,
             gamma=gamma,
             replicas=replicas,
             axis_name=axis_name,
-        ),
-    )
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -44,6 +44,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
 from lpdec.compress.modulo import Modulo
 
@@ -62,7 +63,7 @@ class CompressedMeanState(NamedTuple):
 
     count: jax.Array
     key: jax.Array
-    health: _common.Health
+    health: health_lib.Health
 
 
 def init(
@@ -74,7 +75,7 @@ def init(
     return CompressedMeanState(
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
-        health=_common.Health(zero, zero),
+        health=health_lib.Health(zero, zero),
     )
 
 
@@ -190,7 +191,7 @@ def step(
             return node * local_size + rank
 
     ok = _common.all_finite(updates)
-    health = _common.count_update(state.health, ok)
+    health = health_lib.count_update(state.health, ok)
     leaves, treedef = jax.tree.flatten(updates)
     # Empty leaves have nothing to send; NaN everywhere marks a non-finite update for every chunk.
     live = [i for i, u in enumerate(leaves) if u.size]
@@ -210,7 +211,7 @@ def step(
     out = [jnp.zeros_like(u) for u in leaves]
     for i, mean in zip(live, means, strict=True):
         out[i] = mean.reshape(leaves[i].shape).astype(leaves[i].dtype)
-    health = _common.count_received(health, skipped)
+    health = health_lib.count_received(health, skipped)
     return treedef.unflatten(out), CompressedMeanState(state.count + 1, state.key, health)
 
 
@@ -283,11 +284,12 @@ def compressed_mean(
             f"axis_name={axis_name!r}; got {local_axis!r}."
         )
 
-    return _common.transform(
-        "compressed_mean",
-        init,
-        step,
-        dict(seed=seed, axis_name=axis_name, local_axis=local_axis),
-        dict(compressor=comp, axis_name=axis_name, local_axis=local_axis),
-        needs_params=False,
-    )
+    def init_fn(params):
+        return init(params, seed=seed, axis_name=axis_name, local_axis=local_axis)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        del params
+        return step(updates, state, compressor=comp, axis_name=axis_name, local_axis=local_axis)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

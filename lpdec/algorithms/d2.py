@@ -48,6 +48,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 from lpdec.algorithms import moniqua
 from lpdec.compress import base as compress_base
 from lpdec.compress.identity import Identity
@@ -76,7 +77,7 @@ class D2State(NamedTuple):
     key: jax.Array
     prev_params: Any
     prev_update: Any
-    health: _common.Health
+    health: health_lib.Health
 
 
 def init(params: optax.Params, *, seed: int, axis_name: str) -> D2State:
@@ -85,7 +86,7 @@ def init(params: optax.Params, *, seed: int, axis_name: str) -> D2State:
         key=_common.key_from_seed(seed),
         prev_params=gossip.to_varying(_common.f32(params), axis_name),
         prev_update=_common.zeros_f32(params, axis_name),
-        health=_common.init_health(axis_name),
+        health=health_lib.init(axis_name),
     )
 
 
@@ -102,7 +103,7 @@ def step(
 
     `compressor` is ``lpdec.identity()`` for full-precision mixing.
     """
-    gossip.check_topology(topology, axis_name)
+    gossip.require_axis(axis_name, "d2", topology=topology)
     round_ = topology.rounds[0]
     updates, _, health = _common.guard_updates(updates, state.health)
     x = _common.f32(params)
@@ -123,7 +124,7 @@ def step(
         compressor, received, half_hat, reference=half, sender_key=sender_key
     )
     new = jax.tree.map(jnp.add, half, correction)
-    health = _common.count_received(health, skipped)
+    health = health_lib.count_received(health, skipped)
     new_state = D2State(state.count + 1, state.key, x, u, health)
     return _common.as_updates(new, params), new_state
 
@@ -207,10 +208,14 @@ def d2(
         )
     compressor = Identity() if comp is None else comp
 
-    return _common.transform(
-        "d2",
-        init,
-        step,
-        dict(seed=seed, axis_name=axis_name),
-        dict(topology=topology, compressor=compressor, axis_name=axis_name),
-    )
+    def init_fn(params):
+        return init(params, seed=seed, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "d2")
+        return step(
+            updates, state, params, topology=topology, compressor=compressor, axis_name=axis_name
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

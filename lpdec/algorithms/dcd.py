@@ -39,6 +39,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
 from lpdec.compress.modulo import Modulo
 from lpdec.kernels_pallas._common import rounded
@@ -63,7 +64,7 @@ class DCDState(NamedTuple):
     count: jax.Array
     key: jax.Array
     neighbors: Any
-    health: _common.Health
+    health: health_lib.Health
 
 
 def init(
@@ -75,10 +76,10 @@ def init(
     parameters, and the replicas must be exactly those.
     """
     gossip.require_axis(axis_name, "dcd's init")
-    gossip.check_topology(topology, axis_name)
+    gossip.require_axis(axis_name, "dcd", topology=topology)
     received = gossip.exchange(params, topology.rounds[0], axis_name=axis_name)
     own = _common.f32(params)
-    health = _common.init_health(axis_name)
+    health = health_lib.init(axis_name)
     # A neighbour starting from NaN/Inf never sends a finite message; its replica
     # stands still at the receiver's own start instead of poisoning the receiver.
     copies, skipped = [], jnp.int32(0)
@@ -88,7 +89,7 @@ def init(
             jax.tree.map(lambda y, x, ok=ok: jnp.where(ok, y.astype(jnp.float32), x), payload, own)
         )
         skipped = skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
-    health = _common.count_received(health, skipped)
+    health = health_lib.count_received(health, skipped)
     if replicas == "sum":
         off_diagonal = 1.0 - received.self_weight
         neighbors = jax.tree.map(
@@ -134,7 +135,7 @@ def step(
       (Q(z_i) in each parameter's dtype, the new state).
     """
     gossip.require_axis(axis_name, "dcd")
-    gossip.check_topology(topology, axis_name)
+    gossip.require_axis(axis_name, "dcd", topology=topology)
     round_ = topology.rounds[0]
     me = gossip.node_index(axis_name)
     weights = [gossip.per_node(c.recv_weight, axis_name) for c in round_.edge_classes]
@@ -163,7 +164,7 @@ def step(
     # A local update holding NaN/Inf is caught here (it makes z, hence the payload,
     # non-finite), which saves a separate pass over the update to check it.
     sent_ok = gossip.payload_is_finite(compressor, payload)
-    health = _common.count_update(state.health, sent_ok)
+    health = health_lib.count_update(state.health, sent_ok)
     q = _common.decode(compressor, payload, z, key=key)
     move = jax.tree.map(lambda d, p: jnp.where(sent_ok, d, 0.0).astype(p.dtype), q, params)
 
@@ -189,7 +190,7 @@ def step(
             neighbors.append(replica)
             skipped = skipped + s
         neighbors = tuple(neighbors)
-    health = _common.count_received(health, skipped)
+    health = health_lib.count_received(health, skipped)
     return move, DCDState(state.count + 1, state.key, neighbors, health)
 
 
@@ -255,10 +256,20 @@ def dcd(
             "receiver's own model); use lpdec.moniqua for modulo quantization."
         )
 
-    return _common.transform(
-        "dcd",
-        init,
-        step,
-        dict(topology=topology, replicas=replicas, seed=seed, axis_name=axis_name),
-        dict(topology=topology, compressor=compressor, replicas=replicas, axis_name=axis_name),
-    )
+    def init_fn(params):
+        return init(params, topology=topology, replicas=replicas, seed=seed, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "dcd")
+        return step(
+            updates,
+            state,
+            params,
+            topology=topology,
+            compressor=compressor,
+            replicas=replicas,
+            axis_name=axis_name,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

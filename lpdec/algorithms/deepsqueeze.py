@@ -33,6 +33,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
 from lpdec.topology import Topology
 
@@ -52,7 +53,7 @@ class DeepSqueezeState(NamedTuple):
     count: jax.Array
     key: jax.Array
     error: Any
-    health: _common.Health
+    health: health_lib.Health
 
 
 def init(params: optax.Params, *, seed: int, axis_name: str) -> DeepSqueezeState:
@@ -60,7 +61,7 @@ def init(params: optax.Params, *, seed: int, axis_name: str) -> DeepSqueezeState
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
         error=_common.zeros_f32(params, axis_name),
-        health=_common.init_health(axis_name),
+        health=health_lib.init(axis_name),
     )
 
 
@@ -75,7 +76,7 @@ def step(
     axis_name: str,
 ) -> tuple[optax.Updates, DeepSqueezeState]:
     """One Deep-Squeeze step; must run under the named axis `axis_name`."""
-    gossip.check_topology(topology, axis_name)
+    gossip.require_axis(axis_name, "deepsqueeze", topology=topology)
     me = gossip.node_index(axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     x_tilde = jax.tree.map(lambda p, u: p.astype(jnp.float32) + u, params, updates)
@@ -98,7 +99,7 @@ def step(
         return gossip.accumulate(compressor, received, own, sender_key=sender_key, substitute=c)
 
     correction, skipped = gossip.in_round(topology, state.count, consensus_step)
-    health = _common.count_received(health, skipped)
+    health = health_lib.count_received(health, skipped)
     new = jax.tree.map(lambda xt, d: xt + gamma * d, x_tilde, correction)
     new_state = DeepSqueezeState(state.count + 1, state.key, error, health)
     return _common.as_updates(new, params), new_state
@@ -153,10 +154,20 @@ def deepsqueeze(
     gamma = _common.check_gamma(gamma, "deepsqueeze")
     _common.check_compressor(compressor, "deepsqueeze", "lpdec.top_k(0.1)")
 
-    return _common.transform(
-        "deepsqueeze",
-        init,
-        step,
-        dict(seed=seed, axis_name=axis_name),
-        dict(topology=topology, compressor=compressor, gamma=gamma, axis_name=axis_name),
-    )
+    def init_fn(params):
+        return init(params, seed=seed, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "deepsqueeze")
+        return step(
+            updates,
+            state,
+            params,
+            topology=topology,
+            compressor=compressor,
+            gamma=gamma,
+            axis_name=axis_name,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -18,6 +18,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 from lpdec.topology import Topology
 
 
@@ -27,16 +28,20 @@ class DPSGDState(NamedTuple):
     Attributes:
       count: shape=(), dtype=int32; steps taken (picks the round of a
         time-varying topology).
-      health: non-finite counters (`_common.Health`).
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array
-    health: _common.Health
+    health: health_lib.Health
 
 
-def init(params: optax.Params, *, axis_name: str) -> DPSGDState:
+def init(
+    params: optax.Params, *, topology: Topology, axis_name: gossip.AxisName = "nodes"
+) -> DPSGDState:
+    """The state at step 0; must run under `axis_name`."""
     del params
-    return DPSGDState(count=jnp.zeros((), jnp.int32), health=_common.init_health(axis_name))
+    gossip.require_axis(axis_name, "dpsgd's init", topology=topology)
+    return DPSGDState(count=jnp.zeros((), jnp.int32), health=health_lib.init(axis_name))
 
 
 def step(
@@ -45,20 +50,22 @@ def step(
     params: optax.Params,
     *,
     topology: Topology,
-    axis_name: str,
+    axis_name: gossip.AxisName = "nodes",
 ) -> tuple[optax.Updates, DPSGDState]:
     """One D-PSGD step; must run under the named axis `axis_name`."""
-    gossip.check_topology(topology, axis_name)
+    gossip.require_axis(axis_name, "dpsgd", topology=topology)
     updates, _, health = _common.guard_updates(updates, state.health)
     mixed, skipped = gossip.in_round(
         topology, state.count, lambda r: gossip.mix(params, r, axis_name=axis_name)
     )
     new = jax.tree.map(lambda m, u: m + u.astype(jnp.float32), mixed, updates)
-    health = _common.count_received(health, skipped)
+    health = health_lib.count_received(health, skipped)
     return _common.as_updates(new, params), DPSGDState(state.count + 1, health)
 
 
-def dpsgd(topology: Topology, *, axis_name: str = "nodes") -> optax.GradientTransformationExtraArgs:
+def dpsgd(
+    topology: Topology, *, axis_name: gossip.AxisName = "nodes"
+) -> optax.GradientTransformationExtraArgs:
     r"""D-PSGD: gossip-average the parameters in full precision, then add the local update.
 
     .. math::
@@ -88,6 +95,12 @@ def dpsgd(topology: Topology, *, axis_name: str = "nodes") -> optax.GradientTran
     """
     _common.check_topology(topology, "dpsgd", require="row_stochastic")
 
-    return _common.transform(
-        "dpsgd", init, step, dict(axis_name=axis_name), dict(topology=topology, axis_name=axis_name)
-    )
+    def init_fn(params):
+        return init(params, topology=topology, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "dpsgd")
+        return step(updates, state, params, topology=topology, axis_name=axis_name)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

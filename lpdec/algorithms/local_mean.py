@@ -15,6 +15,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 
 
 class LocalMeanState(NamedTuple):
@@ -25,12 +26,12 @@ class LocalMeanState(NamedTuple):
         (``nonfinite_updates``) and on the other ranks (``nonfinite_received``).
     """
 
-    health: _common.Health
+    health: health_lib.Health
 
 
 def init(params: optax.Params, *, axis_name: str) -> LocalMeanState:
     del params
-    return LocalMeanState(health=_common.init_health(axis_name))
+    return LocalMeanState(health=health_lib.init(axis_name))
 
 
 def step(
@@ -47,7 +48,7 @@ def step(
     scale = 1.0 / jnp.maximum(contributors, 1.0)
     mean = jax.tree.map(lambda t, u: (t * scale).astype(u.dtype), total, updates)
     dropped = (size - contributors).astype(jnp.int32) - jnp.where(ok, 0, 1).astype(jnp.int32)
-    return mean, LocalMeanState(_common.count_received(health, dropped))
+    return mean, LocalMeanState(health_lib.count_received(health, dropped))
 
 
 def local_mean(*, axis_name: str) -> optax.GradientTransformationExtraArgs:
@@ -81,11 +82,12 @@ def local_mean(*, axis_name: str) -> optax.GradientTransformationExtraArgs:
     if not isinstance(axis_name, str):
         raise TypeError(f"local_mean: axis_name must be a string; got {axis_name!r}.")
 
-    return _common.transform(
-        "local_mean",
-        init,
-        step,
-        dict(axis_name=axis_name),
-        dict(axis_name=axis_name),
-        needs_params=False,
-    )
+    def init_fn(params):
+        return init(params, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        del params
+        return step(updates, state, axis_name=axis_name)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -63,6 +63,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
 from lpdec.compress.modulo import Modulo
 from lpdec.topology import Topology
@@ -84,7 +85,7 @@ class MoniquaState(NamedTuple):
 
     count: jax.Array
     key: jax.Array
-    health: _common.Health
+    health: health_lib.Health
 
 
 def init(params: optax.Params, *, seed: int, axis_name: str) -> MoniquaState:
@@ -92,7 +93,7 @@ def init(params: optax.Params, *, seed: int, axis_name: str) -> MoniquaState:
     return MoniquaState(
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
-        health=_common.init_health(axis_name),
+        health=health_lib.init(axis_name),
     )
 
 
@@ -184,7 +185,7 @@ def step(
     `topology` is the slack topology W' itself; `theta` a float (the
     compressor's own) or a schedule evaluated on `state.count`.
     """
-    gossip.check_topology(topology, axis_name)
+    gossip.require_axis(axis_name, "moniqua", topology=topology)
     me = gossip.node_index(axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     x = _common.f32(params)
@@ -209,7 +210,7 @@ def step(
 
     correction, skipped = gossip.in_round(topology, state.count, combine)
     new = jax.tree.map(lambda xi, c, u: xi + c + u.astype(jnp.float32), x, correction, updates)
-    health = _common.count_received(health, skipped)
+    health = health_lib.count_received(health, skipped)
     return _common.as_updates(new, params), MoniquaState(state.count + 1, state.key, health)
 
 
@@ -302,10 +303,20 @@ def moniqua(
     compressor = Modulo(bits, 1.0 if callable(theta) else theta, rounding)
     mixing = topology.with_slack(slack) if slack != 1 else topology
 
-    return _common.transform(
-        "moniqua",
-        init,
-        step,
-        dict(seed=seed, axis_name=axis_name),
-        dict(topology=mixing, compressor=compressor, theta=theta, axis_name=axis_name),
-    )
+    def init_fn(params):
+        return init(params, seed=seed, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "moniqua")
+        return step(
+            updates,
+            state,
+            params,
+            topology=mixing,
+            compressor=compressor,
+            theta=theta,
+            axis_name=axis_name,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -22,6 +22,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
 from lpdec.compress.modulo import Modulo
 from lpdec.topology import Topology
@@ -38,7 +39,7 @@ class NaiveQuantizedState(NamedTuple):
 
     count: jax.Array
     key: jax.Array
-    health: _common.Health
+    health: health_lib.Health
 
 
 def init(params: optax.Params, *, seed: int, axis_name: str) -> NaiveQuantizedState:
@@ -46,7 +47,7 @@ def init(params: optax.Params, *, seed: int, axis_name: str) -> NaiveQuantizedSt
     return NaiveQuantizedState(
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
-        health=_common.init_health(axis_name),
+        health=health_lib.init(axis_name),
     )
 
 
@@ -60,7 +61,7 @@ def step(
     axis_name: str,
 ) -> tuple[optax.Updates, NaiveQuantizedState]:
     """One naive quantized gossip step; must run under the named axis `axis_name`."""
-    gossip.check_topology(topology, axis_name)
+    gossip.require_axis(axis_name, "naive_quantized", topology=topology)
     me = gossip.node_index(axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     x = _common.f32(params)
@@ -77,7 +78,7 @@ def step(
 
     mixed, skipped = gossip.in_round(topology, state.count, combine)
     new = jax.tree.map(lambda m, u: m + u.astype(jnp.float32), mixed, updates)
-    health = _common.count_received(health, skipped)
+    health = health_lib.count_received(health, skipped)
     return _common.as_updates(new, params), NaiveQuantizedState(state.count + 1, state.key, health)
 
 
@@ -129,10 +130,14 @@ def naive_quantized(
             "the receiver's model; use lpdec.moniqua for modulo quantization."
         )
 
-    return _common.transform(
-        "naive_quantized",
-        init,
-        step,
-        dict(seed=seed, axis_name=axis_name),
-        dict(topology=topology, compressor=compressor, axis_name=axis_name),
-    )
+    def init_fn(params):
+        return init(params, seed=seed, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "naive_quantized")
+        return step(
+            updates, state, params, topology=topology, compressor=compressor, axis_name=axis_name
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

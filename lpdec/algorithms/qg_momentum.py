@@ -164,10 +164,19 @@ def qg_momentum(
     if not isinstance(nesterov, bool):
         raise TypeError(f"qg_momentum: nesterov must be True or False; got {nesterov!r}.")
 
-    return _common.transform(
-        "qg_momentum",
-        init,
-        step,
-        {},
-        dict(learning_rate=learning_rate, momentum=momentum, nesterov=nesterov),
-    )
+    def init_fn(params):
+        return init(params)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "qg_momentum")
+        return step(
+            updates,
+            state,
+            params,
+            learning_rate=learning_rate,
+            momentum=momentum,
+            nesterov=nesterov,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -52,6 +52,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 from lpdec.algorithms import sparse_push
 from lpdec.compress import base as compress_base
 from lpdec.topology import Topology
@@ -76,7 +77,7 @@ class QuantSGPState(NamedTuple):
     push_weight: jax.Array
     x_hat: Any
     neighbors: Any
-    health: _common.Health
+    health: health_lib.Health
 
 
 def init(params: optax.Params, *, seed: int, axis_name: str) -> QuantSGPState:
@@ -88,7 +89,7 @@ def init(params: optax.Params, *, seed: int, axis_name: str) -> QuantSGPState:
         push_weight=sparse_push.init_push_weight(axis_name),
         x_hat=zeros,
         neighbors=zeros,
-        health=_common.init_health(axis_name),
+        health=health_lib.init(axis_name),
     )
 
 
@@ -103,7 +104,7 @@ def step(
     axis_name: str,
 ) -> tuple[optax.Updates, QuantSGPState]:
     """One Quant-SGP step; must run under the named axis `axis_name`."""
-    gossip.check_topology(topology, axis_name)
+    gossip.require_axis(axis_name, "quant_sgp", topology=topology)
     round_ = topology.rounds[0]
     me = gossip.node_index(axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
@@ -136,7 +137,7 @@ def step(
         state.push_weight, received, neighbor_weights, usable
     )
     skipped = skipped + sum((1 - ok.astype(jnp.int32) for ok in usable), jnp.int32(0))
-    health = _common.count_received(health, skipped)
+    health = health_lib.count_received(health, skipped)
 
     # sum_j (W_ij - I_ij) x^_j = s_i + (W_ii - 1) x^_i: mass-conserving (module docstring).
     off_diagonal = received.self_weight - 1.0
@@ -212,10 +213,20 @@ def quant_sgp(
     gamma = _common.check_gamma(gamma, "quant_sgp")
     _common.check_compressor(compressor, "quant_sgp", "lpdec.minmax(8)")
 
-    return _common.transform(
-        "quant_sgp",
-        init,
-        step,
-        dict(seed=seed, axis_name=axis_name),
-        dict(topology=topology, compressor=compressor, gamma=gamma, axis_name=axis_name),
-    )
+    def init_fn(params):
+        return init(params, seed=seed, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "quant_sgp")
+        return step(
+            updates,
+            state,
+            params,
+            topology=topology,
+            compressor=compressor,
+            gamma=gamma,
+            axis_name=axis_name,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

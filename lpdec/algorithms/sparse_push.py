@@ -42,6 +42,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
 from lpdec.topology import Round
 from lpdec.topology import Topology
@@ -66,7 +67,7 @@ class SparsePushState(NamedTuple):
     x: Any
     push_weight: jax.Array
     error: Any
-    health: _common.Health
+    health: health_lib.Health
 
 
 def init_push_weight(axis_name: str) -> jax.Array:
@@ -121,7 +122,7 @@ def init(params: optax.Params, *, seed: int, axis_name: str) -> SparsePushState:
         x=gossip.to_varying(_common.f32(params), axis_name),
         push_weight=init_push_weight(axis_name),
         error=_common.zeros_f32(params, axis_name),
-        health=_common.init_health(axis_name),
+        health=health_lib.init(axis_name),
     )
 
 
@@ -136,7 +137,7 @@ def step(
     axis_name: str,
 ) -> tuple[optax.Updates, SparsePushState]:
     """One Sparse-Push step; must run under the named axis `axis_name`."""
-    gossip.check_topology(topology, axis_name)
+    gossip.require_axis(axis_name, "sparse_push", topology=topology)
     me = gossip.node_index(axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     # The update was computed at z_i = params, but it moves the biased model x_i.
@@ -173,7 +174,7 @@ def step(
         return correction, w_correction, skipped
 
     correction, w_correction, skipped = gossip.in_round(topology, state.count, consensus_step)
-    health = _common.count_received(health, skipped)
+    health = health_lib.count_received(health, skipped)
     x = jax.tree.map(lambda xt, d: xt + gamma * d, x_tilde, correction)
     push_weight = state.push_weight + gamma * w_correction
     z = jax.tree.map(lambda xi: xi / push_weight, x)
@@ -246,10 +247,20 @@ def sparse_push(
     gamma = _common.check_gamma(gamma, "sparse_push")
     _common.check_compressor(compressor, "sparse_push", "lpdec.top_k(0.1)")
 
-    return _common.transform(
-        "sparse_push",
-        init,
-        step,
-        dict(seed=seed, axis_name=axis_name),
-        dict(topology=topology, compressor=compressor, gamma=gamma, axis_name=axis_name),
-    )
+    def init_fn(params):
+        return init(params, seed=seed, axis_name=axis_name)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        del extra_args
+        params = _common.require_params(params, "sparse_push")
+        return step(
+            updates,
+            state,
+            params,
+            topology=topology,
+            compressor=compressor,
+            gamma=gamma,
+            axis_name=axis_name,
+        )
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
