@@ -3,7 +3,7 @@
 `_KernelChecks` holds every check; `TestKernelsInterpret` runs them with the
 kernels in interpret mode (this is how CI exercises them on CPU), and on a GPU
 or TPU `TestKernelsCompiled` re-runs them compiled. The numpy references below
-are written from the semantics in DESIGN.md, not from the library's code: numpy
+are written from the semantics in docs/DESIGN.md, not from the library's code: numpy
 float32 arithmetic never fuses multiply-adds, so bit equality with it shows the
 library rounds every product exactly once, on every path.
 """

@@ -1,7 +1,7 @@
 """Per-chunk min-max quantization: fused quantize, dequantize, dequantize-and-accumulate.
 
 Layout: the input is viewed as [rows, chunk] with one (lo, unit) pair per row.
-For each row (seeds 000, 001, 004; DESIGN.md "Quantizer semantics")::
+For each row (seeds 000, 001, 004; docs/DESIGN.md, "Quantizer semantics")::
 
     lo = min(x), hi = max(x), unit = (hi - lo) / (2**bits - 1)
     code = clip(round((x - lo) / unit), 0, 2**bits - 1)        # nearest
