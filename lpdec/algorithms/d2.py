@@ -70,7 +70,7 @@ class D2State(NamedTuple):
         (x_0 before the first).
       prev_update: float32 tree; u_{k-1}, the last incoming update (0 before
         the first step).
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array

@@ -58,7 +58,7 @@ class DCDState(NamedTuple):
         the consensus residual, so that z_i = r_i + u_i reads one buffer; or
         ("per_peer") a tuple of one replica tree per edge class, x_hat of that
         class's sender (zeros where the node receives nothing in the class).
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array

@@ -43,11 +43,11 @@ class DeepSqueezeState(NamedTuple):
 
     Attributes:
       count: shape=(), dtype=int32; steps taken (picks the round of a
-        time-varying topology).
+        time-varying topology and the value of a gamma schedule).
       key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
       error: float32 tree; delta_i, the compression error carried to the next
         step (v_i - C[v_i]).
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array

@@ -32,9 +32,10 @@ class NaiveQuantizedState(NamedTuple):
     """State of `naive_quantized`.
 
     Attributes:
-      count: shape=(), dtype=int32; steps taken.
+      count: shape=(), dtype=int32; steps taken (picks the round of a
+        time-varying topology).
       key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array

@@ -62,13 +62,13 @@ class QuantSGPState(NamedTuple):
     """State of `quant_sgp`.
 
     Attributes:
-      count: shape=(), dtype=int32; steps taken.
+      count: shape=(), dtype=int32; steps taken (the argument of a gamma schedule).
       key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
       x: float32 tree; the biased model x_i (params are z_i = x_i / w_i).
       push_weight: shape=(), dtype=float32; the push-sum weight w_i.
       x_hat: float32 tree; this node's public copy.
       neighbors: float32 tree; s_i = sum_{j != i} W_ij x_hat_j.
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array

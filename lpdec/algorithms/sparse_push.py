@@ -53,13 +53,13 @@ class SparsePushState(NamedTuple):
 
     Attributes:
       count: shape=(), dtype=int32; steps taken (picks the round of a
-        time-varying topology).
+        time-varying topology and the value of a gamma schedule).
       key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
       x: float32 tree; the biased model x_i (params are z_i = x_i / w_i).
       push_weight: shape=(), dtype=float32; the push-sum weight w_i.
       error: float32 tree; delta_i, the compression error carried to the next
         step (v_i - C[v_i]).
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array
