@@ -70,7 +70,7 @@ class D2State(NamedTuple):
         (x_0 before the first).
       prev_update: float32 tree; u_{k-1}, the last incoming update (0 before
         the first step).
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array
@@ -80,11 +80,19 @@ class D2State(NamedTuple):
     health: health_lib.Health
 
 
-def init(params: optax.Params, *, seed: int, axis_name: str) -> D2State:
+def init(
+    params: optax.Params,
+    *,
+    topology: Topology,
+    seed: int = 0,
+    axis_name: gossip.AxisName = "nodes",
+) -> D2State:
+    """The state at step 0 (x_{-1} = x_0, u_{-1} = 0); must run under `axis_name`."""
+    gossip.require_axis(axis_name, "d2's init", topology=topology)
     return D2State(
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
-        prev_params=gossip.to_varying(_common.f32(params), axis_name),
+        prev_params=_common.own_f32(params, axis_name),
         prev_update=_common.zeros_f32(params, axis_name),
         health=health_lib.init(axis_name),
     )
@@ -97,7 +105,7 @@ def step(
     *,
     topology: Topology,
     compressor: compress_base.Compressor,
-    axis_name: str,
+    axis_name: gossip.AxisName = "nodes",
 ) -> tuple[optax.Updates, D2State]:
     """One D² step; must run under the named axis `axis_name`.
 
@@ -147,7 +155,7 @@ def check_lambda_min(topology: Topology, name: str) -> float:
 def d2(
     topology: Topology,
     *,
-    axis_name: str = "nodes",
+    axis_name: gossip.AxisName = "nodes",
     comp: compress_base.Compressor | None = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -173,8 +181,8 @@ def d2(
       topology: a static, symmetric, doubly stochastic `Topology` with
         λ_min(W) > -1/3, checked here (``ring(8)`` has exactly -1/3: use
         ``ring(8).with_slack(0.5)``).
-      axis_name: the named axis whose instances are the nodes; the transform
-        must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
+      axis_name: the named axis whose instances are the nodes; `init` and
+        `update` must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
       comp: None for full-precision mixing, or any `lpdec` compressor (e.g.
         ``lpdec.modulo(8, theta=0.5)``).
       seed: seeds the shared key for stochastic rounding / random-k.
@@ -209,7 +217,7 @@ def d2(
     compressor = Identity() if comp is None else comp
 
     def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
+        return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args

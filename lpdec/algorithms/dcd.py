@@ -58,7 +58,7 @@ class DCDState(NamedTuple):
         the consensus residual, so that z_i = r_i + u_i reads one buffer; or
         ("per_peer") a tuple of one replica tree per edge class, x_hat of that
         class's sender (zeros where the node receives nothing in the class).
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array
@@ -68,15 +68,19 @@ class DCDState(NamedTuple):
 
 
 def init(
-    params: optax.Params, *, topology: Topology, replicas: str, seed: int, axis_name: str
+    params: optax.Params,
+    *,
+    topology: Topology,
+    replicas: str = "sum",
+    seed: int = 0,
+    axis_name: gossip.AxisName = "nodes",
 ) -> DCDState:
     """Builds the replicas from the neighbours' initial parameters (one full-precision exchange).
 
     Must run under the named axis `axis_name`: nodes may start from different
     parameters, and the replicas must be exactly those.
     """
-    gossip.require_axis(axis_name, "dcd's init")
-    gossip.require_axis(axis_name, "dcd", topology=topology)
+    gossip.require_axis(axis_name, "dcd's init", topology=topology)
     received = gossip.exchange(params, topology.rounds[0], axis_name=axis_name)
     own = _common.f32(params)
     health = health_lib.init(axis_name)
@@ -126,19 +130,17 @@ def step(
     *,
     topology: Topology,
     compressor: compress_base.Compressor,
-    replicas: str,
-    axis_name: str,
+    replicas: str = "sum",
+    axis_name: gossip.AxisName = "nodes",
 ) -> tuple[optax.Updates, DCDState]:
     """One DCD step; must run under the named axis `axis_name`.
 
     Returns:
       (Q(z_i) in each parameter's dtype, the new state).
     """
-    gossip.require_axis(axis_name, "dcd")
     gossip.require_axis(axis_name, "dcd", topology=topology)
     round_ = topology.rounds[0]
     me = gossip.node_index(axis_name)
-    weights = [gossip.per_node(c.recv_weight, axis_name) for c in round_.edge_classes]
     off_diagonal = 1.0 - gossip.per_node(round_.self_weight, axis_name)
     if replicas == "sum":
         # z_i = sum_j W_ij x_hat_j + u_i - x_i = r_i + u_i: one buffer to read. Keeping
@@ -147,6 +149,7 @@ def step(
     else:
         # z_i = (s_i + u_i) - (1 - W_ii) x_i. The product is rounded before the
         # subtraction (no fused multiply-add), so z has the same bits in every program.
+        weights = [gossip.per_node(c.recv_weight, axis_name) for c in round_.edge_classes]
         neighbor_sum = _weighted_sum(weights, list(state.neighbors), _common.f32(params))
         z = jax.tree.map(
             lambda s, u, x: (
@@ -179,17 +182,9 @@ def step(
         neighbors, skipped = gossip.accumulate(compressor, received, own, sender_key=sender_key)
     else:
         # x_hat_j += Q(z_j) with weight exactly 1, the same float32 add as the owner's.
-        neighbors, skipped = [], jnp.int32(0)
-        for c, replica in enumerate(state.neighbors):
-            one = received._replace(
-                payloads=[received.payloads[c]],
-                weights=[jnp.where(weights[c] > 0, 1.0, 0.0).astype(jnp.float32)],
-                senders=[received.senders[c]],
-            )
-            replica, s = gossip.accumulate(compressor, one, replica, sender_key=sender_key)
-            neighbors.append(replica)
-            skipped = skipped + s
-        neighbors = tuple(neighbors)
+        neighbors, skipped = gossip.accumulate_per_class(
+            compressor, received, state.neighbors, sender_key=sender_key
+        )
     health = health_lib.count_received(health, skipped)
     return move, DCDState(state.count + 1, state.key, neighbors, health)
 
@@ -198,7 +193,7 @@ def dcd(
     topology: Topology,
     compressor: compress_base.Compressor,
     *,
-    axis_name: str = "nodes",
+    axis_name: gossip.AxisName = "nodes",
     replicas: str = "sum",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:

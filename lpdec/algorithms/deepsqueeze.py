@@ -43,11 +43,11 @@ class DeepSqueezeState(NamedTuple):
 
     Attributes:
       count: shape=(), dtype=int32; steps taken (picks the round of a
-        time-varying topology).
+        time-varying topology and the value of a gamma schedule).
       key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
       error: float32 tree; delta_i, the compression error carried to the next
         step (v_i - C[v_i]).
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array
@@ -56,7 +56,15 @@ class DeepSqueezeState(NamedTuple):
     health: health_lib.Health
 
 
-def init(params: optax.Params, *, seed: int, axis_name: str) -> DeepSqueezeState:
+def init(
+    params: optax.Params,
+    *,
+    topology: Topology,
+    seed: int = 0,
+    axis_name: gossip.AxisName = "nodes",
+) -> DeepSqueezeState:
+    """The state at step 0 (no error carried yet, delta = 0); must run under `axis_name`."""
+    gossip.require_axis(axis_name, "deepsqueeze's init", topology=topology)
     return DeepSqueezeState(
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
@@ -72,11 +80,12 @@ def step(
     *,
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: float,
-    axis_name: str,
+    gamma: _common.Scalar = 1.0,
+    axis_name: gossip.AxisName = "nodes",
 ) -> tuple[optax.Updates, DeepSqueezeState]:
     """One Deep-Squeeze step; must run under the named axis `axis_name`."""
     gossip.require_axis(axis_name, "deepsqueeze", topology=topology)
+    gamma = _common.at_step(gamma, state.count)
     me = gossip.node_index(axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     x_tilde = jax.tree.map(lambda p, u: p.astype(jnp.float32) + u, params, updates)
@@ -108,9 +117,9 @@ def step(
 def deepsqueeze(
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: float = 1.0,
+    gamma: _common.Scalar = 1.0,
     *,
-    axis_name: str = "nodes",
+    axis_name: gossip.AxisName = "nodes",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Deep-Squeeze: gossip of compressed models with error feedback.
@@ -132,9 +141,10 @@ def deepsqueeze(
       compressor: C, any `lpdec` compressor (e.g. ``lpdec.top_k(0.1)``,
         ``lpdec.minmax(8)``).
       gamma: consensus step size in (0, 1]; 1 without compression, smaller for
-        aggressive compression.
-      axis_name: the named axis whose instances are the nodes; the transform
-        must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
+        aggressive compression. A number, a scalar array, or a schedule
+        ``count -> gamma``; works with ``optax.inject_hyperparams``.
+      axis_name: the named axis whose instances are the nodes; `init` and
+        `update` must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
       seed: seeds the shared key for stochastic rounding / random-k.
 
     Returns:
@@ -155,7 +165,7 @@ def deepsqueeze(
     _common.check_compressor(compressor, "deepsqueeze", "lpdec.top_k(0.1)")
 
     def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
+        return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args

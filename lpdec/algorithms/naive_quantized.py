@@ -32,9 +32,10 @@ class NaiveQuantizedState(NamedTuple):
     """State of `naive_quantized`.
 
     Attributes:
-      count: shape=(), dtype=int32; steps taken.
+      count: shape=(), dtype=int32; steps taken (picks the round of a
+        time-varying topology).
       key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array
@@ -42,8 +43,16 @@ class NaiveQuantizedState(NamedTuple):
     health: health_lib.Health
 
 
-def init(params: optax.Params, *, seed: int, axis_name: str) -> NaiveQuantizedState:
+def init(
+    params: optax.Params,
+    *,
+    topology: Topology,
+    seed: int = 0,
+    axis_name: gossip.AxisName = "nodes",
+) -> NaiveQuantizedState:
+    """The state at step 0; must run under `axis_name`."""
     del params
+    gossip.require_axis(axis_name, "naive_quantized's init", topology=topology)
     return NaiveQuantizedState(
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
@@ -58,7 +67,7 @@ def step(
     *,
     topology: Topology,
     compressor: compress_base.Compressor,
-    axis_name: str,
+    axis_name: gossip.AxisName = "nodes",
 ) -> tuple[optax.Updates, NaiveQuantizedState]:
     """One naive quantized gossip step; must run under the named axis `axis_name`."""
     gossip.require_axis(axis_name, "naive_quantized", topology=topology)
@@ -86,7 +95,7 @@ def naive_quantized(
     topology: Topology,
     compressor: compress_base.Compressor,
     *,
-    axis_name: str = "nodes",
+    axis_name: gossip.AxisName = "nodes",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Gossip of quantized models, Q(x_j) used as if it were x_j (seed 003, eq. 4).
@@ -105,8 +114,8 @@ def naive_quantized(
         (``lpdec.minmax(8, "stochastic")``, ``lpdec.identity()`` gives D-PSGD);
         not ``lpdec.modulo``, which decodes against the receiver's model (that
         is `moniqua`).
-      axis_name: the named axis whose instances are the nodes; the transform
-        must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
+      axis_name: the named axis whose instances are the nodes; `init` and
+        `update` must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
       seed: seeds the shared key for stochastic rounding / random-k.
 
     Returns:
@@ -131,7 +140,7 @@ def naive_quantized(
         )
 
     def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
+        return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args

@@ -62,13 +62,13 @@ class QuantSGPState(NamedTuple):
     """State of `quant_sgp`.
 
     Attributes:
-      count: shape=(), dtype=int32; steps taken.
+      count: shape=(), dtype=int32; steps taken (the argument of a gamma schedule).
       key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
       x: float32 tree; the biased model x_i (params are z_i = x_i / w_i).
       push_weight: shape=(), dtype=float32; the push-sum weight w_i.
       x_hat: float32 tree; this node's public copy.
       neighbors: float32 tree; s_i = sum_{j != i} W_ij x_hat_j.
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array
@@ -80,12 +80,20 @@ class QuantSGPState(NamedTuple):
     health: health_lib.Health
 
 
-def init(params: optax.Params, *, seed: int, axis_name: str) -> QuantSGPState:
+def init(
+    params: optax.Params,
+    *,
+    topology: Topology,
+    seed: int = 0,
+    axis_name: gossip.AxisName = "nodes",
+) -> QuantSGPState:
+    """The state at step 0 (x = params, w = 1, x_hat = s = 0); must run under `axis_name`."""
+    gossip.require_axis(axis_name, "quant_sgp's init", topology=topology)
     zeros = _common.zeros_f32(params, axis_name)
     return QuantSGPState(
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
-        x=gossip.to_varying(_common.f32(params), axis_name),
+        x=_common.own_f32(params, axis_name),
         push_weight=sparse_push.init_push_weight(axis_name),
         x_hat=zeros,
         neighbors=zeros,
@@ -100,11 +108,12 @@ def step(
     *,
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: float,
-    axis_name: str,
+    gamma: _common.Scalar = 1.0,
+    axis_name: gossip.AxisName = "nodes",
 ) -> tuple[optax.Updates, QuantSGPState]:
     """One Quant-SGP step; must run under the named axis `axis_name`."""
     gossip.require_axis(axis_name, "quant_sgp", topology=topology)
+    gamma = _common.at_step(gamma, state.count)
     round_ = topology.rounds[0]
     me = gossip.node_index(axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
@@ -153,9 +162,9 @@ def step(
 def quant_sgp(
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: float = 1.0,
+    gamma: _common.Scalar = 1.0,
     *,
-    axis_name: str = "nodes",
+    axis_name: gossip.AxisName = "nodes",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Quant-SGP: CHOCO's compressed-difference gossip with push-sum de-biasing.
@@ -188,9 +197,10 @@ def quant_sgp(
       compressor: C, any `lpdec` compressor (e.g. ``lpdec.minmax(8)``,
         ``lpdec.top_k(0.01)``).
       gamma: consensus step size in (0, 1]; 1 without compression, smaller for
-        aggressive compression.
-      axis_name: the named axis whose instances are the nodes; the transform
-        must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
+        aggressive compression. A number, a scalar array, or a schedule
+        ``count -> gamma``; works with ``optax.inject_hyperparams``.
+      axis_name: the named axis whose instances are the nodes; `init` and
+        `update` must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
       seed: seeds the shared key for stochastic rounding / random-k.
 
     Returns:
@@ -214,7 +224,7 @@ def quant_sgp(
     _common.check_compressor(compressor, "quant_sgp", "lpdec.minmax(8)")
 
     def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
+        return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args

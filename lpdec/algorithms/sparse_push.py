@@ -53,13 +53,13 @@ class SparsePushState(NamedTuple):
 
     Attributes:
       count: shape=(), dtype=int32; steps taken (picks the round of a
-        time-varying topology).
+        time-varying topology and the value of a gamma schedule).
       key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`).
       x: float32 tree; the biased model x_i (params are z_i = x_i / w_i).
       push_weight: shape=(), dtype=float32; the push-sum weight w_i.
       error: float32 tree; delta_i, the compression error carried to the next
         step (v_i - C[v_i]).
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array
@@ -70,13 +70,13 @@ class SparsePushState(NamedTuple):
     health: health_lib.Health
 
 
-def init_push_weight(axis_name: str) -> jax.Array:
+def init_push_weight(axis_name: gossip.AxisName) -> jax.Array:
     """w_i = 1, varying over `axis_name` (it differs between nodes after one step)."""
     return gossip.to_varying(jnp.ones((), jnp.float32), axis_name)
 
 
 def exchange_with_weight(
-    payload: Any, push_weight: jax.Array, round_: Round, *, axis_name: str
+    payload: Any, push_weight: jax.Array, round_: Round, *, axis_name: gossip.AxisName
 ) -> tuple[gossip.Received, list[jax.Array]]:
     """Sends (payload, w_i) along `round_`'s edges in one ppermute per edge class.
 
@@ -115,11 +115,19 @@ def push_weight_correction(
     return correction
 
 
-def init(params: optax.Params, *, seed: int, axis_name: str) -> SparsePushState:
+def init(
+    params: optax.Params,
+    *,
+    topology: Topology,
+    seed: int = 0,
+    axis_name: gossip.AxisName = "nodes",
+) -> SparsePushState:
+    """The state at step 0 (x = params, w = 1, delta = 0); must run under `axis_name`."""
+    gossip.require_axis(axis_name, "sparse_push's init", topology=topology)
     return SparsePushState(
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
-        x=gossip.to_varying(_common.f32(params), axis_name),
+        x=_common.own_f32(params, axis_name),
         push_weight=init_push_weight(axis_name),
         error=_common.zeros_f32(params, axis_name),
         health=health_lib.init(axis_name),
@@ -133,11 +141,12 @@ def step(
     *,
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: float,
-    axis_name: str,
+    gamma: _common.Scalar = 1.0,
+    axis_name: gossip.AxisName = "nodes",
 ) -> tuple[optax.Updates, SparsePushState]:
     """One Sparse-Push step; must run under the named axis `axis_name`."""
     gossip.require_axis(axis_name, "sparse_push", topology=topology)
+    gamma = _common.at_step(gamma, state.count)
     me = gossip.node_index(axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     # The update was computed at z_i = params, but it moves the biased model x_i.
@@ -185,9 +194,9 @@ def step(
 def sparse_push(
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: float = 1.0,
+    gamma: _common.Scalar = 1.0,
     *,
-    axis_name: str = "nodes",
+    axis_name: gossip.AxisName = "nodes",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Sparse-Push: Deep-Squeeze's error-compensated gossip with push-sum de-biasing.
@@ -218,9 +227,10 @@ def sparse_push(
       compressor: C, any `lpdec` compressor (e.g. ``lpdec.top_k(0.1)``,
         ``lpdec.minmax(8)``).
       gamma: consensus step size in (0, 1]; 1 without compression, smaller for
-        aggressive compression.
-      axis_name: the named axis whose instances are the nodes; the transform
-        must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
+        aggressive compression. A number, a scalar array, or a schedule
+        ``count -> gamma``; works with ``optax.inject_hyperparams``.
+      axis_name: the named axis whose instances are the nodes; `init` and
+        `update` must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
       seed: seeds the shared key for stochastic rounding / random-k.
 
     Returns:
@@ -248,7 +258,7 @@ def sparse_push(
     _common.check_compressor(compressor, "sparse_push", "lpdec.top_k(0.1)")
 
     def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
+        return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
