@@ -19,14 +19,16 @@ and node i decodes every model it sees, its own included, against its own
 
 with :math:`u_i` the incoming update (combine-then-adapt, as `dpsgd`) and
 :math:`W' = \alpha W + (1 - \alpha) I` (Theorem 3's slack matrix, α = `slack`).
-The :math:`j = i` term of the sum is zero, so
-:math:`\sum_j W'_{ij} (\hat x_{j|i} - \hat x_{i|i}) = \alpha \sum_j W_{ij}
-(\hat x_{j|i} - \hat x_{i|i})`: a number α is folded into the weights, a traced
-one (``optax.inject_hyperparams``) or a schedule scales the sum.
 Subtracting the node's own decoded term :math:`\hat x_{i|i}` (Algorithm 1,
 lines 4 and 6) keeps quantization noise out of the averaged model: while
 Lemma 2's premise holds, :math:`\hat x_{j|i}` does not depend on the receiver
 i, so with a doubly stochastic W the corrections sum to zero over the nodes.
+
+The :math:`j = i` term of the sum is zero, so
+:math:`\sum_j W'_{ij} (\hat x_{j|i} - \hat x_{i|i}) = \alpha \sum_j W_{ij}
+(\hat x_{j|i} - \hat x_{i|i})`: a number α is folded into the weights of
+:math:`W'`; a traced α (``optax.inject_hyperparams``) or a schedule scales the
+sum instead.
 
 Lemma 2: if :math:`|x_j - x_i| < \theta` elementwise, :math:`|\hat x_{j|i} -
 x_j| \le \delta B_\theta`. Where the bound is violated the decode is off by a
@@ -331,6 +333,9 @@ def moniqua(
       >>> tx = optax.chain(
       ...     optax.sgd(0.1),
       ...     lpdec.moniqua(lpdec.ring(8), bits=1, theta=0.5, slack=0.2, axis_name="nodes"),
+      ... )
+      >>> scheduled = optax.inject_hyperparams(lpdec.moniqua, static_args=("bits",))(
+      ...     lpdec.ring(8), bits=8, theta=optax.linear_schedule(0.5, 0.1, 1000)
       ... )
 
     References:
