@@ -58,7 +58,7 @@ class CompressedMeanState(NamedTuple):
     Attributes:
       count: shape=(), dtype=int32; steps taken.
       key: shape=(2,), dtype=uint32; shared by all nodes (see `_chunk_key`).
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`), varying over both axes.
     """
 
     count: jax.Array
@@ -67,15 +67,23 @@ class CompressedMeanState(NamedTuple):
 
 
 def init(
-    params: optax.Params, *, seed: int, axis_name: str, local_axis: str | None
+    params: optax.Params,
+    *,
+    seed: int | jax.Array = 0,
+    axis_name: str = "nodes",
+    local_axis: str | None = None,
 ) -> CompressedMeanState:
+    """The state at step 0; must run under `axis_name` (and `local_axis`)."""
     del params
-    axes = axis_name if local_axis is None else (axis_name, local_axis)
-    zero = gossip.to_varying(jnp.zeros((), jnp.int32), axes)
+    gossip.require_axis(axis_name, "compressed_mean's init")
+    axes = (axis_name,)
+    if local_axis is not None:
+        gossip.require_axis(local_axis, "compressed_mean's init")
+        axes = (axis_name, local_axis)
     return CompressedMeanState(
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
-        health=health_lib.Health(zero, zero),
+        health=health_lib.init(axes),
     )
 
 
@@ -173,10 +181,21 @@ def step(
     state: CompressedMeanState,
     *,
     compressor: compress_base.Compressor,
-    axis_name: str,
-    local_axis: str | None,
+    axis_name: str = "nodes",
+    local_axis: str | None = None,
 ) -> tuple[optax.Updates, CompressedMeanState]:
-    """The compressed mean of `updates` over the nodes; must run under the named axes."""
+    """The compressed mean of `updates` over the nodes; must run under the named axes.
+
+    Args:
+      updates: this device's update (its gradient).
+      state: the state from `init` or the previous step.
+      compressor: Q, applied to the chunks in both rounds.
+      axis_name: the nodes' axis.
+      local_axis: None, or the axis of a node's accelerators.
+
+    Returns:
+      (the mean over both axes, in each leaf's dtype; the next state).
+    """
     gossip.require_axis(axis_name, "compressed_mean")
     if local_axis is None:
 
@@ -220,7 +239,7 @@ def compressed_mean(
     *,
     axis_name: str = "nodes",
     local_axis: str | None = None,
-    seed: int = 0,
+    seed: int | jax.Array = 0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Mean of the updates over the nodes by a two-round compressed all-reduce (seeds 001, 004).
 
@@ -254,10 +273,12 @@ def compressed_mean(
         use ``lpdec.minmax(8, "stochastic")``.
       axis_name: the named axis whose instances are the nodes (machines).
       local_axis: optional second named axis, the accelerators within a node.
-      seed: seeds the shared key for stochastic rounding / random-k.
+      seed: seeds the shared key for stochastic rounding / random-k (an int
+        or an int scalar array, so ``optax.inject_hyperparams`` works).
 
     Returns:
-      An optax transform; `update` ignores `params`.
+      An optax transform whose `init` and `update` must run under `axis_name`
+      (and `local_axis`); `update` ignores `params`.
 
     Example:
       >>> tx = optax.chain(
@@ -288,8 +309,7 @@ def compressed_mean(
         return init(params, seed=seed, axis_name=axis_name, local_axis=local_axis)
 
     def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        del params
+        del params, extra_args
         return step(updates, state, compressor=comp, axis_name=axis_name, local_axis=local_axis)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -39,15 +39,34 @@ class DelayState(NamedTuple):
     Attributes:
       head: shape=(), dtype=int32; the ring slot holding the oldest update,
         the one returned next.
-      buffer: a tree like the updates with a leading axis of size τ: the last
-        τ updates (zeros before any arrived), oldest at `head`.
+      buffer: a tree like the updates, in the parameters' dtypes, with a
+        leading axis of size τ: the last τ updates (zeros before any
+        arrived), oldest at `head`.
     """
 
     head: jax.Array
     buffer: Any
 
 
-def delay(steps: int) -> optax.GradientTransformation:
+def init(params: optax.Params, *, steps: int) -> DelayState:
+    """An empty FIFO of τ = `steps` >= 1 updates; runs anywhere, as it does not communicate."""
+    # zeros_like keeps the leaves' varying-ness under shard_map, like the updates'.
+    buffer = jax.tree.map(lambda p: jnp.zeros_like(p, shape=(steps, *p.shape)), params)
+    return DelayState(head=jnp.zeros((), jnp.int32), buffer=buffer)
+
+
+def step(
+    updates: optax.Updates, state: DelayState, *, steps: int
+) -> tuple[optax.Updates, DelayState]:
+    """Returns the update from τ = `steps` steps ago and stores this one in its slot."""
+    oldest = jax.tree.map(lambda b, u: b[state.head].astype(u.dtype), state.buffer, updates)
+    buffer = jax.tree.map(
+        lambda b, u: b.at[state.head].set(u.astype(b.dtype)), state.buffer, updates
+    )
+    return oldest, DelayState(head=(state.head + 1) % steps, buffer=buffer)
+
+
+def delay(steps: int) -> optax.GradientTransformationExtraArgs:
     r"""Returns the incoming update from `steps` steps ago (zeros for the first `steps` steps).
 
     .. math::
@@ -60,7 +79,9 @@ def delay(steps: int) -> optax.GradientTransformation:
     docstring). Memory: τ update-sized buffers. No communication.
 
     Args:
-      steps: τ >= 0; 0 is the identity.
+      steps: τ >= 0, a Python int (it sets the buffer's shape: under
+        ``optax.inject_hyperparams`` pass ``static_args=("steps",)``); 0 is
+        the identity.
 
     Returns:
       An optax transform to put after the local optimizer and before the
@@ -77,6 +98,12 @@ def delay(steps: int) -> optax.GradientTransformation:
       Lian et al., Asynchronous Decentralized Parallel Stochastic Gradient
       Descent, ICML 2018, https://arxiv.org/abs/1710.06952
     """
+    if isinstance(steps, jax.Array):
+        raise TypeError(
+            "delay: steps sets the buffer's shape, so it must be a Python int, not an array; "
+            "under optax.inject_hyperparams use "
+            f"optax.inject_hyperparams(lpdec.delay, static_args=('steps',)); got {steps!r}."
+        )
     if isinstance(steps, bool):
         raise TypeError(f"delay: steps must be an integer >= 0; got {steps!r}.")
     try:
@@ -86,20 +113,13 @@ def delay(steps: int) -> optax.GradientTransformation:
     if steps < 0:
         raise ValueError(f"delay: steps must be >= 0; got {steps}.")
     if steps == 0:
-        return optax.identity()
+        return optax.with_extra_args_support(optax.identity())
 
     def init_fn(params):
-        # zeros_like keeps the leaves' varying-ness under shard_map, like the updates'.
-        buffer = jax.tree.map(lambda p: jnp.zeros_like(p, shape=(steps, *p.shape)), params)
-        return DelayState(head=jnp.zeros((), jnp.int32), buffer=buffer)
+        return init(params, steps=steps)
 
-    def update_fn(updates, state, params=None):
-        del params
-        oldest = jax.tree.map(lambda b, u: b[state.head].astype(u.dtype), state.buffer, updates)
-        buffer = jax.tree.map(
-            lambda b, u: b.at[state.head].set(u.astype(b.dtype)), state.buffer, updates
-        )
-        head = (state.head + 1) % steps
-        return oldest, DelayState(head=head, buffer=buffer)
+    def update_fn(updates, state, params=None, **extra_args):
+        del params, extra_args
+        return step(updates, state, steps=steps)
 
-    return optax.GradientTransformation(init_fn, update_fn)
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -22,15 +22,18 @@ class LocalMeanState(NamedTuple):
     """State of `local_mean`.
 
     Attributes:
-      health: non-finite counters; updates dropped on this rank
-        (``nonfinite_updates``) and on the other ranks (``nonfinite_received``).
+      health: non-finite counters (`lpdec.Health`); updates dropped on this
+        rank (``nonfinite_updates``) and on the other ranks
+        (``nonfinite_received``).
     """
 
     health: health_lib.Health
 
 
 def init(params: optax.Params, *, axis_name: str) -> LocalMeanState:
+    """The state at step 0; must run under `axis_name`."""
     del params
+    gossip.require_axis(axis_name, "local_mean's init")
     return LocalMeanState(health=health_lib.init(axis_name))
 
 
@@ -70,7 +73,8 @@ def local_mean(*, axis_name: str) -> optax.GradientTransformationExtraArgs:
         node on a 2-axis mesh).
 
     Returns:
-      An optax transform; `update` ignores `params`.
+      An optax transform whose `init` and `update` must run under
+      `axis_name`; `update` ignores `params`.
 
     Example:
       >>> tx = optax.chain(
@@ -86,8 +90,7 @@ def local_mean(*, axis_name: str) -> optax.GradientTransformationExtraArgs:
         return init(params, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):
-        del extra_args
-        del params
+        del params, extra_args
         return step(updates, state, axis_name=axis_name)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -24,6 +24,12 @@ lines 4 and 6) keeps quantization noise out of the averaged model: while
 Lemma 2's premise holds, :math:`\hat x_{j|i}` does not depend on the receiver
 i, so with a doubly stochastic W the corrections sum to zero over the nodes.
 
+The :math:`j = i` term of the sum is zero, so
+:math:`\sum_j W'_{ij} (\hat x_{j|i} - \hat x_{i|i}) = \alpha \sum_j W_{ij}
+(\hat x_{j|i} - \hat x_{i|i})`: a number α is folded into the weights of
+:math:`W'`; a traced α (``optax.inject_hyperparams``) or a schedule scales the
+sum instead.
+
 Lemma 2: if :math:`|x_j - x_i| < \theta` elementwise, :math:`|\hat x_{j|i} -
 x_j| \le \delta B_\theta`. Where the bound is violated the decode is off by a
 multiple of :math:`B_\theta`: the model jumps. θ must therefore bound the
@@ -59,6 +65,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lpdec import gossip
@@ -69,7 +76,6 @@ from lpdec.compress.modulo import Modulo
 from lpdec.topology import Topology
 
 PyTree = Any
-Theta = float | Callable[[jax.Array], jax.Array]
 
 
 class MoniquaState(NamedTuple):
@@ -77,10 +83,10 @@ class MoniquaState(NamedTuple):
 
     Attributes:
       count: shape=(), dtype=int32; steps taken (picks the round of a
-        time-varying topology and the argument of a θ schedule).
+        time-varying topology and the argument of a θ or α schedule).
       key: shape=(2,), dtype=uint32; shared by all nodes (`_common.node_key`),
         drawn from by stochastic rounding.
-      health: non-finite counters.
+      health: non-finite counters (`lpdec.Health`).
     """
 
     count: jax.Array
@@ -88,8 +94,16 @@ class MoniquaState(NamedTuple):
     health: health_lib.Health
 
 
-def init(params: optax.Params, *, seed: int, axis_name: str) -> MoniquaState:
+def init(
+    params: optax.Params,
+    *,
+    topology: Topology,
+    seed: int | jax.Array = 0,
+    axis_name: gossip.AxisName = "nodes",
+) -> MoniquaState:
+    """The state at step 0; must run under `axis_name`."""
     del params
+    gossip.require_axis(axis_name, "moniqua's init", topology=topology)
     return MoniquaState(
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
@@ -177,21 +191,37 @@ def step(
     *,
     topology: Topology,
     compressor: Modulo,
-    theta: Theta,
-    axis_name: str,
+    theta: _common.Scalar | None = None,
+    slack: _common.Scalar = 1.0,
+    axis_name: gossip.AxisName = "nodes",
 ) -> tuple[optax.Updates, MoniquaState]:
     """One Moniqua step; must run under the named axis `axis_name`.
 
-    `topology` is the slack topology W' itself; `theta` a float (the
-    compressor's own) or a schedule evaluated on `state.count`.
+    Args:
+      updates: u_i, the incoming update.
+      state: the state from `init` or the previous step.
+      params: x_i, this node's model.
+      topology: W, before the slack.
+      compressor: Q_delta, the modulo quantizer.
+      theta: None to use the compressor's own θ; otherwise a number, a scalar
+        array or a schedule of `state.count` that overrides it.
+      slack: α of W' = α W + (1 - α) I: a number, a scalar array or a schedule.
+      axis_name: the named axis whose instances are the nodes.
+
+    Returns:
+      (the update that lands the node on x_i^+, the next state).
     """
     gossip.require_axis(axis_name, "moniqua", topology=topology)
     me = gossip.node_index(axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     x = _common.f32(params)
-    theta_t = theta(state.count) if callable(theta) else None
-    if theta_t is not None:
-        theta_t = jnp.asarray(theta_t, jnp.float32)
+    theta_t = None if theta is None else _common.at_step(theta, state.count)
+    if isinstance(slack, (int, float)):
+        # A known α goes into the weights, rounded once as W' itself.
+        mixing, alpha = topology.with_slack(slack), 1.0
+    else:
+        # sum_j W'_ij (x^_j - x^_i) = α sum_j W_ij (x^_j - x^_i): the j = i term is zero.
+        mixing, alpha = topology, _common.at_step(slack, state.count)
 
     # q_i = Q((x_i / B) mod 1), and the own biased term x^_i = decode(q_i, reference=x_i).
     key = _common.node_key(state.key, state.count, me)
@@ -208,36 +238,51 @@ def step(
         received = gossip.exchange(payload, round_, axis_name=axis_name)
         return consensus_step(compressor, received, x_hat, reference=x, theta=theta_t)
 
-    correction, skipped = gossip.in_round(topology, state.count, combine)
-    new = jax.tree.map(lambda xi, c, u: xi + c + u.astype(jnp.float32), x, correction, updates)
+    correction, skipped = gossip.in_round(mixing, state.count, combine)
+    # x_i^+ = x_i + sum_j W'_ij (x^_{j|i} - x^_{i|i}) + u_i.
+    new = jax.tree.map(
+        lambda xi, c, u: xi + alpha * c + u.astype(jnp.float32), x, correction, updates
+    )
     health = health_lib.count_received(health, skipped)
     return _common.as_updates(new, params), MoniquaState(state.count + 1, state.key, health)
 
 
-def check_theta(theta: Theta, name: str) -> Theta:
-    """θ must be a number > 0 or a schedule (a callable step -> θ)."""
-    if callable(theta):
-        return theta
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
-        raise TypeError(
-            f"{name}: theta must be a number > 0 or a schedule step -> theta; got {theta!r}."
-        )
-    if not theta > 0:
+def _check_bits(bits: int) -> int:
+    if isinstance(bits, (jax.Array, np.ndarray)):
         raise ValueError(
-            f"{name}: theta (the a-priori bound on |x_i - x_j|) must be > 0; got {theta!r}."
+            "moniqua: bits sets the payload's shapes, so it must be a Python int in 1..8, not an "
+            "array; under optax.inject_hyperparams use "
+            f"optax.inject_hyperparams(lpdec.moniqua, static_args=('bits',)); got {bits!r}."
         )
-    return float(theta)
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise ValueError(f"moniqua: bits must be an integer in 1..8; got {bits!r}.")
+    return bits
+
+
+def _check_theta(theta: _common.Scalar) -> _common.Scalar:
+    """θ > 0: a number (returned as a float), a scalar array or a schedule step -> θ."""
+    if isinstance(theta, bool) or not (
+        callable(theta) or isinstance(theta, (int, float, np.ndarray, jax.Array))
+    ):
+        raise TypeError(
+            "moniqua: theta must be a number > 0, a scalar array or a schedule step -> theta; "
+            f"got {theta!r}."
+        )
+    theta = _common.check_scalar(
+        theta, "moniqua", "theta", low=0.0, what=" (the a-priori bound on |x_i - x_j|)"
+    )
+    return float(theta) if isinstance(theta, (int, float)) else theta
 
 
 def moniqua(
     topology: Topology,
     bits: int = 8,
-    theta: Theta = 1.0,
+    theta: _common.Scalar = 1.0,
     *,
-    axis_name: str = "nodes",
-    slack: float = 1.0,
+    axis_name: gossip.AxisName = "nodes",
+    slack: _common.Scalar = 1.0,
     rounding: str = "nearest",
-    seed: int = 0,
+    seed: int | jax.Array = 0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Moniqua: D-PSGD that sends each model modulo B_θ, quantized to `bits` bits.
 
@@ -265,16 +310,21 @@ def moniqua(
     Args:
       topology: a doubly stochastic `Topology` (seed 003, (A2)); static or
         time-varying (``random_matching``, ``one_peer_exponential``).
-      bits: code width, 1..8.
-      theta: θ > 0, the a-priori bound on |x_i - x_j|, or a schedule
-        step -> θ (like an optax schedule; evaluated on the step count, traced).
-      axis_name: the named axis whose instances are the nodes; the transform
-        must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
+      bits: code width, a Python int in 1..8 (it sets the payload's shapes:
+        ``optax.inject_hyperparams(lpdec.moniqua, static_args=("bits",))``).
+      theta: θ > 0, the a-priori bound on |x_i - x_j|: a number, a scalar
+        array, or a schedule step -> θ (evaluated on the step count, traced);
+        works with ``optax.inject_hyperparams``.
+      axis_name: the named axis whose instances are the nodes; `init` and
+        `update` must run under it (`jax.shard_map` or
+        `jax.vmap(axis_name=...)`).
       slack: α in (0, 1]; 1 uses W itself, smaller values the lazier W' of
         Theorem 3, which 1-bit codes need: each 1-bit correction moves a model
-        by 2θ W'_ij, which must not push neighbours θ apart.
+        by 2θ W'_ij, which must not push neighbours θ apart. A number, a scalar
+        array or a schedule, like `theta`.
       rounding: "nearest" or "stochastic" (1 bit needs "nearest").
-      seed: seeds the shared key for stochastic rounding.
+      seed: seeds the shared key for stochastic rounding (an int or an int
+        scalar array).
 
     Returns:
       An optax transform to put last in the chain; `update` needs `params`.
@@ -284,27 +334,32 @@ def moniqua(
       ...     optax.sgd(0.1),
       ...     lpdec.moniqua(lpdec.ring(8), bits=1, theta=0.5, slack=0.2, axis_name="nodes"),
       ... )
+      >>> scheduled = optax.inject_hyperparams(lpdec.moniqua, static_args=("bits",))(
+      ...     lpdec.ring(8), bits=8, theta=optax.linear_schedule(0.5, 0.1, 1000)
+      ... )
 
     References:
       Lu & De Sa, Moniqua: Modulo Quantized Communication in Decentralized
       SGD, ICML 2020, https://arxiv.org/abs/2002.11787
     """
     _common.check_topology(topology, "moniqua", require="doubly_stochastic")
-    if isinstance(slack, bool) or not isinstance(slack, (int, float)) or not 0 < slack <= 1:
-        raise ValueError(
-            f"moniqua: slack (alpha in W' = alpha W + (1 - alpha) I) must be in (0, 1]; "
-            f"got {slack!r}."
-        )
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"moniqua: bits must be an integer in 1..8; got {bits!r}.")
-    theta = check_theta(theta, "moniqua")
-    # With a schedule, every encode and decode passes θ explicitly; the
-    # compressor's own θ is then never read.
-    compressor = Modulo(bits, 1.0 if callable(theta) else theta, rounding)
-    mixing = topology.with_slack(slack) if slack != 1 else topology
+    slack = _common.check_scalar(
+        slack,
+        "moniqua",
+        "slack",
+        low=0.0,
+        high=1.0,
+        what=" (alpha in W' = alpha W + (1 - alpha) I)",
+    )
+    bits = _check_bits(bits)
+    theta = _check_theta(theta)
+    # A number is the compressor's own θ. An array or a schedule is passed to every
+    # encode and decode instead, and the compressor's θ is never read.
+    static_theta = isinstance(theta, float)
+    compressor = Modulo(bits, theta if static_theta else 1.0, rounding)
 
     def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name)
+        return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
@@ -313,9 +368,10 @@ def moniqua(
             updates,
             state,
             params,
-            topology=mixing,
+            topology=topology,
             compressor=compressor,
-            theta=theta,
+            theta=None if static_theta else theta,
+            slack=slack,
             axis_name=axis_name,
         )
 

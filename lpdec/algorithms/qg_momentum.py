@@ -40,6 +40,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lpdec.algorithms import _common
@@ -49,9 +50,9 @@ class QGMomentumState(NamedTuple):
     """State of `qg_momentum`.
 
     Attributes:
-      count: shape=(), dtype=int32; steps taken (the schedule's argument).
+      count: shape=(), dtype=int32; steps taken (the schedules' argument).
       prev_params: tree like params, in their dtype; x^(t-1), the parameters
-        the previous step received.
+        the previous step received (a copy: the state owns its buffers).
       prev_lr: shape=(), dtype=float32; eta_(t-1).
       m_hat: float32 tree; the quasi-global buffer. After step t it holds
         m_hat^(t-1); step t + 1 first folds in d^(t), which needs its params.
@@ -64,9 +65,10 @@ class QGMomentumState(NamedTuple):
 
 
 def init(params: optax.Params) -> QGMomentumState:
+    """The state at step 0 (m_hat = 0); runs anywhere, as it does not communicate."""
     return QGMomentumState(
         count=jnp.zeros((), jnp.int32),
-        prev_params=params,
+        prev_params=jax.tree.map(lambda p: jnp.array(p, copy=True), params),
         prev_lr=jnp.zeros((), jnp.float32),
         # zeros_like keeps the parameters' sharding type (varying over the nodes).
         m_hat=jax.tree.map(lambda p: jnp.zeros_like(p, jnp.float32), params),
@@ -78,14 +80,17 @@ def step(
     state: QGMomentumState,
     params: optax.Params,
     *,
-    learning_rate: optax.ScalarOrSchedule,
-    momentum: float | jax.Array,
-    nesterov: bool,
+    learning_rate: _common.Scalar,
+    momentum: _common.Scalar,
+    nesterov: bool = False,
 ) -> tuple[optax.Updates, QGMomentumState]:
-    """One QG-DSGDm step: `updates` are the gradients g, `params` are x^(t)."""
-    lr = learning_rate(state.count) if callable(learning_rate) else learning_rate
-    lr = jnp.asarray(lr, jnp.float32)
-    beta = mu = jnp.asarray(momentum, jnp.float32)
+    """One QG-DSGDm step: `updates` are the gradients g, `params` are x^(t).
+
+    `learning_rate` and `momentum` are numbers, scalar arrays or schedules of
+    `state.count`.
+    """
+    lr = _common.at_step(learning_rate, state.count)
+    beta = mu = _common.at_step(momentum, state.count)
 
     # d^(t-1) = (x^(t-1) - x^(t)) / eta_(t-1) exists from the second step on, and only
     # after a step that moved (a schedule warming up from 0 has eta_0 = 0).
@@ -107,13 +112,25 @@ def step(
     return new_updates, QGMomentumState(state.count + 1, params, lr, m_hat)
 
 
-def _is_real(value) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+def _known(value: _common.Scalar, field: str) -> float | None:
+    """The value of a number or concrete scalar array now; None for a schedule or a tracer."""
+    if callable(value):
+        return None
+    if isinstance(value, bool) or not isinstance(value, (numbers.Real, np.ndarray, jax.Array)):
+        raise ValueError(
+            f"qg_momentum: {field} must be a number, a scalar array or a schedule; got {value!r}."
+        )
+    if np.ndim(value) != 0:
+        raise ValueError(f"qg_momentum: {field} must be a scalar; got shape {np.shape(value)}.")
+    try:
+        return float(value)
+    except jax.errors.ConcretizationTypeError:
+        return None  # traced: optax.inject_hyperparams passes hyperparameters inside jit
 
 
 def qg_momentum(
-    learning_rate: optax.ScalarOrSchedule,
-    momentum: float | jax.Array = 0.9,
+    learning_rate: _common.Scalar,
+    momentum: _common.Scalar = 0.9,
     nesterov: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Quasi-global momentum SGD (QG-DSGDm): momentum built from the gossiped model's moves.
@@ -134,9 +151,10 @@ def qg_momentum(
     parameters.
 
     Args:
-      learning_rate: :math:`\eta`, a non-negative float or an optax schedule
-        (or an array, as `optax.inject_hyperparams` passes it).
-      momentum: :math:`\beta = \mu` in [0, 1).
+      learning_rate: :math:`\eta` >= 0: a number, a scalar array or an optax
+        schedule; works with ``optax.inject_hyperparams``.
+      momentum: :math:`\beta = \mu` in [0, 1): a number, a scalar array or a
+        schedule, like `learning_rate`.
       nesterov: step by g + beta m instead of m.
 
     Returns:
@@ -152,15 +170,14 @@ def qg_momentum(
       Lin et al., Quasi-Global Momentum: Accelerating Decentralized Deep
       Learning on Heterogeneous Data, ICML 2021, https://arxiv.org/abs/2102.04761
     """
-    # Arrays pass unchecked: optax.inject_hyperparams hands them in, possibly traced.
-    if not callable(learning_rate) and not isinstance(learning_rate, jax.Array):
-        if not _is_real(learning_rate) or not math.isfinite(learning_rate) or learning_rate < 0:
-            raise ValueError(
-                "qg_momentum: learning_rate must be a finite number >= 0 or an optax schedule; "
-                f"got {learning_rate!r}."
-            )
-    if not isinstance(momentum, jax.Array) and (not _is_real(momentum) or not 0 <= momentum < 1):
-        raise ValueError(f"qg_momentum: momentum must be a number in [0, 1); got {momentum!r}.")
+    lr = _known(learning_rate, "learning_rate")
+    if lr is not None and not (math.isfinite(lr) and lr >= 0):
+        raise ValueError(
+            f"qg_momentum: learning_rate must be a finite number >= 0; got {learning_rate!r}."
+        )
+    beta = _known(momentum, "momentum")
+    if beta is not None and not 0 <= beta < 1:
+        raise ValueError(f"qg_momentum: momentum must be in [0, 1); got {momentum!r}.")
     if not isinstance(nesterov, bool):
         raise TypeError(f"qg_momentum: nesterov must be True or False; got {nesterov!r}.")
 
