@@ -605,6 +605,6 @@ def test_bad_arguments_raise_clear_errors(build, error, message):
     ],
 )
 def test_missing_params_raise(tx):
-    params = {"w": jnp.zeros(3)}
+    params = {"w": jnp.zeros((N, 3))}
     with pytest.raises(ValueError, match="parameters"):
-        tx.update(params, tx.init(params))
+        jax.vmap(lambda p: tx.update(p, tx.init(p)), axis_name="nodes")(params)

@@ -503,9 +503,9 @@ def test_gamma_outside_unit_interval_raises(name, gamma):
 @pytest.mark.parametrize("name", FACTORIES)
 def test_update_without_params_raises(name):
     tx = FACTORIES[name](topology.directed_ring(N), lpdec.minmax(8))
-    params = {"a": jnp.zeros(3)}
+    params = {"a": jnp.zeros((N, 3))}
     with pytest.raises(ValueError, match=f"{name} needs the current parameters"):
-        tx.update(params, tx.init(params))
+        jax.vmap(lambda p: tx.update(p, tx.init(p)), axis_name="nodes")(params)
 
 
 @pytest.mark.parametrize("name", FACTORIES)
