@@ -6,6 +6,7 @@ pulls them together. The nodes run under `jax.vmap(axis_name="nodes")`, and
 one case per topic under `jax.shard_map` over the 8 CPU devices.
 """
 
+import functools
 import re
 
 import chex
@@ -43,15 +44,16 @@ def per_node(fn, mode="vmap"):
     return jax.shard_map(one_node, mesh=mesh, in_specs=jax.P(AXIS), out_specs=jax.P(AXIS))
 
 
-def train_step(tx, mode="vmap"):
-    """A jitted per-node step (params, state, target, noise) -> (params, state)."""
+@functools.cache
+def compiled(tx, mode="vmap"):
+    """Jitted per-node (init(params) -> state, step(params, state, target, noise) -> both)."""
 
     def step(params, state, target, noise):
         grads = jax.tree.map(lambda p, t, e: p - t + e, params, target, noise)
         updates, state = tx.update(grads, state, params)
         return optax.apply_updates(params, updates), state
 
-    return jax.jit(per_node(step, mode))
+    return jax.jit(per_node(tx.init, mode)), jax.jit(per_node(step, mode))
 
 
 def on_nodes(tree, mode="vmap"):
@@ -73,8 +75,8 @@ def run(tx, steps, *, mode="vmap", noise=None, between=None):
     if noise is None:
         noise = jax.tree.map(lambda x: np.zeros((N, steps) + x.shape[1:], np.float32), PARAMS)
     params, targets, noise = on_nodes((PARAMS, TARGETS, noise), mode)
-    step = train_step(tx, mode)
-    state = jax.jit(per_node(tx.init, mode))(params)
+    init, step = compiled(tx, mode)
+    state = init(params)
     for t in range(steps):
         if between is not None:
             state = between(t, state)
@@ -84,6 +86,10 @@ def run(tx, steps, *, mode="vmap", noise=None, between=None):
 
 def assert_trees_equal(a, b):
     jax.tree.map(np.testing.assert_array_equal, a, b)
+
+
+def assert_trees_close(a, b, rtol=0.0, atol=1e-5):
+    jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
 
 
 def spread(x):
@@ -123,7 +129,7 @@ def choco_reference(gammas):
     return out
 
 
-def at(schedule, steps):
+def values(schedule, steps):
     return [float(schedule(t)) for t in range(steps)]
 
 
@@ -132,19 +138,11 @@ def test_gamma_schedule_matches_dense_reference():
     schedule = lambda count: 0.2 + 0.7 / (1.0 + count)  # noqa: E731
     direct = lpdec.choco(RING, lpdec.identity(), gamma=schedule)
     params, _ = run(optax.chain(optax.sgd(LR), direct), steps)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
-        params,
-        choco_reference(at(schedule, steps)),
-    )
+    assert_trees_close(params, choco_reference(values(schedule, steps)))
     linear = optax.linear_schedule(0.9, 0.3, transition_steps=steps)
     injected = optax.inject_hyperparams(lpdec.choco)(RING, lpdec.identity(), gamma=linear)
     params, _ = run(optax.chain(optax.sgd(LR), injected), steps)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5),
-        params,
-        choco_reference(at(linear, steps)),
-    )
+    assert_trees_close(params, choco_reference(values(linear, steps)))
 
 
 def test_changing_injected_gamma_between_steps_changes_the_step():
@@ -156,8 +154,7 @@ def test_changing_injected_gamma_between_steps_changes_the_step():
 
     injected = optax.inject_hyperparams(lpdec.choco)(RING, lpdec.identity(), gamma=0.9)
     params, _ = run(optax.chain(optax.sgd(LR), injected), 6, between=lower_gamma)
-    reference = choco_reference([0.9] * 3 + [0.2] * 3)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=1e-5), params, reference)
+    assert_trees_close(params, choco_reference([0.9] * 3 + [0.2] * 3))
 
 
 def _injected(factory, *args, static_args=(), **hyperparams):
@@ -289,27 +286,24 @@ def test_update_keeps_the_state_structure(name):
 # ---------------------------------------------------------------- MultiSteps, multi_transform
 
 
-def test_multisteps_steps_on_the_mean_of_micro_gradients():
+def test_multisteps_steps_on_the_mean_of_micro_gradients(rng):
     """MultiSteps(chain, k) = the chain every k-th step on the mean of the k micro-gradients.
 
     Correct, but optax's MultiSteps runs the inner update on EVERY micro-step
     and masks its result, so a gossip chain communicates k times per real step
-    (see the HLO test below): use the local-step wrapper to communicate once.
+    (the HLO test below checks it). To communicate once per k local steps, use
+    lpdec's local-step wrapper (issue 8), not MultiSteps.
     """
     k, outer = 3, 3
     inner = optax.chain(optax.sgd(LR), lpdec.choco(RING, lpdec.identity(), gamma=0.5))
     noise = jax.tree.map(
-        lambda x: _rng.standard_normal((N, k * outer) + x.shape[1:]).astype(np.float32), PARAMS
+        lambda x: rng.standard_normal((N, k * outer) + x.shape[1:]).astype(np.float32), PARAMS
     )
-    multi_steps = lambda steps: run(optax.MultiSteps(inner, k), steps, noise=noise)[0]  # noqa: E731
-    assert_trees_equal(multi_steps(k - 1), PARAMS)  # no move before the k-th micro-step
+    multi_steps = optax.MultiSteps(inner, k)
+    assert_trees_equal(run(multi_steps, k - 1, noise=noise)[0], PARAMS)  # no move before step k
     mean_noise = jax.tree.map(lambda e: e.reshape((N, outer, k) + e.shape[2:]).mean(2), noise)
     reference, _ = run(inner, outer, noise=mean_noise)
-    jax.tree.map(
-        lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6),
-        multi_steps(k * outer),
-        reference,
-    )
+    assert_trees_close(run(multi_steps, k * outer, noise=noise)[0], reference, rtol=1e-5)
 
 
 def test_multisteps_communicates_on_every_micro_step():
@@ -318,18 +312,16 @@ def test_multisteps_communicates_on_every_micro_step():
     If this ever fails, optax skips the gossip on micro-steps: update the docs."""
     inner = optax.chain(optax.sgd(LR), lpdec.choco(RING, lpdec.minmax(8), gamma=0.5))
 
-    def compiled(tx):
-        def first_update(params, target):
-            grads = jax.tree.map(jnp.subtract, params, target)
-            return tx.update(grads, tx.init(params), params)
-
-        update = jax.jit(per_node(first_update, "shard_map"))
-        return update.lower(*on_nodes((PARAMS, TARGETS), "shard_map")).compile().as_text()
+    def hlo_of(tx):
+        params, target = on_nodes((PARAMS, TARGETS), "shard_map")
+        state = jax.jit(per_node(tx.init, "shard_map"))(params)
+        update = jax.jit(per_node(lambda g, s, p: tx.update(g, s, p), "shard_map"))
+        return update.lower(target, state, params).compile().as_text()
 
     def permutes(hlo):
         return len(re.findall(r"\bcollective-permute(?:-start)?\(", hlo))
 
-    plain, multi = compiled(inner), compiled(optax.MultiSteps(inner, 4))
+    plain, multi = hlo_of(inner), hlo_of(optax.MultiSteps(inner, 4))
     assert permutes(plain) > 0
     assert permutes(multi) == permutes(plain)
     assert "conditional(" not in multi
@@ -352,9 +344,12 @@ def test_multi_transform_gossips_only_some_groups():
 # ---------------------------------------------------------------- flax nnx, orbax
 
 
-def test_nnx_optimizer_under_nnx_vmap():
+def test_nnx_optimizer_under_nnx_vmap(rng):
     """The pattern for flax.nnx: build model and Optimizer inside nnx.vmap(axis_name="nodes")
     (tx.init must run under the node axis), and the step under nnx.vmap too."""
+
+    x = jnp.asarray(rng.standard_normal((N, 16, 3)), jnp.float32)
+    y = jnp.asarray(rng.standard_normal((N, 16, 2)), jnp.float32)
 
     def train(tx):
         @nnx.vmap(axis_name=AXIS)
@@ -369,21 +364,20 @@ def test_nnx_optimizer_under_nnx_vmap():
             optimizer.update(model, nnx.grad(loss)(model))
 
         model, optimizer = create(jax.random.split(jax.random.key(0), N))
-        x = jnp.asarray(_rng.standard_normal((N, 16, 3)), jnp.float32)
-        y = jnp.asarray(_rng.standard_normal((N, 16, 2)), jnp.float32)
-        for _ in range(5):
+        before = spread(model.kernel[...])
+        for _ in range(10):
             step(model, optimizer, x, y)
-        np.testing.assert_array_equal(optimizer.step[...], np.full(N, 5))
-        return model.kernel[...]
+        np.testing.assert_array_equal(optimizer.step[...], np.full(N, 10))
+        return spread(model.kernel[...]) / before
 
-    gossip = train(optax.chain(optax.sgd(LR), lpdec.choco(RING, lpdec.minmax(8), gamma=0.5)))
-    assert spread(gossip) < 0.5 * spread(train(optax.sgd(LR)))
+    # A small learning rate: local training alone barely changes how far apart the nodes are.
+    assert train(optax.sgd(0.01)) > 0.8
+    assert train(optax.chain(optax.sgd(0.01), lpdec.choco(RING, lpdec.minmax(8), gamma=0.5))) < 0.5
 
 
 def test_orbax_restore_with_a_target_continues_bit_identically(tmp_path):
     tx = optax.chain(optax.sgd(LR), lpdec.choco(RING, lpdec.minmax(4), gamma=0.5))
-    step = train_step(tx)
-    init = jax.jit(per_node(tx.init))
+    init, step = compiled(tx)
     zeros = jax.tree.map(np.zeros_like, PARAMS)
 
     def steps(params, state, n):
