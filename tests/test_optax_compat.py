@@ -6,6 +6,7 @@ pulls them together. The nodes run under `jax.vmap(axis_name="nodes")`, and
 one case per topic under `jax.shard_map` over the 8 CPU devices.
 """
 
+import contextlib
 import functools
 import re
 
@@ -92,6 +93,13 @@ def assert_trees_close(a, b, rtol=0.0, atol=1e-5):
     jax.tree.map(lambda x, y: np.testing.assert_allclose(x, y, rtol=rtol, atol=atol), a, b)
 
 
+@contextlib.contextmanager
+def one_line_error(match):
+    with pytest.raises(ValueError, match=match) as error:
+        yield
+    assert "\n" not in str(error.value)
+
+
 def spread(x):
     """Largest standard deviation over the nodes of any coordinate."""
     return float(np.max(np.std(np.asarray(x), axis=0)))
@@ -159,17 +167,10 @@ def test_changing_injected_gamma_between_steps_changes_the_step():
 
 def _injected(factory, *args, static_args=(), **hyperparams):
     """(plain chain, the same chain with `factory` wrapped in inject_hyperparams)."""
-    wrapped = optax.inject_hyperparams(factory, static_args=static_args)
+    pair = (factory, optax.inject_hyperparams(factory, static_args=static_args))
     if factory is lpdec.qg_momentum:  # a local optimizer: it goes before the gossip
-        gossip = lpdec.dpsgd(RING)
-        return (
-            optax.chain(factory(*args, **hyperparams), gossip),
-            optax.chain(wrapped(*args, **hyperparams), gossip),
-        )
-    return (
-        optax.chain(optax.sgd(LR), factory(*args, **hyperparams)),
-        optax.chain(optax.sgd(LR), wrapped(*args, **hyperparams)),
-    )
+        return [optax.chain(f(*args, **hyperparams), lpdec.dpsgd(RING)) for f in pair]
+    return [optax.chain(optax.sgd(LR), f(*args, **hyperparams)) for f in pair]
 
 
 INJECTED = {
@@ -257,20 +258,24 @@ def test_init_never_holds_the_params_buffers(name):
 @pytest.mark.parametrize("name", sorted(COMMUNICATING))
 def test_init_outside_the_node_axis_is_a_clear_error(name):
     one_node = jax.tree.map(lambda x: x[0], PARAMS)
-    with pytest.raises(ValueError, match=f"'{AXIS}'"):
+    with one_line_error(f"'{AXIS}'"):
         chain(name).init(one_node)
 
 
 @pytest.mark.parametrize("name", sorted(COMMUNICATING))
 def test_axis_name_typo_is_one_line_error_in_init_and_update(name):
     typo = chain(name, axis_name="node")
-    state = jax.eval_shape(jax.vmap(chain(name).init, axis_name=AXIS), PARAMS)
-    with pytest.raises(ValueError, match="'node'") as error:
-        jax.eval_shape(jax.vmap(typo.update, axis_name=AXIS), PARAMS, state, PARAMS)
-    assert "\n" not in str(error.value)
-    with pytest.raises(ValueError, match="'node'") as error:
-        jax.eval_shape(jax.vmap(typo.init, axis_name=AXIS), PARAMS)
-    assert "\n" not in str(error.value)
+    state = jax.eval_shape(per_node(chain(name).init), PARAMS)
+    with one_line_error("'node'"):
+        jax.eval_shape(per_node(typo.update), PARAMS, state, PARAMS)
+    with one_line_error("'node'"):
+        jax.eval_shape(per_node(typo.init), PARAMS)
+
+
+def test_axis_name_typo_under_shard_map_names_the_mesh_axes():
+    typo = optax.chain(optax.sgd(LR), lpdec.choco(RING, lpdec.minmax(8), axis_name="node"))
+    with one_line_error(r"'node'.*\('nodes',\)"):
+        jax.eval_shape(per_node(typo.init, "shard_map"), on_nodes(PARAMS, "shard_map"))
 
 
 @pytest.mark.parametrize("name", FACTORIES)
@@ -278,7 +283,7 @@ def test_update_keeps_the_state_structure(name):
     """chex: the state after a step has the structure, shapes and dtypes it had before."""
     tx = chain(name)
     before = jax.eval_shape(per_node(tx.init), PARAMS)
-    _, after = jax.eval_shape(per_node(lambda g, s, p: tx.update(g, s, p)), PARAMS, before, PARAMS)
+    _, after = jax.eval_shape(per_node(tx.update), PARAMS, before, PARAMS)
     chex.assert_trees_all_equal_structs(before, after)
     chex.assert_trees_all_equal_shapes_and_dtypes(before, after)
 
@@ -315,7 +320,7 @@ def test_multisteps_communicates_on_every_micro_step():
     def hlo_of(tx):
         params, target = on_nodes((PARAMS, TARGETS), "shard_map")
         state = jax.jit(per_node(tx.init, "shard_map"))(params)
-        update = jax.jit(per_node(lambda g, s, p: tx.update(g, s, p), "shard_map"))
+        update = jax.jit(per_node(tx.update, "shard_map"))
         return update.lower(target, state, params).compile().as_text()
 
     def permutes(hlo):
@@ -375,23 +380,35 @@ def test_nnx_optimizer_under_nnx_vmap(rng):
     assert train(optax.chain(optax.sgd(0.01), lpdec.choco(RING, lpdec.minmax(8), gamma=0.5))) < 0.5
 
 
-def test_orbax_restore_with_a_target_continues_bit_identically(tmp_path):
+@pytest.mark.parametrize("mode", ["vmap", "shard_map"])
+def test_orbax_restore_with_a_target_continues_bit_identically(tmp_path, mode):
+    """Save (params, opt_state), both with a leading node axis, with orbax; a restarted run
+    builds the target from shapes alone (jax.eval_shape), restores into it and goes on.
+    Under shard_map the target also says how the nodes lie on the devices."""
     tx = optax.chain(optax.sgd(LR), lpdec.choco(RING, lpdec.minmax(4), gamma=0.5))
-    init, step = compiled(tx)
-    zeros = jax.tree.map(np.zeros_like, PARAMS)
+    init, step = compiled(tx, mode)
+    targets, zeros = on_nodes((TARGETS, jax.tree.map(np.zeros_like, PARAMS)), mode)
 
     def steps(params, state, n):
         for _ in range(n):
-            params, state = step(params, state, TARGETS, zeros)
+            params, state = step(params, state, targets, zeros)
         return params, state
 
-    params = on_nodes(PARAMS)
+    params = on_nodes(PARAMS, mode)
     straight = steps(params, init(params), 6)
 
     manager = ocp.CheckpointManager(tmp_path / "ckpt")
     manager.save(3, args=ocp.args.StandardSave(steps(params, init(params), 3)))
     manager.wait_until_finished()
-    abstract = jax.eval_shape(lambda p: (p, per_node(tx.init)(p)), PARAMS)
+    sharding = None
+    if mode == "shard_map":
+        sharding = jax.NamedSharding(jax.make_mesh((N,), (AXIS,)), jax.P(AXIS))
+    shapes = jax.tree.map(
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), PARAMS
+    )
+    abstract = jax.eval_shape(lambda p: (p, per_node(tx.init, mode)(p)), shapes)
+    # eval_shape leaves an abstract mesh; orbax places the arrays on the real one.
+    abstract = jax.tree.map(lambda s: s.update(sharding=sharding), abstract)
     restored = manager.restore(3, args=ocp.args.StandardRestore(abstract))
     manager.close()
     assert jax.tree.structure(restored) == jax.tree.structure(abstract)
