@@ -6,9 +6,11 @@ The whole public API is re-exported here; see README.md for a tour.
 from lpdec import compress
 from lpdec import data
 from lpdec import gossip
+from lpdec import layout
 from lpdec import metrics
 from lpdec import models
 from lpdec import nn
+from lpdec import testing
 from lpdec import topology
 from lpdec import wire
 from lpdec.algorithms.health import Health
@@ -32,6 +34,9 @@ from lpdec.compress import modulo
 from lpdec.compress import payload_nbytes
 from lpdec.compress import random_k
 from lpdec.compress import top_k
+from lpdec.layout import NodeLayout
+from lpdec.layout import init_nodes
+from lpdec.layout import make_layout
 from lpdec.topology import Topology
 from lpdec.topology import complete
 from lpdec.topology import directed_ring
@@ -47,6 +52,7 @@ __version__ = "0.1.0"
 __all__ = [
     "Compressor",
     "Health",
+    "NodeLayout",
     "Topology",
     "choco",
     "complete",
@@ -63,7 +69,10 @@ __all__ = [
     "from_matrix",
     "gossip",
     "identity",
+    "init_nodes",
+    "layout",
     "local_mean",
+    "make_layout",
     "metrics",
     "minmax",
     "models",
@@ -79,6 +88,7 @@ __all__ = [
     "random_matching",
     "ring",
     "sparse_push",
+    "testing",
     "top_k",
     "topology",
     "torus",

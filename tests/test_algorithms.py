@@ -3,7 +3,6 @@ scan in shard_map (check_vma), vmap and nested layouts, convergence on a heterog
 quadratic, and the collectives (and bytes) of the compiled update."""
 
 import chex
-import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +12,7 @@ import pytest
 import lpdec
 from lpdec import gossip
 from lpdec import metrics
+from lpdec import testing as harness
 from lpdec import wire
 
 N = 8

@@ -8,7 +8,6 @@ float32 operations the docstrings specify).
 import math
 import re
 
-import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -17,6 +16,7 @@ import pytest
 
 import lpdec
 from lpdec import gossip
+from lpdec import testing as harness
 from lpdec.algorithms import _common
 from lpdec.algorithms.compressed_mean import compressed_mean
 from lpdec.algorithms.dcd import dcd

@@ -1,6 +1,5 @@
 """D-PSGD and CHOCO-SGD against dense numpy simulations with an explicit mixing matrix W."""
 
-import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -8,6 +7,7 @@ import optax
 import pytest
 
 import lpdec
+from lpdec import testing as harness
 from lpdec.algorithms import _common
 
 N, D, T, LR = 8, 37, 20, 0.1

@@ -12,7 +12,6 @@ import functools
 import math
 from collections.abc import Callable
 
-import harness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,6 +19,7 @@ import optax
 import pytest
 
 from lpdec import metrics
+from lpdec import testing as harness
 from lpdec import topology
 from lpdec.algorithms import _common
 from lpdec.algorithms import choco

@@ -21,9 +21,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from harness import MODES
-from harness import run
-from harness import to_numpy
 
 import lpdec
 from lpdec import topology
@@ -32,6 +29,9 @@ from lpdec.algorithms import deepsqueeze
 from lpdec.algorithms import dpsgd
 from lpdec.algorithms import quant_sgp
 from lpdec.algorithms import sparse_push
+from lpdec.testing import MODES
+from lpdec.testing import run
+from lpdec.testing import to_numpy
 
 N = 8
 STEPS = 20

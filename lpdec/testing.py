@@ -1,10 +1,25 @@
-"""Runs an optax chain ending in an lpdec algorithm on n simulated nodes.
+"""Test helpers: run an optax chain ending in an lpdec algorithm on n nodes.
 
-`run` drives the same per-node program under `jax.shard_map` over the 8 CPU
-devices (one node per device) or under `jax.vmap(axis_name=...)`, carrying the
-optimizer state through `lax.scan` (the way training loops are written, so
-`check_vma=True` type-checks the state), and returns every step's parameters
-and state with a leading node axis.
+`run` drives the same per-node program under `jax.shard_map` (one node per
+device), under `jax.vmap(axis_name=AXIS)` (all nodes on one device) or both
+nested (several nodes per device), carrying the optimizer state through
+`lax.scan` (the way training loops are written, so `check_vma=True`
+type-checks the state), and returns every step's parameters and state with a
+leading node axis. lpdec's own tests use it to check that every layout gives
+the same numbers; use it to test a chain of your own the same way:
+
+  >>> import numpy as np, lpdec
+  >>> from lpdec import testing
+  >>> tx = lpdec.dpsgd(lpdec.ring(8), axis_name=testing.AXIS)
+  >>> params = {"w": np.ones((8, 3), np.float32)}          # 8 nodes
+  >>> updates = {"w": np.zeros((8, 5, 3), np.float32)}     # 5 steps of zero updates
+  >>> ps, states, state0 = testing.run(tx, params, 5, updates=updates, mode="vmap")
+  >>> ps["w"].shape                                         # [nodes, steps, ...]
+  (8, 5, 3)
+
+For training, `lpdec.init_nodes` and `NodeLayout.map` (lpdec.layout) are the
+public way to start and step; `run` is a test fixture that rebuilds its mesh on
+each call.
 """
 
 from __future__ import annotations
@@ -19,9 +34,12 @@ import optax
 
 from lpdec import gossip
 
+# The axis name `run` maps the nodes over: build the transform with axis_name=AXIS.
 AXIS = "nodes"
+# The one-level layouts every algorithm test runs in.
 MODES = ("shard_map", "vmap")
-# Several simulated nodes per device: a vmap axis nested in the shard_map axis.
+# Several simulated nodes per device: a vmap axis nested in the shard_map axis
+# (mode="nested"; build the transform with axis_name=NESTED_AXIS).
 NESTED_AXIS = ("nodes", "local")
 
 
@@ -34,7 +52,11 @@ def run(
     grad_fn: Callable[[Any, jax.Array, jax.Array], Any] | None = None,
     mode: str = "shard_map",
 ):
-    """Runs `steps` steps of `tx` on every node.
+    """Runs `steps` steps of `tx` on every node, each starting from `tx.init` of its params.
+
+    Every node runs `params_t+1 = apply_updates(params_t, tx.update(g_t, state_t,
+    params_t))` inside one jitted `lax.scan`, with its g_t from `updates` or
+    `grad_fn`.
 
     Args:
       tx: the transform (chain) to run.
@@ -43,8 +65,9 @@ def run(
       updates: a tree [n, T, ...] of the incoming gradients per node and step
         (fed to `tx` as its input), or
       grad_fn: grad_fn(params, node, step) computing them on the fly.
-      mode: "shard_map" (needs n == 8 CPU devices), "vmap", or "nested" (n = 8 k
-        nodes, k per device: build `tx` with axis_name=NESTED_AXIS).
+      mode: "shard_map" (one node per device: needs n devices), "vmap" (all nodes on
+        the default device), or "nested" (n = D k nodes for the D devices, k per
+        device: build `tx` with axis_name=NESTED_AXIS).
 
     Returns:
       (params after each step [n, T, ...], states after each step [n, T, ...],
@@ -52,6 +75,8 @@ def run(
     """
     if (updates is None) == (grad_fn is None):
         raise ValueError("pass exactly one of updates= or grad_fn=")
+    if mode not in (*MODES, "nested"):
+        raise ValueError(f"mode must be one of {(*MODES, 'nested')}; got {mode!r}")
 
     axis = NESTED_AXIS if mode == "nested" else AXIS
 
@@ -112,10 +137,11 @@ def run(
     return jax.jit(fn)(put(params), put(updates))
 
 
-def to_numpy(tree):
+def to_numpy(tree: Any) -> Any:
+    """Every leaf as a numpy array (copies device arrays to the host)."""
     return jax.tree.map(lambda x: np.asarray(x), tree)
 
 
-def node_average(params):
-    """Average over the leading node axis of every leaf."""
+def node_average(params: Any) -> Any:
+    """Average over the leading node axis of every leaf, in float64 on the host."""
     return jax.tree.map(lambda x: np.asarray(x, np.float64).mean(axis=0), params)

@@ -1,0 +1,99 @@
+"""lpdec.init_nodes and NodeLayout.map on every layout, against a dense numpy simulation."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import lpdec
+
+D, T = 5, 4
+
+# (nodes, devices used): one node per device, two per device, all on one device.
+LAYOUTS = [(8, 8), (16, 8), (8, 4), (8, 1)]
+
+
+def _layout(num_nodes, num_devices):
+    if len(jax.devices()) < num_devices:
+        pytest.skip(f"needs {num_devices} devices")
+    return lpdec.make_layout(num_nodes, devices=jax.devices()[:num_devices])
+
+
+def _step(tx):
+    def step(params, opt_state, grads):  # one node's arrays: no node axis in here
+        assert params["w"].shape == (D,)
+        updates, opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    return step
+
+
+@pytest.mark.parametrize("num_nodes,num_devices", LAYOUTS)
+def test_dcd_started_by_init_nodes_follows_the_dense_recursion(rng, num_nodes, num_devices):
+    """DCD's init exchanges every node's model with its neighbours (the replicas x_hat_j),
+    so only a state built under the node axis, with each node's own neighbours, gives
+    x+ = W x + u from the first step (lossless compression: Q(z) = z, x_hat_j = x_j)."""
+    layout = _layout(num_nodes, num_devices)
+    topo = lpdec.exponential(num_nodes)
+    tx = lpdec.dcd(topo, lpdec.identity(), axis_name=layout.axis_name)
+    x0 = rng.normal(size=(num_nodes, D)).astype(np.float32)
+    grads = rng.normal(size=(T, num_nodes, D)).astype(np.float32)
+
+    params, opt_state = lpdec.init_nodes(tx, {"w": x0}, layout, stacked=True)
+    assert params["w"].sharding == layout.node_sharding
+    assert all(leaf.shape[0] == num_nodes for leaf in jax.tree.leaves(opt_state))
+    step = jax.jit(layout.map(_step(tx), (True, True, True)))
+    w = np.asarray(topo.mixing_matrix(0), np.float64)
+    expected = x0.astype(np.float64)
+    for t in range(T):
+        params, opt_state = step(params, opt_state, {"w": layout.put(grads[t])})
+        expected = w @ expected + grads[t]
+        np.testing.assert_allclose(np.asarray(params["w"]), expected, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_nodes,num_devices", LAYOUTS)
+def test_every_node_starts_from_the_given_model(num_nodes, num_devices):
+    layout = _layout(num_nodes, num_devices)
+    tx = optax.chain(
+        optax.sgd(0.1, momentum=0.9),
+        lpdec.choco(lpdec.ring(num_nodes), lpdec.minmax(8), gamma=0.5, axis_name=layout.axis_name),
+    )
+    model = {"w": np.arange(D, dtype=np.float32), "b": np.float32(3.0)}
+    params, opt_state = lpdec.init_nodes(tx, model, layout)
+    np.testing.assert_array_equal(np.asarray(params["w"]), np.tile(model["w"], (num_nodes, 1)))
+    np.testing.assert_array_equal(np.asarray(params["b"]), np.full(num_nodes, 3.0, np.float32))
+    # With equal models and equal gradients, every node takes the same (local) step.
+    step = jax.jit(layout.map(_step(tx), (True, True, True)))
+    grads = {"w": jnp.ones((num_nodes, D)), "b": jnp.ones(num_nodes)}
+    params, _ = step(params, opt_state, grads)
+    np.testing.assert_allclose(
+        np.asarray(params["w"]), np.tile(model["w"] - 0.1, (num_nodes, 1)), rtol=1e-6
+    )
+
+
+def test_params_and_state_can_both_be_donated(rng):
+    """CHOCO's state starts as copies of the parameters; they must be copies, or jit
+    refuses to donate the same buffer twice."""
+    layout = lpdec.make_layout(8)
+    tx = optax.chain(
+        optax.sgd(0.1),
+        lpdec.choco(lpdec.ring(8), lpdec.minmax(8), gamma=0.5, axis_name=layout.axis_name),
+    )
+    x0 = rng.normal(size=(8, D)).astype(np.float32)
+    grads = {"w": layout.put(rng.normal(size=(8, D)).astype(np.float32))}
+    step = layout.map(_step(tx), (True, True, True))
+    expected, _ = jax.jit(step)(*lpdec.init_nodes(tx, {"w": x0}, layout, stacked=True), grads)
+    params, opt_state = lpdec.init_nodes(tx, {"w": x0}, layout, stacked=True)
+    params, _ = jax.jit(step, donate_argnums=(0, 1))(params, opt_state, grads)
+    np.testing.assert_array_equal(np.asarray(params["w"]), np.asarray(expected["w"]))
+
+
+def test_init_nodes_rejects_params_without_the_node_axis():
+    layout = lpdec.make_layout(8)
+    tx = lpdec.dpsgd(lpdec.ring(8), axis_name=layout.axis_name)
+    message = r"params\['w'\] has shape \(3, 2\).*leading node axis of 8"
+    with pytest.raises(ValueError, match=message):
+        lpdec.init_nodes(tx, {"w": np.zeros((3, 2))}, layout, stacked=True)
+    with pytest.raises(ValueError, match="params must hold at least one array"):
+        lpdec.init_nodes(tx, {}, layout)
