@@ -13,19 +13,33 @@ from lpdec import nn
 from lpdec import testing
 from lpdec import topology
 from lpdec import wire
-from lpdec.algorithms.health import Health
+from lpdec.algorithms.choco import ChocoPerPeerState
+from lpdec.algorithms.choco import ChocoState
 from lpdec.algorithms.choco import choco
+from lpdec.algorithms.compressed_mean import CompressedMeanState
 from lpdec.algorithms.compressed_mean import compressed_mean
+from lpdec.algorithms.d2 import D2State
 from lpdec.algorithms.d2 import d2
+from lpdec.algorithms.dcd import DCDState
 from lpdec.algorithms.dcd import dcd
+from lpdec.algorithms.deepsqueeze import DeepSqueezeState
 from lpdec.algorithms.deepsqueeze import deepsqueeze
+from lpdec.algorithms.delay import DelayState
 from lpdec.algorithms.delay import delay
+from lpdec.algorithms.dpsgd import DPSGDState
 from lpdec.algorithms.dpsgd import dpsgd
+from lpdec.algorithms.health import Health
+from lpdec.algorithms.local_mean import LocalMeanState
 from lpdec.algorithms.local_mean import local_mean
+from lpdec.algorithms.moniqua import MoniquaState
 from lpdec.algorithms.moniqua import moniqua
+from lpdec.algorithms.naive_quantized import NaiveQuantizedState
 from lpdec.algorithms.naive_quantized import naive_quantized
+from lpdec.algorithms.qg_momentum import QGMomentumState
 from lpdec.algorithms.qg_momentum import qg_momentum
+from lpdec.algorithms.quant_sgp import QuantSGPState
 from lpdec.algorithms.quant_sgp import quant_sgp
+from lpdec.algorithms.sparse_push import SparsePushState
 from lpdec.algorithms.sparse_push import sparse_push
 from lpdec.compress import Compressor
 from lpdec.compress import identity
@@ -50,9 +64,23 @@ from lpdec.topology import torus
 __version__ = "0.1.0"
 
 __all__ = [
+    "ChocoPerPeerState",
+    "ChocoState",
+    "CompressedMeanState",
     "Compressor",
+    "D2State",
+    "DCDState",
+    "DPSGDState",
+    "DeepSqueezeState",
+    "DelayState",
     "Health",
+    "LocalMeanState",
+    "MoniquaState",
+    "NaiveQuantizedState",
     "NodeLayout",
+    "QGMomentumState",
+    "QuantSGPState",
+    "SparsePushState",
     "Topology",
     "choco",
     "complete",
