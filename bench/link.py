@@ -103,13 +103,9 @@ METHODS = {
 BASELINE = "allreduce"
 
 
-#: --quick's model: seconds per run (one node per device, so the compiled bytes are exact).
-QUICK_FIELDS = [
-    "dataset=synthetic",
-    "num_samples=1200",
-    "model_kwargs.hidden_sizes=(256,)",
-    "num_nodes=4",
-]
+#: --quick's model and data: a run takes seconds.
+#: One node per device: `measure` sets num_nodes to processes x devices.
+QUICK_FIELDS = ["dataset=synthetic", "num_samples=1200", "model_kwargs.hidden_sizes=(256,)"]
 
 
 class RunFailed(RuntimeError):
@@ -247,6 +243,8 @@ def time_to_target(rows: list[dict], target: float) -> float | None:
 def measure(network, name, args, port, workdir) -> dict:
     """All numbers of one method on `network`: two unshaped probe runs, one run per rate."""
     overrides = dict(METHODS[name].overrides, **args.set)
+    if args.quick:
+        overrides.setdefault("num_nodes", network.hosts * args.devices)
     n1, n2 = args.probe_steps
     result = {"method": name, "label": METHODS[name].label, "rates": {}}
     network.shape(None)
@@ -425,17 +423,25 @@ def parse_args(argv=None) -> argparse.Namespace:
         "--prefix", help="namespace name prefix (default lpdec-<pid>; for --cleanup, lpdec-)"
     )
     parser.add_argument(
-        "--quick", action="store_true", help="smoke run: 2 x 2 devices, tiny model, 1gbit"
+        "--quick",
+        action="store_true",
+        help="smoke run: tiny model, one node per device; defaults 2 x 2 devices, 1gbit",
     )
     parser.add_argument(
         "--cleanup", action="store_true", help="only remove namespaces starting with --prefix"
     )
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(
+            rates="1gbit",
+            processes="2",
+            devices=2,
+            steps=20,
+            log_every=5,
+            probe_steps="5,15",
+            methods="dpsgd,choco8",
+        )
     args = parser.parse_args(argv)
     if args.quick:
-        args.rates, args.processes, args.devices = "1gbit", "2", 2
-        args.steps, args.log_every, args.probe_steps = 20, 5, "5,15"
-        if args.methods == parser.get_default("methods"):
-            args.methods = "dpsgd,choco8"
         args.set = QUICK_FIELDS + args.set
     args.rates = [r for r in args.rates.split(",") if r]
     try:
