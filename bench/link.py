@@ -49,6 +49,7 @@ import json
 import os
 import platform
 import signal
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -191,7 +192,8 @@ def run_training(network, workdir, port, devices, config, overrides, timeout) ->
         log.close()
         _children.append(procs[-1])
     try:
-        while any(p.poll() is None for p in procs):
+        # A process that failed leaves the others waiting for it: stop at the first failure.
+        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
             if time.time() - started > timeout:
                 raise RunFailed(f"{workdir}: ran past --timeout={timeout} s")
             time.sleep(0.2)
@@ -203,24 +205,18 @@ def run_training(network, workdir, port, devices, config, overrides, timeout) ->
             _children.remove(proc)
     wall = time.time() - started
     tx1, rx1 = network.counters(0)
-    for host, proc in enumerate(procs):
-        if proc.returncode:
-            with open(os.path.join(workdir, f"process{host}.log")) as f:
-                tail = [line.strip() for line in f.read().splitlines() if line.strip()]
-            raise RunFailed(
-                f"process {host} exited with {proc.returncode}: {tail[-1] if tail else ''}"
-            )
+    # Report a process that failed by itself before one that was killed for it (code < 0).
+    failed = sorted((-proc.returncode, host) for host, proc in enumerate(procs) if proc.returncode)
+    if failed:
+        code, host = -failed[0][0], failed[0][1]
+        with open(os.path.join(workdir, f"process{host}.log")) as f:
+            tail = [line.strip() for line in f.read().splitlines() if line.strip()]
+        raise RunFailed(f"process {host} exited with {code}: {tail[-1] if tail else ''}")
     with open(os.path.join(workdir, "metrics.csv")) as f:
         rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
     with open(os.path.join(workdir, "summary.json")) as f:
         summary = json.load(f)
     return Run(rows, summary, tx1 - tx0, rx1 - rx0, wall)
-
-
-def median(values: list[float]) -> float:
-    ordered = sorted(values)
-    mid = len(ordered) // 2
-    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def curve(rows: list[dict]) -> list[tuple[float, float]]:
@@ -283,7 +279,7 @@ def measure(network, name, args, port, workdir) -> dict:
         # when there are other rows.
         times = [row["step_time_s"] for row in run.rows[1:]] or [run.rows[0]["step_time_s"]]
         result["rates"][key] = {
-            "s_per_step": median(times),
+            "s_per_step": statistics.median(times),
             "time_to_target_s": time_to_target(run.rows, args.target),
             "final_accuracy": run.rows[-1]["test_accuracy_avg_model"],
             "curve": curve(run.rows),
@@ -310,7 +306,7 @@ def table(results: list[dict], rate: str, target: float) -> str:
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} ||||||| ")
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 6)
             continue
         at = r["rates"][rate]
         ttt = at["time_to_target_s"]
@@ -357,7 +353,8 @@ def section(all_results: dict, args, command: str) -> str:
         f"time per step over {args.steps} steps; link bytes: host 0's veth transmit counter, "
         f"difference of unshaped runs of {args.probe_steps[1]} and {args.probe_steps[0]} "
         "steps; compiled bytes: bytes one node sends per step (train.py's "
-        "`wire_bytes_per_step`); utilisation: unshaped s/step / shaped s/step; time to "
+        "`wire_bytes_per_step`); unshaped: the veth with no qdisc (as fast as the kernel "
+        "copies, on the same CPU cores); utilisation: unshaped s/step / shaped s/step; time to "
         f"target: training time until the node-averaged model reaches {args.target:.0%} test "
         "accuracy (evaluation and compilation not counted). Plot: "
         f"`{shown(args.plot)}`.",

@@ -97,6 +97,29 @@ def test_tiny_run_measures_the_link_and_leaves_no_namespace(tmp_path):
 
 
 @needs_namespaces
+def test_a_failing_method_is_a_table_row_naming_the_error(tmp_path):
+    prefix = f"lpdectest-{os.getpid()}-fail"
+    proc = subprocess.run(
+        _harness(tmp_path, prefix, "--methods=dpsgd", "--set=bits=12", "--timeout=100"),
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "results.json").read_text())["results"]["2"]
+    assert "bits must be an integer in 1..8" in result["error"], result
+    section = (tmp_path / "BENCHMARKS.md").read_text()
+    rows = [line for line in section.splitlines() if line.startswith("| fp32 D-PSGD |")]
+    assert len(rows) == 2, section  # the unshaped and the 1gbit table
+    for row in rows:
+        assert "| failed: process " in row and "exited with 2: error: " in row, row
+        assert "bits must be an integer in 1..8" in row and row.count("|") == 9, row
+    assert netns.namespaces(prefix) == []
+
+
+@needs_namespaces
 @pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 def test_a_signal_mid_run_removes_namespaces_and_training_processes(tmp_path, signum):
     prefix = f"lpdectest-{os.getpid()}-{signum}"
