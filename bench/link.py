@@ -1,0 +1,524 @@
+"""Training across a real, shaped network link: P processes of train.py in network namespaces.
+
+    python -m bench.link --rates 100mbit,1gbit --processes 2,4 --devices 4 --steps 400 \\
+        --target 0.7                       # the full benchmark: BENCHMARKS.md + docs/ plot
+    python -m bench.link --quick --output /tmp/link.md --plot /tmp/link.png   # a smoke run
+    python -m bench.link --cleanup         # removes namespaces left by a killed run
+
+Needs root and iproute2 (`ip`, `tc` with htb). For each process count P it
+makes P network namespaces joined by veth links (`bench/netns.py`: a veth pair
+for 2 hosts, a bridge namespace for more; addresses 10.77.x.0/24 inside those
+namespaces only) and runs, for each method, P processes of `train.py`
+(`configs/link_mlp.py` plus the method's overrides), one per namespace with k
+CPU devices each, gloo collectives, the coordinator at host 0's address.
+
+What is measured, per method:
+
+* Link bytes per step: host 0's veth transmit counter, read before and after
+  two short runs on the unshaped link of N1 and N2 steps (`--probe-steps`), each
+  one compiled chunk and one evaluation (`log_every` = its length). The
+  difference over N2 - N1 steps cancels start-up, connection set-up, the one
+  evaluation and the final checkpoint, which both runs share. Beside it: the
+  bytes the compiled program says one node sends per step (train.py's
+  `wire_bytes_per_step`). On a ring the process's two boundary nodes each send
+  one message across, which is one node's two messages: the two should agree.
+* Seconds per step: the median of `step_time_s` over the metrics.csv rows but
+  the first (the warm-up) of a `--steps` run, on the unshaped link and at each
+  rate (each row times one compiled chunk of `--log-every` steps; evaluation
+  and compilation are not in it).
+* Compute utilisation: unshaped seconds per step / shaped seconds per step.
+* Time to target: training time (`step_time_s` x steps, summed over rows) at
+  the first row whose node-averaged model reaches `--target` test accuracy;
+  speed-up: fp32 all-reduce's time to target / the method's.
+* Final accuracy: the node-averaged model's test accuracy at the last row.
+
+Every run is bounded by `--timeout` (its process groups are killed), and the
+namespaces are removed on exit, on SIGINT/SIGTERM/SIGHUP and at interpreter
+exit. Results go to a JSON file, a section of `--output` (BENCHMARKS.md by
+default) and a plot of test accuracy against training time (`--plot`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import csv
+import dataclasses
+import datetime
+import json
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import NamedTuple
+
+from bench import _sections
+from bench import netns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTION = "bench/link.py"
+FIRST_PORT = 23456
+UNSHAPED = "unshaped"
+
+
+class Method(NamedTuple):
+    """A benchmarked method: its table label and the train.py config fields it sets."""
+
+    label: str
+    overrides: dict
+
+
+#: Every method the harness knows, by command-line name. The fp32 all-reduce is
+#: the baseline of the speed-up column. Hierarchical methods (issue 11, point 1)
+#: are added here as e.g. `"hier8": Method("hierarchical mean 8-bit",
+#: {"algorithm": "compressed_mean", "hierarchical": True, ...})`.
+METHODS = {
+    "allreduce": Method("fp32 all-reduce", {"algorithm": "allreduce"}),
+    "dpsgd": Method("fp32 D-PSGD", {"algorithm": "dpsgd"}),
+    "cmean8": Method(
+        "compressed mean 8-bit", {"algorithm": "compressed_mean", "compressor": "minmax", "bits": 8}
+    ),
+    "cmean4": Method(
+        "compressed mean 4-bit", {"algorithm": "compressed_mean", "compressor": "minmax", "bits": 4}
+    ),
+    "choco8": Method(
+        "CHOCO 8-bit", {"algorithm": "choco", "compressor": "minmax", "bits": 8, "gamma": 1.0}
+    ),
+    "choco4": Method(
+        "CHOCO 4-bit", {"algorithm": "choco", "compressor": "minmax", "bits": 4, "gamma": 0.8}
+    ),
+    "choco2": Method(
+        "CHOCO 2-bit", {"algorithm": "choco", "compressor": "minmax", "bits": 2, "gamma": 0.4}
+    ),
+    # theta 1.0 and 0.5 (nearest rounding) diverge on configs/link_mlp.py; 0.1 with stochastic
+    # rounding and slack 0.5 trains close to D-PSGD (68.8% vs 71.8% after 200 steps).
+    "moniqua2": Method(
+        "Moniqua 2-bit",
+        {"algorithm": "moniqua", "bits": 2, "theta": 0.1, "rounding": "stochastic", "slack": 0.5},
+    ),
+}
+BASELINE = "allreduce"
+
+
+#: --quick's model and data: a run takes seconds.
+#: One node per device: `measure` sets num_nodes to processes x devices.
+QUICK_FIELDS = ["dataset=synthetic", "num_samples=1200", "model_kwargs.hidden_sizes=(256,)"]
+
+
+class RunFailed(RuntimeError):
+    """A training run exited with an error or ran past its time limit."""
+
+
+class Interrupted(BaseException):
+    """Raised by the signal handlers so that every `finally` runs."""
+
+
+@dataclasses.dataclass
+class Run:
+    """One finished run of P train.py processes."""
+
+    rows: list[dict]  # metrics.csv, as floats
+    summary: dict
+    tx_bytes: int  # host 0's veth counters over the run
+    rx_bytes: int
+    wall_s: float
+
+
+# Live state that the exit path must clean up: child process groups and networks.
+_children: list[subprocess.Popen] = []
+_networks: list[netns.Network] = []
+
+
+def _teardown() -> None:
+    # A second Ctrl-C must not cut the cleanup short.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    for proc in _children:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    _children.clear()
+    for network in _networks:
+        network.destroy()
+    _networks.clear()
+
+
+def _on_signal(signum, frame):
+    del frame
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def train_command(network, host, workdir, port, config, overrides) -> list[str]:
+    flags = [f"--config.{k}={v}" for k, v in overrides.items()]
+    return network.exec_prefix(host) + [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        f"--config={config}",
+        f"--workdir={workdir}",
+        f"--coordinator_address={network.address(0)}:{port}",
+        f"--num_processes={network.hosts}",
+        f"--process_id={host}",
+    ] + flags  # fmt: skip
+
+
+def run_training(network, workdir, port, devices, config, overrides, timeout) -> Run:
+    """Runs one process of train.py per host of `network` and waits at most `timeout` s."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = ROOT
+    os.makedirs(workdir, exist_ok=True)
+    tx0, rx0 = network.counters(0)
+    started = time.time()
+    procs = []
+    for host in range(network.hosts):
+        log = open(os.path.join(workdir, f"process{host}.log"), "w")
+        procs.append(
+            subprocess.Popen(
+                train_command(network, host, workdir, port, config, overrides),
+                env=env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a process group of its own, killed as one
+            )
+        )
+        log.close()
+        _children.append(procs[-1])
+    try:
+        # A process that failed leaves the others waiting for it: stop at the first failure.
+        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
+            if time.time() - started > timeout:
+                raise RunFailed(f"{workdir}: ran past --timeout={timeout} s")
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            _children.remove(proc)
+    wall = time.time() - started
+    tx1, rx1 = network.counters(0)
+    # Report a process that failed by itself before one that was killed for it (code < 0).
+    failed = sorted((-proc.returncode, host) for host, proc in enumerate(procs) if proc.returncode)
+    if failed:
+        code, host = -failed[0][0], failed[0][1]
+        with open(os.path.join(workdir, f"process{host}.log")) as f:
+            tail = [line.strip() for line in f.read().splitlines() if line.strip()]
+        raise RunFailed(f"process {host} exited with {code}: {tail[-1] if tail else ''}")
+    with open(os.path.join(workdir, "metrics.csv")) as f:
+        rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    with open(os.path.join(workdir, "summary.json")) as f:
+        summary = json.load(f)
+    return Run(rows, summary, tx1 - tx0, rx1 - rx0, wall)
+
+
+def curve(rows: list[dict]) -> list[tuple[float, float]]:
+    """(training seconds so far, node-averaged test accuracy) at each metrics.csv row."""
+    points, elapsed, previous = [], 0.0, 0
+    for row in rows:
+        elapsed += row["step_time_s"] * (row["step"] - previous)
+        previous = int(row["step"])
+        points.append((elapsed, row["test_accuracy_avg_model"]))
+    return points
+
+
+def time_to_target(rows: list[dict], target: float) -> float | None:
+    for elapsed, accuracy in curve(rows):
+        if accuracy >= target:
+            return elapsed
+    return None
+
+
+def measure(network, name, args, port, workdir) -> dict:
+    """All numbers of one method on `network`: two unshaped probe runs, one run per rate."""
+    overrides = dict(METHODS[name].overrides, **args.set)
+    if args.quick:
+        overrides.setdefault("num_nodes", network.hosts * args.devices)
+    n1, n2 = args.probe_steps
+    result = {"method": name, "label": METHODS[name].label, "rates": {}}
+    network.shape(None)
+    probes = []
+    for steps in (n1, n2):
+        probe = dict(overrides, num_steps=steps, log_every=steps)
+        probes.append(
+            run_training(
+                network,
+                os.path.join(workdir, f"{name}-probe-{steps}"),
+                next(port),
+                args.devices,
+                args.config,
+                probe,
+                args.timeout,
+            )
+        )
+    a, b = probes
+    result["link_bytes_per_step"] = (b.tx_bytes - a.tx_bytes) / (n2 - n1)
+    result["link_rx_bytes_per_step"] = (b.rx_bytes - a.rx_bytes) / (n2 - n1)
+    result["compiled_bytes_per_step"] = b.summary["final"]["wire_bytes_per_step"]
+    result["wire_bytes_source"] = b.summary["wire_bytes_source"]
+    for rate in [None] + args.rates:
+        network.shape(rate)
+        key = rate or UNSHAPED
+        run = run_training(
+            network,
+            os.path.join(workdir, f"{name}-{key}"),
+            next(port),
+            args.devices,
+            args.config,
+            dict(overrides, num_steps=args.steps, log_every=args.log_every),
+            args.timeout,
+        )
+        # The first row holds the first execution of the chunk (warm-up): the median skips it
+        # when there are other rows.
+        times = [row["step_time_s"] for row in run.rows[1:]] or [run.rows[0]["step_time_s"]]
+        result["rates"][key] = {
+            "s_per_step": statistics.median(times),
+            "time_to_target_s": time_to_target(run.rows, args.target),
+            "final_accuracy": run.rows[-1]["test_accuracy_avg_model"],
+            "curve": curve(run.rows),
+            "wall_s": run.wall_s,
+        }
+    unshaped = result["rates"][UNSHAPED]["s_per_step"]
+    for at in result["rates"].values():
+        at["utilisation"] = unshaped / at["s_per_step"]
+    network.shape(None)
+    return result
+
+
+def megabytes(value: float) -> str:
+    return f"{value / 1e6:.3f} MB"
+
+
+def table(results: list[dict], rate: str, target: float) -> str:
+    base = next((r for r in results if r["method"] == BASELINE and "error" not in r), None)
+    base_time = base["rates"][rate]["time_to_target_s"] if base else None
+    lines = [
+        f"| method | s/step | link bytes/step (measured) | compiled bytes/step | utilisation "
+        f"| time to {target:.0%} | vs fp32 all-reduce | final accuracy |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 6)
+            continue
+        at = r["rates"][rate]
+        ttt = at["time_to_target_s"]
+        speedup = f"{base_time / ttt:.2f}x" if base_time and ttt else "—"
+        lines.append(
+            f"| {r['label']} | {at['s_per_step']:.3f} | {megabytes(r['link_bytes_per_step'])} "
+            f"| {megabytes(r['compiled_bytes_per_step'])} | {at['utilisation']:.0%} "
+            f"| {f'{ttt:.1f} s' if ttt is not None else 'not reached'} | {speedup} "
+            f"| {at['final_accuracy']:.1%} |"
+        )
+    return "\n".join(lines)
+
+
+def versions() -> str:
+    import jax
+    import jaxlib
+
+    iproute = subprocess.run(["ip", "-V"], capture_output=True, text=True).stdout.strip()
+    return (
+        f"Python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+        f"{iproute}, Linux {platform.release()}"
+    )
+
+
+def shown(path: str) -> str:
+    """`path` relative to the repository when it lies inside it."""
+    relative = os.path.relpath(path, ROOT)
+    return path if relative.startswith("..") else relative
+
+
+def section(all_results: dict, args, command: str) -> str:
+    quick = " (QUICK SMOKE RUN: not representative)" if args.quick else ""
+    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores shared by every process"
+    parts = [
+        f"## Training across a shaped link (`bench/link.py`){quick}",
+        "",
+        f"`{command}`",
+        "",
+        f"Measured {datetime.date.today().isoformat()} on {machine}; {versions()}.",
+        "",
+        f"P processes of `train.py` (`{shown(args.config)}` plus each method's "
+        f"fields; {args.devices} CPU devices each, gloo), each in its own network namespace, "
+        "joined by veth links shaped with htb at each host's egress. s/step: median chunk "
+        f"time per step over {args.steps} steps; link bytes: host 0's veth transmit counter, "
+        f"difference of unshaped runs of {args.probe_steps[1]} and {args.probe_steps[0]} "
+        "steps; compiled bytes: bytes one node sends per step (train.py's "
+        "`wire_bytes_per_step`); unshaped: the veth with no qdisc (as fast as the kernel "
+        "copies, on the same CPU cores); utilisation: unshaped s/step / shaped s/step; time to "
+        f"target: training time until the node-averaged model reaches {args.target:.0%} test "
+        "accuracy (evaluation and compilation not counted). Plot: "
+        f"`{shown(args.plot)}`.",
+    ]
+    for processes, results in all_results.items():
+        for rate in [UNSHAPED] + args.rates:
+            parts += [
+                "",
+                f"### {processes} processes x {args.devices} devices, {rate} link",
+                "",
+                table(results, rate, args.target),
+            ]
+    return "\n".join(parts)
+
+
+def plot(all_results: dict, args) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = [(p, rate) for p in all_results for rate in [UNSHAPED] + args.rates]
+    fig, axes = plt.subplots(
+        1, len(panels), figsize=(5 * len(panels), 4), squeeze=False, sharey=True
+    )
+    for ax, (processes, rate) in zip(axes[0], panels, strict=True):
+        for r in all_results[processes]:
+            if "error" in r:
+                continue
+            xs, ys = zip(*r["rates"][rate]["curve"], strict=True)
+            ax.plot(xs, ys, marker=".", label=r["label"])
+        ax.axhline(args.target, color="gray", linestyle="--", linewidth=0.8)
+        ax.set_title(f"{processes} processes x {args.devices} devices, {rate} link")
+        ax.set_xlabel("training time (s)")
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("test accuracy (node-averaged model)")
+    axes[0][-1].legend(fontsize=8)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+    fig.savefig(args.plot, dpi=120)
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rates", default="100mbit,1gbit", help="tc rates, comma-separated")
+    parser.add_argument("--processes", default="2", help="process counts, comma-separated")
+    parser.add_argument("--devices", type=int, default=4, help="CPU devices per process")
+    parser.add_argument("--steps", type=int, default=400, help="steps of each shaped run")
+    parser.add_argument("--log-every", type=int, default=20, help="steps per metrics row")
+    parser.add_argument("--probe-steps", default="10,30", help="N1,N2: the unshaped runs")
+    parser.add_argument("--target", type=float, default=0.7, help="target test accuracy")
+    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated names")
+    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "link_mlp.py"))
+    parser.add_argument(
+        "--set", action="append", default=[], metavar="FIELD=VALUE", help="extra config field"
+    )
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
+    parser.add_argument("--output", default=os.path.join(ROOT, "BENCHMARKS.md"))
+    parser.add_argument("--plot", default=os.path.join(ROOT, "docs", "link_accuracy_vs_time.png"))
+    parser.add_argument("--results", help="JSON of every number (default: in --workdir)")
+    parser.add_argument("--workdir", help="run directories (default: a new temporary one)")
+    parser.add_argument(
+        "--prefix", help="namespace name prefix (default lpdec-<pid>; for --cleanup, lpdec-)"
+    )
+    parser.add_argument(
+        "--quick",
+        action="store_true",
+        help="smoke run: tiny model, one node per device; defaults 2 x 2 devices, 1gbit",
+    )
+    parser.add_argument(
+        "--cleanup", action="store_true", help="only remove namespaces starting with --prefix"
+    )
+    if parser.parse_known_args(argv)[0].quick:
+        parser.set_defaults(
+            rates="1gbit",
+            processes="2",
+            devices=2,
+            steps=20,
+            log_every=5,
+            probe_steps="5,15",
+            methods="dpsgd,choco8",
+        )
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.set = QUICK_FIELDS + args.set
+    args.rates = [r for r in args.rates.split(",") if r]
+    try:
+        args.processes = [int(p) for p in args.processes.split(",")]
+        args.probe_steps = tuple(int(s) for s in args.probe_steps.split(","))
+    except ValueError:
+        parser.error("--processes and --probe-steps take comma-separated integers")
+    args.methods = [m for m in args.methods.split(",") if m]
+    unknown = [m for m in args.methods if m not in METHODS]
+    if unknown:
+        parser.error(f"--methods: {unknown} not among {sorted(METHODS)}")
+    if not args.rates:
+        parser.error("--rates: expected at least one tc rate such as 100mbit")
+    if any(p < 2 for p in args.processes):
+        parser.error(f"--processes={args.processes}: a link needs at least 2 processes")
+    if len(args.probe_steps) != 2 or not 0 < args.probe_steps[0] < args.probe_steps[1]:
+        parser.error(f"--probe-steps={args.probe_steps}: expected N1,N2 with 0 < N1 < N2")
+    if args.steps < 1 or args.log_every < 1 or args.steps % args.log_every:
+        parser.error(f"--steps={args.steps} must be a positive multiple of --log-every")
+    if any("=" not in s for s in args.set):
+        parser.error(f"--set: expected FIELD=VALUE, got {args.set}")
+    args.set = dict(s.split("=", 1) for s in args.set)
+    args.config = os.path.abspath(args.config)
+    args.output, args.plot = os.path.abspath(args.output), os.path.abspath(args.plot)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.cleanup:
+        removed = netns.cleanup(args.prefix or "lpdec-")
+        print(f"removed {len(removed)} namespaces: {' '.join(removed)}")
+        return 0
+    prefix = args.prefix or f"lpdec-{os.getpid()}"
+    reason = netns.unavailable()
+    if reason:
+        print(f"error: cannot make network namespaces: {reason}", file=sys.stderr)
+        return 2
+    command = "python -m bench.link " + " ".join(sys.argv[1:] if argv is None else argv)
+    workdir = args.workdir or tempfile.mkdtemp(prefix="lpdec_link_")
+    port = iter(range(FIRST_PORT, FIRST_PORT + 10_000))
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _on_signal)
+    atexit.register(_teardown)
+    all_results: dict[int, list[dict]] = {}
+    try:
+        for processes in args.processes:
+            network = netns.Network(processes, f"{prefix}-p{processes}", os.getpid() % 256)
+            _networks.append(network)
+            network.create()
+            print(f"{processes} hosts: namespaces {' '.join(network.names)}", flush=True)
+            results = all_results.setdefault(processes, [])
+            for name in args.methods:
+                print(f"[{processes} processes] {name} ...", flush=True)
+                try:
+                    results.append(
+                        measure(network, name, args, port, os.path.join(workdir, f"p{processes}"))
+                    )
+                except RunFailed as error:
+                    results.append({"method": name, "label": METHODS[name].label,
+                                    "error": str(error)})  # fmt: skip
+                print(json.dumps(results[-1], default=str)[:400], flush=True)
+            network.destroy()
+            _networks.remove(network)
+    except Interrupted as signame:
+        print(f"interrupted by {signame}: removing namespaces", file=sys.stderr, flush=True)
+        _teardown()
+        return 130
+    finally:
+        _teardown()
+    results_path = args.results or os.path.join(workdir, "link_results.json")
+    with open(results_path, "w") as f:
+        json.dump({"args": vars(args), "results": all_results}, f, indent=2, default=str)
+    body = section(all_results, args, command)
+    _sections.replace_section(args.output, SECTION, body, header=_sections.BENCHMARKS_HEADER)
+    plot(all_results, args)
+    print(body)
+    print(f"results: {results_path}; section: {args.output}; plot: {args.plot}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

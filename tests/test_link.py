@@ -1,0 +1,203 @@
+"""bench/link.py: the real-link harness at tiny size, its clean-up after a signal, its sums."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from bench import link  # noqa: E402
+from bench import netns  # noqa: E402
+
+REASON = netns.unavailable()
+needs_namespaces = pytest.mark.skipif(
+    REASON is not None, reason=f"bench/link.py cannot make network namespaces: {REASON}"
+)
+
+
+def _env():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def _harness(tmp_path, prefix, *flags):
+    return [
+        sys.executable,
+        "-m",
+        "bench.link",
+        "--quick",
+        f"--prefix={prefix}",
+        f"--workdir={tmp_path / 'runs'}",
+        f"--output={tmp_path / 'BENCHMARKS.md'}",
+        f"--plot={tmp_path / 'plot.png'}",
+        f"--results={tmp_path / 'results.json'}",
+        *flags,
+    ]
+
+
+def _processes_mentioning(text):
+    """Pids of live processes whose command line contains `text`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(entry))
+        except OSError:
+            pass
+    return pids
+
+
+@needs_namespaces
+def test_tiny_run_measures_the_link_and_leaves_no_namespace(tmp_path):
+    """2 processes x 2 devices, 8-bit CHOCO at 1 Gbit: the bytes that crossed the veth per step
+    are those the compiled program sends (one node per device, a ring: the process's two
+    boundary nodes send one message each across, as many bytes as one node's two messages),
+    plus TCP/IP headers; a run with no traffic, or one that counted steps wrongly, is far off."""
+    prefix = f"lpdectest-{os.getpid()}"
+    proc = subprocess.run(
+        _harness(tmp_path, prefix, "--methods=choco8", "--timeout=100"),
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "results.json").read_text())["results"]["2"]
+    assert "error" not in result, result
+    measured, compiled = result["link_bytes_per_step"], result["compiled_bytes_per_step"]
+    assert compiled > 0
+    assert 1.0 <= measured / compiled < 1.3, (measured, compiled)
+    assert set(result["rates"]) == {"unshaped", "1gbit"}
+    for at in result["rates"].values():
+        assert at["s_per_step"] > 0 and at["utilisation"] > 0
+        assert 0 <= at["final_accuracy"] <= 1
+        steps = [t for t, _ in at["curve"]]
+        assert len(steps) == 4 and steps == sorted(steps)
+    section = (tmp_path / "BENCHMARKS.md").read_text()
+    assert "<!-- bench/link.py:start -->" in section
+    for heading in ("unshaped", "1gbit"):
+        table = section.split(f"### 2 processes x 2 devices, {heading} link")[1].split("###")[0]
+        (row,) = [line for line in table.splitlines() if line.startswith("| CHOCO 8-bit |")]
+        assert len(row.strip("|").split("|")) == 8, row
+    assert (tmp_path / "plot.png").stat().st_size > 0
+    assert netns.namespaces(prefix) == []
+    assert not [n for n in os.listdir(netns.ETC_NETNS) if n.startswith(prefix)]
+
+
+@needs_namespaces
+def test_a_failing_method_is_a_table_row_naming_the_error(tmp_path):
+    prefix = f"lpdectest-{os.getpid()}-fail"
+    proc = subprocess.run(
+        _harness(tmp_path, prefix, "--methods=dpsgd", "--set=bits=12", "--timeout=100"),
+        env=_env(),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=200,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    (result,) = json.loads((tmp_path / "results.json").read_text())["results"]["2"]
+    assert "bits must be an integer in 1..8" in result["error"], result
+    section = (tmp_path / "BENCHMARKS.md").read_text()
+    rows = [line for line in section.splitlines() if line.startswith("| fp32 D-PSGD |")]
+    assert len(rows) == 2, section  # the unshaped and the 1gbit table
+    for row in rows:
+        assert "| failed: process " in row and "exited with 2: error: " in row, row
+        assert "bits must be an integer in 1..8" in row and row.count("|") == 9, row
+    assert netns.namespaces(prefix) == []
+
+
+@needs_namespaces
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_mid_run_removes_namespaces_and_training_processes(tmp_path, signum):
+    prefix = f"lpdectest-{os.getpid()}-{signum}"
+    harness = subprocess.Popen(
+        _harness(tmp_path, prefix, "--methods=dpsgd", "--timeout=100"),
+        env=_env(),
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    # Wait until a training process inside a namespace has started logging (jax is up).
+    logs = tmp_path / "runs" / "p2" / "dpsgd-probe-5"
+    deadline = time.time() + 90
+    while time.time() < deadline and not any(
+        log.stat().st_size for log in logs.glob("process*.log")
+    ):
+        time.sleep(0.1)
+    assert netns.namespaces(prefix), "the harness made no namespaces"
+    assert _processes_mentioning(f"{tmp_path}/runs/"), "no training process started"
+    harness.send_signal(signum)
+    output = harness.communicate(timeout=60)[0]
+    assert harness.returncode == 130, output[-3000:]
+    assert netns.namespaces(prefix) == []
+    assert not [n for n in os.listdir(netns.ETC_NETNS) if n.startswith(prefix)]
+    assert _processes_mentioning(f"{tmp_path}/runs/") == []
+
+
+@needs_namespaces
+def test_cleanup_flag_removes_leftovers_with_its_prefix(tmp_path):
+    prefix = f"lpdectest-{os.getpid()}-left"
+    kept = netns.Network(2, f"lpdectest-{os.getpid()}-kept", 1)
+    left = netns.Network(2, prefix, 1)
+    kept.create()
+    try:
+        left.create()
+        assert len(netns.namespaces(prefix)) == 2
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.link", "--cleanup", f"--prefix={prefix}"],
+            env=_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert netns.namespaces(prefix) == []
+        assert len(netns.namespaces(kept.prefix)) == 2
+    finally:
+        left.destroy()
+        kept.destroy()
+
+
+def test_time_to_target_sums_step_times_over_the_rows():
+    rows = [
+        {"step": 10.0, "step_time_s": 0.5, "test_accuracy_avg_model": 0.4},
+        {"step": 20.0, "step_time_s": 0.25, "test_accuracy_avg_model": 0.72},
+        {"step": 40.0, "step_time_s": 0.125, "test_accuracy_avg_model": 0.8},
+    ]
+    # 10 x 0.5 = 5 s, then 10 x 0.25 = 2.5 s, then 20 x 0.125 = 2.5 s.
+    assert link.curve(rows) == [(5.0, 0.4), (7.5, 0.72), (10.0, 0.8)]
+    assert link.time_to_target(rows, 0.7) == 7.5
+    assert link.time_to_target(rows, 0.9) is None
+
+
+@pytest.mark.parametrize(
+    "flags,message",
+    [
+        (["--methods=choco9"], "--methods: ['choco9'] not among"),
+        (["--processes=1"], "--processes=[1]: a link needs at least 2 processes"),
+        (["--probe-steps=30,10"], "--probe-steps=(30, 10): expected N1,N2 with 0 < N1 < N2"),
+        (["--steps=50", "--log-every=20"], "--steps=50 must be a positive multiple"),
+        (["--set=bits"], "--set: expected FIELD=VALUE"),
+    ],
+)
+def test_bad_flags_are_one_line_errors_naming_the_flag(flags, message, capsys):
+    with pytest.raises(SystemExit) as error:
+        link.parse_args(flags)
+    assert error.value.code == 2
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in last, last
