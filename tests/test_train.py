@@ -18,7 +18,7 @@ sys.path.insert(0, str(ROOT))
 
 import train  # noqa: E402
 from configs import default  # noqa: E402
-from lpdec import registry  # noqa: E402
+from train_lib import ConfigError  # noqa: E402
 
 
 def tiny_config(**overrides):
@@ -168,7 +168,7 @@ BAD_CONFIGS = [
 
 @pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[str(o) for o, _ in BAD_CONFIGS])
 def test_bad_config_values_raise_one_clear_error(tmp_path, overrides, message):
-    with pytest.raises(registry.ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message):
         train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
 
 
