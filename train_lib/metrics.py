@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import sys
 from typing import Any
 
 import jax
@@ -107,11 +108,13 @@ class MetricWriter:
         if not self.enabled:
             return
         step = metrics["step"]
-        logging.info(
-            "step %d: %s",
-            step,
-            ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != "step"),
-        )
+        # The bar steps aside for the line (both go to stderr) and comes back under it.
+        with tqdm.tqdm.external_write_mode(file=sys.stderr):
+            logging.info(
+                "step %d: %s",
+                step,
+                ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != "step"),
+            )
         with open(self.path, "a", newline="") as f:
             csv.DictWriter(f, METRIC_FIELDS).writerow(metrics)
         if self.tensorboard is not None:

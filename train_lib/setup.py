@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from typing import NoReturn
 
 import flax.linen as nn
 import jax
@@ -86,13 +87,16 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     built = registry.Built(topology, compressor, schedule, axis_name, local_axis)
     tx = registry.make_chain(config, local, built)
 
-    model = lpdec.models.get_model(
-        config.model,
-        precision=config.precision,
-        norm=config.norm or None,
-        num_classes=dataset.num_classes,
-        **dict(config.model_kwargs),
-    )
+    try:
+        model = lpdec.models.get_model(
+            config.model,
+            precision=config.precision,
+            norm=config.norm or None,
+            num_classes=dataset.num_classes,
+            **dict(config.model_kwargs),
+        )
+    except (TypeError, ValueError) as error:
+        _fail(f"config.model={config.model!r} with config.model_kwargs: {error}")
     return Experiment(
         config=config,
         dataset=dataset,
@@ -108,7 +112,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     )
 
 
-def _fail(message: str):
+def _fail(message: str) -> NoReturn:
     raise ConfigError(message)
 
 
@@ -174,9 +178,9 @@ def load_dataset(config: ml_collections.ConfigDict) -> lpdec.data.Dataset:
     try:
         return _load_dataset(config.dataset, tuple(config[f] for f in fields))
     except (FileNotFoundError, ValueError) as error:
-        if config.dataset != "cifar10":
-            raise
-        _fail(f"config.data_dir={config.data_dir!r}: {error}")
+        if config.dataset == "cifar10":
+            _fail(f"config.data_dir={config.data_dir!r}: {error}")
+        _fail(f"config.dataset={config.dataset!r}: {error}")
 
 
 @functools.lru_cache(maxsize=2)
