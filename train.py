@@ -92,10 +92,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
 
     # Test data: the averaged model sees a 1/n shard per node; local models a subset.
     per_node = len(dataset.x_test) // n
-    shard_x = dataset.x_test[: per_node * n].reshape((n, per_node) + dataset.x_test.shape[1:])
     shard_x, shard_y = (
-        layout.put(shard_x),
-        layout.put(dataset.y_test[: per_node * n].reshape(n, -1)),
+        layout.put(a[: per_node * n].reshape((n, per_node) + a.shape[1:]))
+        for a in (dataset.x_test, dataset.y_test)
     )
     local_count = min(config.eval_local_examples, len(dataset.x_test))
     local_x = layout.put(dataset.x_test[:local_count], per_node=False)

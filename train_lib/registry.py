@@ -3,7 +3,7 @@
 Every entry says which config fields its factory reads (`fields`), and the
 factory gets a view of the config holding those fields only, so the table
 cannot drift from the code: to follow `config.gamma` from the command line to
-its use, find "gamma" here. `setup.build` is the only caller.
+its use, find "gamma" here. `train_lib.setup` is the only user.
 
 Objects built from other tables (the topology, the compressor, the
 learning-rate schedule) and the layout's axis names reach the algorithms
