@@ -30,9 +30,9 @@ def get_config() -> ml_collections.ConfigDict:
 
     # Decentralization.
     config.num_nodes = 8
-    config.topology = "ring"  # see lpdec.registry.TOPOLOGIES
+    config.topology = "ring"  # see train_lib/registry.py: TOPOLOGIES
     config.torus_rows = 0  # 0: the squarest torus
-    config.algorithm = "choco"  # see lpdec.registry.ALGORITHMS ("none": independent nodes)
+    config.algorithm = "choco"  # see train_lib/registry.py: ALGORITHMS ("none": independent nodes)
     config.gamma = 1.0  # consensus step size (choco, deepsqueeze, quant_sgp, sparse_push)
     config.theta = 1.0  # Moniqua's a-priori bound (moniqua, modulo compressor)
     config.theta_follows_lr = False  # scale theta with the learning rate (seed 003, Thm. 2)
@@ -41,7 +41,7 @@ def get_config() -> ml_collections.ConfigDict:
     config.hierarchical = False  # compressed_mean: devices are machines (seed 004)
 
     # Compression of what crosses the wire.
-    config.compressor = "minmax"  # see lpdec.registry.COMPRESSORS
+    config.compressor = "minmax"  # see train_lib/registry.py: COMPRESSORS
     config.bits = 8
     config.rounding = "nearest"
     config.chunk_size = 2048

@@ -11,14 +11,18 @@ import sys
 import time
 
 import numpy as np
+import optax
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+import lpdec  # noqa: E402
 import train  # noqa: E402
+import train_lib  # noqa: E402
 from configs import default  # noqa: E402
-from lpdec import registry  # noqa: E402
+from train_lib import ConfigError  # noqa: E402
+from train_lib import registry  # noqa: E402
 
 
 def tiny_config(**overrides):
@@ -168,8 +172,53 @@ BAD_CONFIGS = [
 
 @pytest.mark.parametrize("overrides,message", BAD_CONFIGS, ids=[str(o) for o, _ in BAD_CONFIGS])
 def test_bad_config_values_raise_one_clear_error(tmp_path, overrides, message):
-    with pytest.raises(registry.ConfigError, match=message):
+    with pytest.raises(ConfigError, match=message):
         train.train_and_evaluate(tiny_config(**overrides), str(tmp_path))
+
+
+def test_the_config_becomes_each_object_once(monkeypatch):
+    """setup.build is the one place a config becomes objects: no second topology,
+    compressor or algorithm built to validate."""
+    calls = []
+    for name in ("ring", "minmax", "choco"):
+        factory = getattr(lpdec, name)
+        monkeypatch.setattr(
+            lpdec, name, lambda *a, _f=factory, _n=name, **k: calls.append(_n) or _f(*a, **k)
+        )
+    experiment = train_lib.build(tiny_config())
+    assert sorted(calls) == ["choco", "minmax", "ring"]
+    assert experiment.total_steps == 40 and len(experiment.partitions) == 8
+
+
+REGISTRY_TABLES = [
+    ("dataset", registry.DATASETS),
+    ("topology", registry.TOPOLOGIES),
+    ("compressor", registry.COMPRESSORS),
+    ("lr_schedule", registry.SCHEDULES),
+    ("optimizer", registry.OPTIMIZERS),
+    ("algorithm", registry.ALGORITHMS),
+]
+# cifar10 needs the user's files (tests/test_data.py reads a fake copy).
+REGISTRY_ENTRIES = [
+    (field, name) for field, table in REGISTRY_TABLES for name in table if name != "cifar10"
+]
+
+
+@pytest.mark.parametrize("field,name", REGISTRY_ENTRIES, ids=[n for _, n in REGISTRY_ENTRIES])
+def test_every_registry_entry_declares_the_fields_it_reads(field, name):
+    """A factory sees only its declared fields: one it reads but does not declare
+    raises AttributeError here (Moniqua's learning_rate, read inside its theta
+    schedule, is checked by the theta-schedule run above)."""
+    config = tiny_config(theta_follows_lr=True, **{field: name})
+    schedule = optax.constant_schedule(0.1)
+    extra = {
+        "lr_schedule": (40,),
+        "optimizer": (schedule,),
+        "algorithm": (registry.Built(lpdec.complete(8), lpdec.minmax(), schedule, "nodes", None),),
+    }.get(field, ())
+    table = dict(REGISTRY_TABLES)[field]
+    built = registry.build(config, field, table, *extra)
+    assert (built is None) == (name == "none")
 
 
 def _env(devices):

@@ -1,0 +1,20 @@
+"""The application code of `train.py`, beside it as in the flax examples (not installed).
+
+- `setup`: config -> `Experiment`, once; the checks of the config's values.
+- `registry`: what the configs choose by name, one table per kind.
+- `steps`: the per-node programs (train chunk, init, evaluation).
+- `checkpoint`: orbax checkpoints of the train state and the data position.
+- `metrics`: metrics.csv, TensorBoard, the stdout line, the progress bar, summary.json.
+
+`train.py` and the tests import it from the repository root.
+"""
+
+from train_lib.registry import ConfigError
+from train_lib.setup import Experiment
+from train_lib.setup import build
+
+__all__ = [
+    "ConfigError",
+    "Experiment",
+    "build",
+]

@@ -1,0 +1,137 @@
+"""A run's metrics: read from the devices, written by process 0.
+
+`MetricWriter` writes one row every `log_every` steps to stdout (absl
+logging), `workdir/metrics.csv` (columns `METRIC_FIELDS`) and TensorBoard
+event files in `workdir/tensorboard`, and moves a tqdm progress bar on a
+terminal; `write_summary` writes `workdir/summary.json` at the end.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import sys
+from typing import Any
+
+import jax
+import jax.experimental.multihost_utils
+import numpy as np
+import tqdm
+from absl import logging
+
+import lpdec
+
+METRIC_FIELDS = (
+    "step",
+    "epoch",
+    "train_loss",
+    "train_accuracy",
+    "test_accuracy_avg_model",
+    "test_accuracy_local_mean",
+    "consensus_distance",
+    "wire_bytes_per_step",
+    "step_time_s",
+    "learning_rate",
+    "nonfinite_updates",
+    "nonfinite_received",
+)
+
+
+def to_host(tree):
+    """Per-node global arrays -> numpy on every process (they span all hosts' devices)."""
+    if jax.process_count() > 1:
+        tree = jax.experimental.multihost_utils.process_allgather(tree, tiled=True)
+    return jax.tree.map(np.asarray, tree)
+
+
+def nonfinite_counts(opt_state) -> tuple[int, int]:
+    """Every node's non-finite updates and received payloads, summed over the
+    `lpdec.Health` counters found in the optimizer state."""
+    is_health = lambda x: isinstance(x, lpdec.Health)  # noqa: E731
+    found = to_host([h for h in jax.tree.leaves(opt_state, is_leaf=is_health) if is_health(h)])
+    updates = sum(int(np.sum(h.nonfinite_updates)) for h in found)
+    received = sum(int(np.sum(h.nonfinite_received)) for h in found)
+    return updates, received
+
+
+def wire_bytes(compiled, meter: lpdec.wire.TrafficMeter, per_device: int) -> tuple[float, str]:
+    """(bytes one node sends per step, where the count comes from).
+
+    Read from the compiled program when every node has its own device; when
+    nodes share devices the HLO shows none (or inflated) collectives, so the
+    trace-time `meter` counts them (the two agree where both apply:
+    tests/test_algorithms.py).
+    """
+    if per_device == 1:
+        return lpdec.metrics.collective_traffic(compiled.as_text()).total_bytes, "compiled HLO"
+    return meter.bytes, "trace-time meter"
+
+
+class MetricWriter:
+    """stdout + metrics.csv + TensorBoard + a progress bar, from process 0 only.
+
+    A resumed run (`resume_step` > 0) keeps the CSV rows up to `resume_step`
+    and drops later ones, which the restored run writes again.
+    """
+
+    def __init__(self, workdir: str, resume_step: int, total_steps: int):
+        self.enabled = jax.process_index() == 0
+        self.path = os.path.join(workdir, "metrics.csv")
+        self.tensorboard = None
+        # disable=None: no bar when stderr is not a terminal.
+        self.bar = tqdm.tqdm(
+            total=total_steps,
+            initial=resume_step,
+            unit="step",
+            disable=None if self.enabled else True,
+        )
+        if not self.enabled:
+            return
+        rows = []
+        if resume_step and os.path.exists(self.path):
+            with open(self.path) as f:
+                rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
+        with open(self.path, "w", newline="") as f:
+            writer = csv.DictWriter(f, METRIC_FIELDS)
+            writer.writeheader()
+            writer.writerows(rows)
+        try:
+            from tensorboardX import SummaryWriter
+
+            self.tensorboard = SummaryWriter(os.path.join(workdir, "tensorboard"))
+        except ImportError:
+            logging.warning("tensorboardX is not installed: no TensorBoard event files.")
+
+    def write(self, metrics: dict[str, Any]) -> None:
+        """One row: `metrics` holds every field of `METRIC_FIELDS`."""
+        if not self.enabled:
+            return
+        step = metrics["step"]
+        # The bar steps aside for the line (both go to stderr) and comes back under it.
+        with tqdm.tqdm.external_write_mode(file=sys.stderr):
+            logging.info(
+                "step %d: %s",
+                step,
+                ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != "step"),
+            )
+        with open(self.path, "a", newline="") as f:
+            csv.DictWriter(f, METRIC_FIELDS).writerow(metrics)
+        if self.tensorboard is not None:
+            for k, v in metrics.items():
+                if k != "step":
+                    self.tensorboard.add_scalar(k, v, step)
+            self.tensorboard.flush()
+        self.bar.update(step - self.bar.n)
+
+    def close(self) -> None:
+        self.bar.close()
+        if self.tensorboard is not None:
+            self.tensorboard.close()
+
+
+def write_summary(workdir: str, summary: dict[str, Any]) -> None:
+    """`summary` to `workdir/summary.json` (process 0)."""
+    if jax.process_index() == 0:
+        with open(os.path.join(workdir, "summary.json"), "w") as f:
+            json.dump(summary, f, indent=2, default=str)

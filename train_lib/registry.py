@@ -1,0 +1,306 @@
+"""What the configs choose by name: one table per kind, name -> factory and fields.
+
+Every entry says which config fields its factory reads (`fields`), and the
+factory gets a view of the config holding those fields only, so the table
+cannot drift from the code: to follow `config.gamma` from the command line to
+its use, find "gamma" here. `train_lib.setup` is the only user.
+
+Objects built from other tables (the topology, the compressor, the
+learning-rate schedule) and the layout's axis names reach the algorithms
+through `Built`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import types
+from collections.abc import Callable
+from typing import Any
+from typing import Literal
+
+import ml_collections
+import optax
+
+import lpdec
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work, with a message naming the field."""
+
+
+def fields_view(config, fields: tuple[str, ...]) -> types.SimpleNamespace:
+    """The named fields of `config` (a ConfigDict or a dict) as attributes, and no others."""
+    return types.SimpleNamespace(**{field: config[field] for field in fields})
+
+
+@dataclasses.dataclass(frozen=True)
+class Entry:
+    """A choice by name: `build(view, *args)` reads only the config fields in `fields`."""
+
+    build: Callable[..., Any]
+    fields: tuple[str, ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class AlgorithmEntry(Entry):
+    """An lpdec algorithm: `build(view, built)`.
+
+    `position` is where it goes in the optax chain: "last", after the local
+    optimizer (gossip acts on the parameters' update), or "first", before it
+    (centralized means act on the gradients).
+    """
+
+    position: Literal["first", "last"] = "last"
+
+
+@dataclasses.dataclass(frozen=True)
+class Built:
+    """What an algorithm gets besides its config fields."""
+
+    topology: lpdec.Topology
+    compressor: lpdec.Compressor
+    schedule: optax.Schedule
+    axis_name: str | tuple[str, str]
+    local_axis: str | None
+
+
+def choose(config: ml_collections.ConfigDict, field: str, table: dict[str, Any]):
+    """The entry `table[config[field]]`, or a ConfigError listing the valid names."""
+    name = config[field]
+    if name not in table:
+        raise ConfigError(f"config.{field}={name!r} is not one of: {', '.join(table)}.")
+    return table[name]
+
+
+def build(config: ml_collections.ConfigDict, field: str, table: dict[str, Entry], *args):
+    """Builds `table[config[field]]`; its ValueError/TypeError become one ConfigError line."""
+    entry = choose(config, field, table)
+    try:
+        return entry.build(fields_view(config, entry.fields), *args)
+    except ConfigError:
+        raise
+    except (ValueError, TypeError) as error:
+        raise ConfigError(f"config.{field}={config[field]!r}: {error}") from None
+
+
+# ----------------------------------------------------------------------------
+# Data sets (`setup` caches the loaded ones).
+# ----------------------------------------------------------------------------
+
+DATASETS = {
+    "cifar10": Entry(lambda c: lpdec.data.cifar10(c.data_dir), ("data_dir",)),
+    "digits": Entry(lambda c: lpdec.data.digits()),
+    "mnist1d": Entry(lambda c: lpdec.data.mnist1d(num_samples=c.num_samples), ("num_samples",)),
+    "synthetic": Entry(
+        lambda c: lpdec.data.synthetic(c.num_samples, 16, 4, c.seed), ("num_samples", "seed")
+    ),
+}
+
+
+# ----------------------------------------------------------------------------
+# Topologies.
+# ----------------------------------------------------------------------------
+
+
+def _torus(c) -> lpdec.Topology:
+    # torus_rows = 0: the squarest torus, rows <= columns.
+    rows = c.torus_rows or max(
+        r for r in range(1, math.isqrt(c.num_nodes) + 1) if c.num_nodes % r == 0
+    )
+    if c.num_nodes % rows:
+        raise ConfigError(
+            f"config.torus_rows={rows} does not divide config.num_nodes={c.num_nodes}."
+        )
+    return lpdec.torus(rows, c.num_nodes // rows)
+
+
+TOPOLOGIES = {
+    "complete": Entry(lambda c: lpdec.complete(c.num_nodes), ("num_nodes",)),
+    "directed_ring": Entry(lambda c: lpdec.directed_ring(c.num_nodes), ("num_nodes",)),
+    "exponential": Entry(lambda c: lpdec.exponential(c.num_nodes), ("num_nodes",)),
+    "one_peer_exponential": Entry(
+        lambda c: lpdec.one_peer_exponential(c.num_nodes), ("num_nodes",)
+    ),
+    "random_matching": Entry(
+        lambda c: lpdec.random_matching(c.num_nodes, c.seed), ("num_nodes", "seed")
+    ),
+    "ring": Entry(lambda c: lpdec.ring(c.num_nodes), ("num_nodes",)),
+    "torus": Entry(_torus, ("num_nodes", "torus_rows")),
+}
+
+
+# ----------------------------------------------------------------------------
+# Compressors of what crosses the wire.
+# ----------------------------------------------------------------------------
+
+COMPRESSORS = {
+    "identity": Entry(lambda c: lpdec.identity()),
+    "minmax": Entry(
+        lambda c: lpdec.minmax(bits=c.bits, rounding=c.rounding, chunk_size=c.chunk_size),
+        ("bits", "rounding", "chunk_size"),
+    ),
+    "modulo": Entry(
+        lambda c: lpdec.modulo(bits=c.bits, theta=c.theta, rounding=c.rounding),
+        ("bits", "theta", "rounding"),
+    ),
+    "random_k": Entry(lambda c: lpdec.random_k(c.ratio), ("ratio",)),
+    "top_k": Entry(lambda c: lpdec.top_k(c.ratio), ("ratio",)),
+}
+
+
+# ----------------------------------------------------------------------------
+# Learning-rate schedules: `build(view, total_steps)`; `make_schedule` adds the warmup.
+# ----------------------------------------------------------------------------
+
+
+def _piecewise(c, total_steps: int) -> optax.Schedule:
+    # lr_boundaries are fractions of training; x lr_decay at each.
+    boundaries = {int(f * total_steps): c.lr_decay for f in c.lr_boundaries}
+    return optax.piecewise_constant_schedule(c.learning_rate, boundaries)
+
+
+SCHEDULES = {
+    "constant": Entry(
+        lambda c, total: optax.constant_schedule(c.learning_rate), ("learning_rate",)
+    ),
+    "cosine": Entry(
+        lambda c, total: optax.cosine_decay_schedule(
+            c.learning_rate, max(1, total - c.warmup_steps)
+        ),
+        ("learning_rate", "warmup_steps"),
+    ),
+    "piecewise": Entry(_piecewise, ("learning_rate", "lr_boundaries", "lr_decay")),
+}
+
+
+def make_schedule(config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
+    """`config.lr_schedule` over `total_steps`, after a linear warmup of `config.warmup_steps`."""
+    schedule = build(config, "lr_schedule", SCHEDULES, total_steps)
+    if config.warmup_steps:
+        warmup = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
+        schedule = optax.join_schedules([warmup, schedule], [config.warmup_steps])
+    return schedule
+
+
+# ----------------------------------------------------------------------------
+# The node's own optimizer: `build(view, schedule)`; `make_local_optimizer` adds weight decay.
+# ----------------------------------------------------------------------------
+
+OPTIMIZERS = {
+    "adam": Entry(lambda c, lr: optax.adam(lr)),
+    "nesterov": Entry(
+        lambda c, lr: optax.sgd(lr, momentum=c.momentum, nesterov=True), ("momentum",)
+    ),
+    "qg_momentum": Entry(
+        lambda c, lr: lpdec.qg_momentum(lr, momentum=c.momentum, nesterov=True), ("momentum",)
+    ),
+    "sgd": Entry(lambda c, lr: optax.sgd(lr, momentum=c.momentum or None), ("momentum",)),
+}
+
+
+def make_local_optimizer(
+    config: ml_collections.ConfigDict, schedule: optax.Schedule
+) -> optax.GradientTransformation:
+    """`config.optimizer` at `schedule`, after weight decay when `config.weight_decay` > 0."""
+    optimizer = build(config, "optimizer", OPTIMIZERS, schedule)
+    if config.weight_decay:
+        return optax.chain(optax.add_decayed_weights(config.weight_decay), optimizer)
+    return optimizer
+
+
+# ----------------------------------------------------------------------------
+# Algorithms: `build(view, built)`.
+# ----------------------------------------------------------------------------
+
+
+def _moniqua(c, b: Built) -> optax.GradientTransformation:
+    theta = c.theta
+    if c.theta_follows_lr:
+        # seed 003, Theorem 2: the a-priori bound proportional to the step size.
+        theta = lambda step: c.theta * b.schedule(step) / c.learning_rate  # noqa: E731
+    return lpdec.moniqua(
+        b.topology,
+        c.bits,
+        theta,
+        axis_name=b.axis_name,
+        slack=c.slack,
+        rounding=c.rounding,
+        seed=c.seed,
+    )
+
+
+def _d2(c, b: Built) -> optax.GradientTransformation:
+    # The identity compressor means plain D2, with nothing to compress.
+    comp = None if isinstance(b.compressor, lpdec.compress.Identity) else b.compressor
+    return lpdec.d2(b.topology, axis_name=b.axis_name, comp=comp, seed=c.seed)
+
+
+ALGORITHMS = {
+    "choco": AlgorithmEntry(
+        lambda c, b: lpdec.choco(
+            b.topology, b.compressor, c.gamma, axis_name=b.axis_name, seed=c.seed
+        ),
+        ("gamma", "seed"),
+    ),
+    "d2": AlgorithmEntry(_d2, ("seed",)),
+    "dcd": AlgorithmEntry(
+        lambda c, b: lpdec.dcd(b.topology, b.compressor, axis_name=b.axis_name, seed=c.seed),
+        ("seed",),
+    ),
+    "deepsqueeze": AlgorithmEntry(
+        lambda c, b: lpdec.deepsqueeze(
+            b.topology, b.compressor, c.gamma, axis_name=b.axis_name, seed=c.seed
+        ),
+        ("gamma", "seed"),
+    ),
+    "dpsgd": AlgorithmEntry(lambda c, b: lpdec.dpsgd(b.topology, axis_name=b.axis_name)),
+    "moniqua": AlgorithmEntry(
+        _moniqua,
+        ("bits", "theta", "theta_follows_lr", "learning_rate", "slack", "rounding", "seed"),
+    ),
+    "naive_quantized": AlgorithmEntry(
+        lambda c, b: lpdec.naive_quantized(
+            b.topology, b.compressor, axis_name=b.axis_name, seed=c.seed
+        ),
+        ("seed",),
+    ),
+    "quant_sgp": AlgorithmEntry(
+        lambda c, b: lpdec.quant_sgp(
+            b.topology, b.compressor, c.gamma, axis_name=b.axis_name, seed=c.seed
+        ),
+        ("gamma", "seed"),
+    ),
+    "sparse_push": AlgorithmEntry(
+        lambda c, b: lpdec.sparse_push(
+            b.topology, b.compressor, c.gamma, axis_name=b.axis_name, seed=c.seed
+        ),
+        ("gamma", "seed"),
+    ),
+    # Centralized: full-precision data parallelism (a mean of the gradients) and
+    # seed 001/004's compressed mean, hierarchical when `local_axis` is set.
+    "allreduce": AlgorithmEntry(
+        lambda c, b: lpdec.local_mean(axis_name=b.axis_name), position="first"
+    ),
+    "compressed_mean": AlgorithmEntry(
+        lambda c, b: lpdec.compressed_mean(
+            b.compressor, axis_name=b.axis_name, local_axis=b.local_axis, seed=c.seed
+        ),
+        ("seed",),
+        position="first",
+    ),
+    # Independent nodes: the local optimizer alone.
+    "none": AlgorithmEntry(lambda c, b: None),
+}
+
+
+def make_chain(
+    config: ml_collections.ConfigDict, local: optax.GradientTransformation, built: Built
+) -> optax.GradientTransformation:
+    """The local optimizer chained with `config.algorithm` at the entry's position."""
+    algorithm = build(config, "algorithm", ALGORITHMS, built)
+    if algorithm is None:
+        return local
+    if ALGORITHMS[config.algorithm].position == "first":
+        return optax.chain(algorithm, local)
+    return optax.chain(local, algorithm)

@@ -1,0 +1,193 @@
+"""Config -> the objects of a training run, once: `build(config) -> Experiment`.
+
+`build` checks the config's plain values first (one `ConfigError` line per
+problem, naming the field), then builds through `registry`'s tables: a
+wrong name or a value a factory rejects stops the run there, before anything
+is traced. The training loop, checkpointing and logging read the frozen
+`Experiment` and nothing else of the config's choices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+from typing import NoReturn
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+import optax
+
+import lpdec
+from lpdec.layout import NodeLayout
+from lpdec.layout import make_layout
+from train_lib import registry
+from train_lib.registry import ConfigError
+
+PRECISIONS = ("fp32", "int8")
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Experiment:
+    """Everything a run needs that the config determines.
+
+    Attributes:
+      config: the config it was built from (kept for summary.json).
+      dataset: the train/test split.
+      partitions: one array of training-sample indices per node.
+      layout: the nodes on the devices.
+      model: the flax model.
+      topology: the gossip topology (built for every algorithm, used by gossip).
+      compressor: what crosses the wire (used by the compressing algorithms).
+      schedule: the learning rate by step.
+      tx: the optax chain of the local optimizer and the lpdec algorithm.
+      total_steps: steps of the whole run.
+      steps_per_epoch: steps for every node to see its partition once.
+    """
+
+    config: ml_collections.ConfigDict
+    dataset: lpdec.data.Dataset
+    partitions: tuple[np.ndarray, ...]
+    layout: NodeLayout
+    model: nn.Module
+    topology: lpdec.Topology
+    compressor: lpdec.Compressor
+    schedule: optax.Schedule
+    tx: optax.GradientTransformation
+    total_steps: int
+    steps_per_epoch: int
+
+
+def build(config: ml_collections.ConfigDict) -> Experiment:
+    """Checks `config` and builds its objects; raises `ConfigError` naming a bad field."""
+    check_values(config)
+    topology = registry.build(config, "topology", registry.TOPOLOGIES)
+    compressor = registry.build(config, "compressor", registry.COMPRESSORS)
+    devices = jax.devices()[: config.devices] if config.devices else None
+    layout = make_layout(config.num_nodes, devices=devices)
+
+    dataset = load_dataset(config)
+    partitions = lpdec.data.skew_partition(
+        dataset.y_train, config.num_nodes, config.skew, config.seed
+    )
+    # An epoch is one pass of every node over its own data.
+    samples = sum(len(p) for p in partitions)
+    steps_per_epoch = max(1, samples // (config.num_nodes * config.batch_size))
+    total_steps = max(1, config.num_steps or int(round(config.num_epochs * steps_per_epoch)))
+
+    schedule = registry.make_schedule(config, total_steps)
+    local = registry.make_local_optimizer(config, schedule)
+    axis_name, local_axis = layout.axis_name, None
+    if config.hierarchical:
+        # Seed 004: the mesh axis joins the "machines", the nested vmap axis the
+        # devices inside each: compressed_mean reduces inside, compresses across.
+        axis_name, local_axis = layout.mesh_axis, layout.local_axis
+    built = registry.Built(topology, compressor, schedule, axis_name, local_axis)
+    tx = registry.make_chain(config, local, built)
+
+    try:
+        model = lpdec.models.get_model(
+            config.model,
+            precision=config.precision,
+            norm=config.norm or None,
+            num_classes=dataset.num_classes,
+            **dict(config.model_kwargs),
+        )
+    except (TypeError, ValueError) as error:
+        _fail(f"config.model={config.model!r} with config.model_kwargs: {error}")
+    return Experiment(
+        config=config,
+        dataset=dataset,
+        partitions=tuple(partitions),
+        layout=layout,
+        model=model,
+        topology=topology,
+        compressor=compressor,
+        schedule=schedule,
+        tx=tx,
+        total_steps=total_steps,
+        steps_per_epoch=steps_per_epoch,
+    )
+
+
+def _fail(message: str) -> NoReturn:
+    raise ConfigError(message)
+
+
+def check_values(config: ml_collections.ConfigDict) -> None:
+    """The checks that need no object built: names, ranges, and how nodes fit the devices."""
+    registry.choose(config, "dataset", registry.DATASETS)
+    if config.dataset == "cifar10":
+        if not config.data_dir:
+            _fail("config.dataset='cifar10' needs config.data_dir: the CIFAR-10 binary files.")
+        if not os.path.isdir(config.data_dir):
+            _fail(
+                f"config.data_dir={config.data_dir!r} is not a directory; it must hold the "
+                "CIFAR-10 binary version (data_batch_1.bin ... test_batch.bin)."
+            )
+    if config.model not in lpdec.models.MODELS:
+        _fail(
+            f"config.model={config.model!r} is not one of: "
+            f"{', '.join(sorted(lpdec.models.MODELS))}."
+        )
+    if config.precision not in PRECISIONS:
+        _fail(f"config.precision={config.precision!r} is not one of: {', '.join(PRECISIONS)}.")
+    if not config.learning_rate > 0:
+        _fail(f"config.learning_rate={config.learning_rate!r} must be > 0.")
+    if not 0.0 <= config.skew <= 1.0:
+        _fail(f"config.skew={config.skew!r} must be in [0, 1] (0 = IID).")
+    for field in ("num_nodes", "batch_size", "log_every"):
+        if not isinstance(config[field], int) or config[field] < 1:
+            _fail(f"config.{field}={config[field]!r} must be a positive integer.")
+    if config.num_steps < 0 or config.num_epochs < 0 or not (config.num_steps or config.num_epochs):
+        _fail("set config.num_steps (> 0) or config.num_epochs (> 0).")
+    if config.checkpoint_every % config.log_every:
+        _fail(
+            f"config.checkpoint_every={config.checkpoint_every} must be a multiple of "
+            f"config.log_every={config.log_every} (steps run in chunks of log_every)."
+        )
+    # Every name before any object, so a typo fails at once.
+    registry.choose(config, "algorithm", registry.ALGORITHMS)
+    registry.choose(config, "lr_schedule", registry.SCHEDULES)
+    registry.choose(config, "optimizer", registry.OPTIMIZERS)
+    devices = jax.device_count()
+    if config.devices:
+        if not 1 <= config.devices <= devices:
+            _fail(f"config.devices={config.devices} must be in 1..{devices} (0 = all devices).")
+        devices = config.devices
+    if config.hierarchical:
+        if config.algorithm != "compressed_mean":
+            _fail("config.hierarchical=True needs config.algorithm='compressed_mean'.")
+        if config.num_nodes <= devices:
+            _fail(
+                "config.hierarchical=True needs several nodes per device (the devices are "
+                "the machines): set config.devices below config.num_nodes."
+            )
+    if config.num_nodes > devices and config.num_nodes % devices:
+        _fail(
+            f"config.num_nodes={config.num_nodes} exceeds the {devices} devices and is not a "
+            f"multiple of {devices}: simulated nodes are spread evenly over the devices."
+        )
+
+
+def load_dataset(config: ml_collections.ConfigDict) -> lpdec.data.Dataset:
+    """`config.dataset`, loaded once per process for the same fields."""
+    fields = registry.DATASETS[config.dataset].fields
+    try:
+        return _load_dataset(config.dataset, tuple(config[f] for f in fields))
+    except (FileNotFoundError, ValueError) as error:
+        if config.dataset == "cifar10":
+            _fail(f"config.data_dir={config.data_dir!r}: {error}")
+        _fail(f"config.dataset={config.dataset!r}: {error}")
+
+
+@functools.lru_cache(maxsize=2)
+def _load_dataset(name: str, values: tuple) -> lpdec.data.Dataset:
+    # Cached: the data sets are deterministic in their fields, and generating
+    # MNIST-1D takes longer than a short run (bench/experiments.py runs hundreds).
+    entry = registry.DATASETS[name]
+    return entry.build(
+        registry.fields_view(dict(zip(entry.fields, values, strict=True)), entry.fields)
+    )
