@@ -190,6 +190,9 @@ def _ppermute_array(tree: PyTree, perm, axis_name: AxisName) -> PyTree:
     if isinstance(axis_name, tuple):
         if len(axis_name) == 1:
             axis_name = axis_name[0]
+        elif set(axis_name) <= set(jax.sharding.get_abstract_mesh().manual_axes):
+            # Mesh axes only (machines, workers): jax permutes over their row-major product.
+            return jax.lax.ppermute(tree, axis_name, perm)
         else:
             return _nested_ppermute(tree, perm, axis_name)
     n = jax.lax.axis_size(axis_name)
@@ -208,7 +211,7 @@ def _ppermute_array(tree: PyTree, perm, axis_name: AxisName) -> PyTree:
 
 
 def _nested_ppermute(tree: PyTree, perm, axis_name: tuple[str, ...]) -> PyTree:
-    """ppermute over (outer, inner) axes: node g = outer_index * L + inner_index.
+    """ppermute over (outer..., inner) axes: node g = outer_index * L + inner_index.
 
     jax cannot ppermute over a mesh axis and a vmap axis at once, so each
     class is split by device shift delta = (destination device - source
@@ -219,9 +222,11 @@ def _nested_ppermute(tree: PyTree, perm, axis_name: tuple[str, ...]) -> PyTree:
     simulating many nodes per device, and bytes on the wire should be counted
     from payload sizes, not from its HLO.
     """
-    if len(axis_name) != 2:
-        raise ValueError(f"nested axes must be (mesh_axis, vmap_axis); got {axis_name!r}.")
-    outer, inner = axis_name
+    if len(axis_name) < 2:
+        raise ValueError(f"nested axes must be (mesh_axes..., vmap_axis); got {axis_name!r}.")
+    # The mesh axes (one, or machines and workers) act as one outer axis, row-major.
+    outer = axis_name[0] if len(axis_name) == 2 else axis_name[:-1]
+    inner = axis_name[-1]
     devices = jax.lax.axis_size(outer)
     local = jax.lax.axis_size(inner)
     n = devices * local

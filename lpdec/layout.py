@@ -24,6 +24,16 @@ function of ONE node's values into a function of such arrays, and
   >>> step = jax.jit(layout.map(step, (True, True, True)))
   >>> params, opt_state = step(params, opt_state, {"w": jnp.ones((8, 3))})
 
+Machines: ``make_layout(n, machines=M)`` lays the nodes out in two levels, a
+2-D mesh ``("machines", "workers")`` whose row m holds machine m's devices
+(with several processes, process m's local devices; in one process, M equal
+groups of devices, a simulation). Node ``m * n / M + w`` is worker w of
+machine m, which is the row-major order in which `jax.lax.axis_index` and
+`jax.lax.ppermute` flatten the pair of axes, so a flat algorithm over
+``layout.axis_name`` numbers the nodes as on a 1-D layout. Hierarchical
+algorithms communicate over ``layout.machine_axis`` (slow links) and
+``layout.worker_axis`` (the fast links inside a machine) separately.
+
 The leading axis, inside and outside: under `NodeLayout.map` the per-node
 function sees one node's arrays with no node axis (it removes the axis of 1
 that `shard_map` leaves on each node's block, or vmaps over the nodes of a
@@ -48,14 +58,18 @@ from lpdec import gossip
 PyTree = Any
 
 
+MACHINE_AXIS = "machines"
+WORKER_AXIS = "workers"
+
+
 @dataclasses.dataclass(frozen=True)
 class NodeLayout:
-    """n nodes over a 1-D device mesh.
+    """n nodes over a 1-D device mesh, or over a 2-D mesh of machines x workers.
 
     Attributes:
       num_nodes: n.
-      mesh: the device mesh (one axis, `mesh_axis`).
-      mesh_axis: the mesh axis name.
+      mesh: the device mesh (one axis, `mesh_axis`; or two, machines then workers).
+      mesh_axis: the mesh axis name, or the pair ``("machines", "workers")``.
       local_axis: the vmap axis name of the simulated nodes (used when nested).
       per_device: nodes per device (1: no nesting).
 
@@ -63,11 +77,14 @@ class NodeLayout:
       >>> layout = lpdec.make_layout(16)   # on 8 devices: 2 nodes per device
       >>> layout.nested, layout.axis_name
       (True, ('nodes', 'local'))
+      >>> layout = lpdec.make_layout(8, machines=2)   # 2 machines x 4 workers
+      >>> layout.axis_name, layout.machine_axis, layout.worker_axis
+      (('machines', 'workers'), 'machines', 'workers')
     """
 
     num_nodes: int
     mesh: jax.sharding.Mesh
-    mesh_axis: str = "nodes"
+    mesh_axis: str | tuple[str, str] = "nodes"
     local_axis: str = "local"
     per_device: int = 1
 
@@ -76,9 +93,40 @@ class NodeLayout:
         return self.per_device > 1
 
     @property
-    def axis_name(self) -> str | tuple[str, str]:
-        """The axis name the algorithms must use."""
-        return (self.mesh_axis, self.local_axis) if self.nested else self.mesh_axis
+    def hierarchical(self) -> bool:
+        """Whether the nodes are laid out as machines x workers (`make_layout(machines=)`)."""
+        return isinstance(self.mesh_axis, tuple)
+
+    @property
+    def axis_name(self) -> str | tuple[str, ...]:
+        """The axis name the algorithms must use to reach every node."""
+        mesh_axes = self.mesh_axis if self.hierarchical else (self.mesh_axis,)
+        names = (*mesh_axes, self.local_axis) if self.nested else mesh_axes
+        return names if len(names) > 1 else names[0]
+
+    @property
+    def machines(self) -> int:
+        """M, the number of machines (1 on a layout without machines)."""
+        return self.mesh.shape[MACHINE_AXIS] if self.hierarchical else 1
+
+    @property
+    def machine_axis(self) -> str:
+        """The axis joining the machines (their slow links); only on a hierarchical layout."""
+        self._require_machines("machine_axis")
+        return MACHINE_AXIS
+
+    @property
+    def worker_axis(self) -> str | tuple[str, str]:
+        """The axis of a machine's workers: ``"workers"``, or with it the vmap axis when nested."""
+        self._require_machines("worker_axis")
+        return (WORKER_AXIS, self.local_axis) if self.nested else WORKER_AXIS
+
+    def _require_machines(self, what: str) -> None:
+        if not self.hierarchical:
+            raise ValueError(
+                f"NodeLayout.{what} exists only on a layout of machines: build it with "
+                "lpdec.make_layout(num_nodes, machines=M)."
+            )
 
     @property
     def node_sharding(self) -> jax.sharding.NamedSharding:
@@ -213,25 +261,88 @@ def _place(layout: NodeLayout, x: Any) -> jax.Array:
 def make_layout(
     num_nodes: int,
     *,
+    machines: int | None = None,
     devices: list | None = None,
     mesh_axis: str = "nodes",
     local_axis: str = "local",
 ) -> NodeLayout:
     """Places `num_nodes` nodes on `devices` (default: all devices of all processes).
 
-    With n <= D it uses the first n devices; with n > D it needs n to be a
-    multiple of D and simulates n / D nodes per device.
+    Without `machines`: a 1-D mesh over axis `mesh_axis`. With n <= D it uses the
+    first n devices; with n > D it needs n to be a multiple of D and simulates
+    n / D nodes per device.
+
+    With `machines` = M: a 2-D mesh ``("machines", "workers")``, one row per
+    machine, and n / M workers per machine placed on the machine's devices by
+    the same rule (the first n / M of them, or n / M divided evenly among them
+    under a nested vmap axis). If the devices belong to several processes, each
+    process is one machine (M must be the process count) and its row holds its
+    own devices by id; in one process the devices are cut into M equal groups
+    (machines simulated for tests and for trying a layout out).
+
+    Example:
+      >>> layout = lpdec.make_layout(8, machines=2)   # 8 devices: a 2 x 4 mesh
+      >>> layout.mesh.shape
+      {'machines': 2, 'workers': 4}
     """
     devices = list(jax.devices() if devices is None else devices)
+    if machines is None:
+        used, per_device = _fit(num_nodes, devices, "the")
+        mesh = jax.sharding.Mesh(np.array(used), (mesh_axis,))
+        return NodeLayout(num_nodes, mesh, mesh_axis, local_axis, per_device)
+
+    if isinstance(machines, bool) or not isinstance(machines, int) or machines < 1:
+        raise ValueError(f"make_layout: machines must be a positive integer; got {machines!r}.")
+    if num_nodes % machines:
+        raise ValueError(
+            f"make_layout: num_nodes={num_nodes} is not a multiple of machines={machines}: "
+            "every machine holds the same number of workers."
+        )
+    rows = _machine_rows(devices, machines)
+    workers = num_nodes // machines
+    fitted = [_fit(workers, row, "each machine's") for row in rows]
+    used, per_device = [row for row, _ in fitted], fitted[0][1]
+    mesh = jax.sharding.Mesh(np.array(used), (MACHINE_AXIS, WORKER_AXIS))
+    return NodeLayout(num_nodes, mesh, (MACHINE_AXIS, WORKER_AXIS), local_axis, per_device)
+
+
+def _fit(num_nodes: int, devices: list, whose: str) -> tuple[list, int]:
+    """(the devices used, nodes per device) for `num_nodes` nodes on `devices`."""
     count = len(devices)
     if num_nodes <= count:
-        used, per_device = devices[:num_nodes], 1
-    elif num_nodes % count == 0:
-        used, per_device = devices, num_nodes // count
-    else:
+        return devices[:num_nodes], 1
+    if num_nodes % count == 0:
+        return devices, num_nodes // count
+    raise ValueError(
+        f"num_nodes={num_nodes} exceeds {whose} {count} devices and is not a multiple of "
+        f"that count: simulated nodes are spread evenly, so use a multiple of {count}."
+    )
+
+
+def _machine_rows(devices: list, machines: int) -> list[list]:
+    """The devices of each machine: one process each, or equal groups in one process."""
+    processes = sorted({d.process_index for d in devices})
+    if len(processes) > 1:
+        if machines != len(processes):
+            raise ValueError(
+                f"make_layout: machines={machines} but the devices belong to "
+                f"{len(processes)} processes: with several processes each one is a machine, "
+                f"so machines must be {len(processes)}."
+            )
+        rows = [
+            sorted((d for d in devices if d.process_index == p), key=lambda d: d.id)
+            for p in processes
+        ]
+        if len({len(row) for row in rows}) > 1:
+            raise ValueError(
+                "make_layout: every process must bring the same number of devices to be a "
+                f"machine; got {[len(row) for row in rows]}."
+            )
+        return rows
+    if len(devices) % machines:
         raise ValueError(
-            f"num_nodes={num_nodes} exceeds the {count} devices and is not a multiple of "
-            f"that count: simulated nodes are spread evenly, so use a multiple of {count}."
+            f"make_layout: machines={machines} does not divide the {len(devices)} devices: "
+            "one process simulates machines as equal groups of its devices."
         )
-    mesh = jax.sharding.Mesh(np.array(used), (mesh_axis,))
-    return NodeLayout(num_nodes, mesh, mesh_axis, local_axis, per_device)
+    size = len(devices) // machines
+    return [devices[m * size : (m + 1) * size] for m in range(machines)]
