@@ -39,6 +39,8 @@ from lpdec.algorithms.qg_momentum import QGMomentumState
 from lpdec.algorithms.qg_momentum import qg_momentum
 from lpdec.algorithms.quant_sgp import QuantSGPState
 from lpdec.algorithms.quant_sgp import quant_sgp
+from lpdec.algorithms.shard_over import ShardOverState
+from lpdec.algorithms.shard_over import shard_over
 from lpdec.algorithms.sparse_push import SparsePushState
 from lpdec.algorithms.sparse_push import sparse_push
 from lpdec.compress import Compressor
@@ -80,6 +82,7 @@ __all__ = [
     "NodeLayout",
     "QGMomentumState",
     "QuantSGPState",
+    "ShardOverState",
     "SparsePushState",
     "Topology",
     "choco",
@@ -115,6 +118,7 @@ __all__ = [
     "random_k",
     "random_matching",
     "ring",
+    "shard_over",
     "sparse_push",
     "testing",
     "top_k",

@@ -70,7 +70,9 @@ def _traffic(layout):
         updates, opt_state = tx.update(g, opt_state, params)
         return optax.apply_updates(params, updates), opt_state
 
-    params, opt_state = lpdec.init_nodes(tx, {"w": np.zeros((8, D), np.float32)}, layout)
+    params, opt_state = lpdec.init_nodes(
+        tx, {"w": np.zeros((8, D), np.float32)}, layout, stacked=True
+    )
     grads = {"w": layout.put(np.zeros((8, D), np.float32))}
     lowered = jax.jit(layout.map(step, (True, True, True))).lower(params, opt_state, grads)
     return lpdec.metrics.collective_traffic(lowered.compile().as_text())
@@ -124,3 +126,154 @@ def test_bad_machine_layouts_raise_one_line(kwargs, message):
 def test_machine_and_worker_axes_need_a_layout_of_machines():
     with pytest.raises(ValueError, match=r"NodeLayout.machine_axis exists only .*machines=M"):
         _ = lpdec.make_layout(8).machine_axis
+
+
+# ----------------------------------------------------------------------------
+# Hierarchical gossip: local_mean inside a machine, shard_over(gossip) between.
+# ----------------------------------------------------------------------------
+
+SHAPES = {"a": (5, 3), "b": (7,)}  # d = 22: padded to 24 for 4 workers, 11 a slice for 2
+
+
+def _hierarchical_chain(layout, comp, *, lr=0.1, gamma=0.5):
+    machines = layout.machines
+    return optax.chain(
+        lpdec.local_mean(axis_name=layout.worker_axis),
+        optax.sgd(lr),
+        lpdec.shard_over(
+            lpdec.choco(lpdec.ring(machines), comp, gamma=gamma, axis_name=layout.machine_axis),
+            axis_name=layout.worker_axis,
+        ),
+    )
+
+
+def _minmax_np(x, bits=8):
+    """Seed 000's min-max quantizer of one chunk in float32 numpy (nearest rounding)."""
+    x = x.astype(np.float32)
+    lo, hi = x.min(), x.max()
+    unit = (hi - lo) * np.float32(1.0 / (2**bits - 1))
+    if unit == 0:
+        return np.full_like(x, lo)
+    codes = np.clip(np.round((x - lo) * (np.float32(1.0) / unit)), 0, 2**bits - 1)
+    return (lo + codes * unit).astype(np.float32)
+
+
+def _choco_machines_np(x0, grads, workers, quantize, *, lr=0.1, gamma=0.5):
+    """Dense reference: machine m's model is x0[m]; each step averages the gradients of
+    its workers, takes an SGD step, then CHOCO over ring(M) with Q applied slice by
+    slice to the model flattened and padded to a multiple of the workers by repeating
+    its last element."""
+    machines, d = x0.shape
+    w = np.asarray(lpdec.ring(machines).mixing_matrix(0), np.float32)
+    size = -(-d // workers)
+    x, x_hat = x0.astype(np.float32), np.zeros_like(x0, np.float32)
+    for g in grads:
+        local = x - np.float32(lr) * g.reshape(machines, workers, d).mean(axis=1)
+        diff = np.zeros((machines, size * workers), np.float32)
+        diff[:, :d] = local - x_hat
+        diff[:, d:] = diff[:, d - 1 : d]
+        q = np.stack([quantize(s) for row in diff for s in row.reshape(workers, size)])
+        x_hat = x_hat + q.reshape(machines, -1)[:, :d]
+        x = local + np.float32(gamma) * (w @ x_hat - x_hat)
+    return x
+
+
+def _flat(tree):
+    return np.concatenate([np.asarray(tree[k]).reshape(tree[k].shape[0], -1) for k in SHAPES], 1)
+
+
+@pytest.mark.parametrize("machines", [2, 4])
+@pytest.mark.parametrize("compressor", ["identity", "minmax8"])
+def test_hierarchical_choco_follows_choco_between_machine_models(rng, machines, compressor):
+    _need(8)
+    layout = lpdec.make_layout(8, machines=machines)
+    workers = 8 // machines
+    comp, quantize = {
+        "identity": (lpdec.identity(), lambda s: s),
+        "minmax8": (lpdec.minmax(8), _minmax_np),
+    }[compressor]
+    tx = _hierarchical_chain(layout, comp)
+    model = {k: rng.normal(size=(machines, *s)).astype(np.float32) for k, s in SHAPES.items()}
+    model["b"] += 5.0  # the last slice is all positive: padding it with zeros would show
+    # Every worker of machine m starts from machine m's model.
+    x0 = {k: np.repeat(v, workers, axis=0) for k, v in model.items()}
+    grads = [
+        {k: rng.normal(size=(8, *s)).astype(np.float32) for k, s in SHAPES.items()}
+        for _ in range(T)
+    ]
+    params, opt_state = lpdec.init_nodes(tx, x0, layout, stacked=True)
+    assert jax.tree.leaves(opt_state[-1].inner.lag)[0].shape == (8, -(-22 // workers))
+
+    def step(params, opt_state, g):
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    step = jax.jit(layout.map(step, (True, True, True)))
+    for g in grads:
+        params, opt_state = step(params, opt_state, layout.put(g))
+
+    expected = _choco_machines_np(
+        _flat(model), np.stack([_flat(g) for g in grads]), workers, quantize
+    )
+    np.testing.assert_allclose(
+        _flat(params), np.repeat(expected, workers, axis=0), rtol=1e-5, atol=1e-5
+    )
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_each_machine_sends_one_compressed_model_per_edge(bits):
+    """The compiled step's collective-permutes (the only traffic between machines) carry,
+    per worker, one payload of its 1/k slice per edge class: k workers together send
+    comp.wire_bytes(d) per edge, the size of ONE compressed model, not k of them."""
+    _need(8)
+    machines, workers, d = 2, 4, 4 * 2048
+    layout = lpdec.make_layout(8, machines=machines)
+    comp = lpdec.minmax(bits, chunk_size=2048)
+    tx = _hierarchical_chain(layout, comp)
+    params, opt_state = lpdec.init_nodes(tx, {"w": np.zeros((64, 128), np.float32)}, layout)
+
+    def step(params, opt_state, g):
+        updates, opt_state = tx.update(g, opt_state, params)
+        return optax.apply_updates(params, updates), opt_state
+
+    lowered = jax.jit(layout.map(step, (True, True, True))).lower(params, opt_state, params)
+    traffic = lpdec.metrics.collective_traffic(lowered.compile().as_text())
+    classes = len(lpdec.ring(machines).rounds[0].edge_classes)
+    per_worker = traffic.bytes_by_op["collective-permute"]
+    assert per_worker == classes * comp.wire_bytes(d // workers)
+    assert workers * per_worker == classes * comp.wire_bytes(d)
+    # Inside a machine: one all-reduce of the gradients, one all-gather of the update.
+    assert traffic.bytes_by_dtype[("all-gather", "f32")] == 4 * d // workers
+
+
+def test_shard_over_rejects_what_is_not_a_transform():
+    with pytest.raises(TypeError, match="shard_over needs an optax transform"):
+        lpdec.shard_over(lpdec.ring(2), axis_name="workers")
+
+
+@pytest.mark.parametrize("compressor", ["identity", "minmax8"])
+def test_compressed_mean_runs_between_the_machines_of_a_2d_mesh(rng, compressor):
+    """Seed 004 on machines x workers (axis_name="machines", local_axis="workers") gives
+    the numbers of the 1-D mesh of 2 devices with 4 nested nodes each; with lossless
+    compression, the mean of all 8 gradients."""
+    _need(8)
+    comp = {"identity": lpdec.identity(), "minmax8": lpdec.minmax(8, "stochastic")}[compressor]
+    grads = {"w": rng.normal(size=(8, 37)).astype(np.float32)}
+
+    def mean_on(layout, axis_name, local_axis):
+        tx = lpdec.compressed_mean(comp, axis_name=axis_name, local_axis=local_axis)
+
+        def step(g, opt_state):
+            return tx.update(g, opt_state)[0]
+
+        _, opt_state = lpdec.init_nodes(tx, grads, layout, stacked=True)
+        return np.asarray(
+            jax.jit(layout.map(step, (True, True)))(layout.put(grads), opt_state)["w"]
+        )
+
+    machines = lpdec.make_layout(8, machines=2)
+    got = mean_on(machines, machines.machine_axis, machines.worker_axis)
+    nested = lpdec.make_layout(8, devices=jax.devices()[:2])
+    np.testing.assert_array_equal(got, mean_on(nested, nested.mesh_axis, nested.local_axis))
+    if compressor == "identity":
+        np.testing.assert_allclose(got, np.tile(grads["w"].mean(0), (8, 1)), rtol=1e-5, atol=1e-6)
