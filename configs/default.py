@@ -38,7 +38,14 @@ def get_config() -> ml_collections.ConfigDict:
     config.theta_follows_lr = False  # scale theta with the learning rate (seed 003, Thm. 2)
     config.slack = 1.0  # Moniqua's slack matrix alpha W + (1 - alpha) I
     config.devices = 0  # devices to use (0 = all); fewer than num_nodes nests nodes
-    config.hierarchical = False  # compressed_mean: devices are machines (seed 004)
+    # Machines (issue 11): with hierarchical=True, full precision inside a machine and
+    # compressed_mean or the gossip algorithm between machines (topology sized to the
+    # machines, num_nodes still counting workers). Machines are the processes when
+    # several run; in one process, `machines` simulated ones (equal groups of devices),
+    # or with machines = 0 seed 004's layout: the devices are the machines, and the
+    # num_nodes / devices workers of each are nested on it.
+    config.hierarchical = False
+    config.machines = 0  # one process: machines to simulate (0 = devices are machines)
 
     # Compression of what crosses the wire.
     config.compressor = "minmax"  # see train_lib/registry.py: COMPRESSORS

@@ -1,5 +1,7 @@
 """Machines x workers (`make_layout(machines=)`), checked against flat layouts and numpy."""
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -277,3 +279,18 @@ def test_compressed_mean_runs_between_the_machines_of_a_2d_mesh(rng, compressor)
     np.testing.assert_array_equal(got, mean_on(nested, nested.mesh_axis, nested.local_axis))
     if compressor == "identity":
         np.testing.assert_allclose(got, np.tile(grads["w"].mean(0), (8, 1)), rtol=1e-5, atol=1e-6)
+
+
+def test_each_process_is_one_machine_of_its_own_devices():
+    """Rows of the mesh follow the processes (sorted by device id inside), whatever
+    order jax lists the devices in: the workers axis never spans two processes."""
+    fake = [
+        types.SimpleNamespace(process_index=p, id=i)
+        for i, p in [(5, 1), (0, 0), (4, 1), (2, 0), (1, 0), (7, 1), (3, 0), (6, 1)]
+    ]
+    rows = lpdec.layout._machine_rows(fake, 2)
+    assert [[d.id for d in row] for row in rows] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    with pytest.raises(ValueError, match="machines=4 but the devices belong to 2 processes"):
+        lpdec.layout._machine_rows(fake, 4)
+    with pytest.raises(ValueError, match="the same number of devices"):
+        lpdec.layout._machine_rows(fake[:-1], 2)

@@ -56,7 +56,11 @@ class AlgorithmEntry(Entry):
 
 @dataclasses.dataclass(frozen=True)
 class Built:
-    """What an algorithm gets besides its config fields."""
+    """What an algorithm gets besides its config fields.
+
+    `local_axis` is set on a hierarchical run: `axis_name` then joins the
+    machines and `local_axis` the workers of each (`make_chain`).
+    """
 
     topology: lpdec.Topology
     compressor: lpdec.Compressor
@@ -73,11 +77,22 @@ def choose(config: ml_collections.ConfigDict, field: str, table: dict[str, Any])
     return table[name]
 
 
-def build(config: ml_collections.ConfigDict, field: str, table: dict[str, Entry], *args):
-    """Builds `table[config[field]]`; its ValueError/TypeError become one ConfigError line."""
+def build(
+    config: ml_collections.ConfigDict,
+    field: str,
+    table: dict[str, Entry],
+    *args,
+    overrides: dict[str, Any] | None = None,
+):
+    """Builds `table[config[field]]`; its ValueError/TypeError become one ConfigError line.
+
+    `overrides` replaces config values the entry reads (a hierarchical run sizes the
+    topology to its machines: ``overrides={"num_nodes": machines}``).
+    """
     entry = choose(config, field, table)
+    values = {f: config[f] for f in entry.fields} | dict(overrides or {})
     try:
-        return entry.build(fields_view(config, entry.fields), *args)
+        return entry.build(fields_view(values, entry.fields), *args)
     except ConfigError:
         raise
     except (ValueError, TypeError) as error:
@@ -297,10 +312,21 @@ ALGORITHMS = {
 def make_chain(
     config: ml_collections.ConfigDict, local: optax.GradientTransformation, built: Built
 ) -> optax.GradientTransformation:
-    """The local optimizer chained with `config.algorithm` at the entry's position."""
+    """The local optimizer chained with `config.algorithm` at the entry's position.
+
+    Hierarchical gossip (`built.local_axis` set): the workers of a machine average
+    their gradients in full precision, take the same local step, and run the
+    algorithm between the machines on 1/k of the model each (`lpdec.shard_over`).
+    """
     algorithm = build(config, "algorithm", ALGORITHMS, built)
     if algorithm is None:
         return local
     if ALGORITHMS[config.algorithm].position == "first":
         return optax.chain(algorithm, local)
+    if built.local_axis is not None:
+        return optax.chain(
+            lpdec.local_mean(axis_name=built.local_axis),
+            local,
+            lpdec.shard_over(algorithm, axis_name=built.local_axis),
+        )
     return optax.chain(local, algorithm)

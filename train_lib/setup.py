@@ -63,10 +63,23 @@ class Experiment:
 def build(config: ml_collections.ConfigDict) -> Experiment:
     """Checks `config` and builds its objects; raises `ConfigError` naming a bad field."""
     check_values(config)
-    topology = registry.build(config, "topology", registry.TOPOLOGIES)
-    compressor = registry.build(config, "compressor", registry.COMPRESSORS)
     devices = jax.devices()[: config.devices] if config.devices else None
-    layout = make_layout(config.num_nodes, devices=devices)
+    layout = make_layout(config.num_nodes, machines=machine_count(config), devices=devices)
+    axis_name, local_axis, gossip_nodes = layout.axis_name, None, config.num_nodes
+    if config.hierarchical and layout.hierarchical:
+        # Machines x workers (processes, or config.machines simulated): full precision
+        # inside a machine, the algorithm's exchange between machines.
+        axis_name, local_axis = layout.machine_axis, layout.worker_axis
+        gossip_nodes = layout.machines
+    elif config.hierarchical:
+        # Seed 004 in one process: the mesh axis joins the "machines" (the devices), the
+        # nested vmap axis the workers inside each.
+        axis_name, local_axis = layout.mesh_axis, layout.local_axis
+        gossip_nodes = layout.mesh.size
+    topology = registry.build(
+        config, "topology", registry.TOPOLOGIES, overrides={"num_nodes": gossip_nodes}
+    )
+    compressor = registry.build(config, "compressor", registry.COMPRESSORS)
 
     dataset = load_dataset(config)
     partitions = lpdec.data.skew_partition(
@@ -79,11 +92,6 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
 
     schedule = registry.make_schedule(config, total_steps)
     local = registry.make_local_optimizer(config, schedule)
-    axis_name, local_axis = layout.axis_name, None
-    if config.hierarchical:
-        # Seed 004: the mesh axis joins the "machines", the nested vmap axis the
-        # devices inside each: compressed_mean reduces inside, compresses across.
-        axis_name, local_axis = layout.mesh_axis, layout.local_axis
     built = registry.Built(topology, compressor, schedule, axis_name, local_axis)
     tx = registry.make_chain(config, local, built)
 
@@ -157,19 +165,70 @@ def check_values(config: ml_collections.ConfigDict) -> None:
         if not 1 <= config.devices <= devices:
             _fail(f"config.devices={config.devices} must be in 1..{devices} (0 = all devices).")
         devices = config.devices
+    machines = machine_count(config)
     if config.hierarchical:
-        if config.algorithm != "compressed_mean":
-            _fail("config.hierarchical=True needs config.algorithm='compressed_mean'.")
-        if config.num_nodes <= devices:
+        if registry.ALGORITHMS[config.algorithm].position != "last" and (
+            config.algorithm != "compressed_mean"
+        ):
             _fail(
-                "config.hierarchical=True needs several nodes per device (the devices are "
-                "the machines): set config.devices below config.num_nodes."
+                f"config.hierarchical=True needs compressed_mean or a gossip algorithm; "
+                f"config.algorithm={config.algorithm!r} has no exchange between machines."
             )
+        if config.algorithm == "none":
+            _fail("config.hierarchical=True needs an algorithm; config.algorithm='none'.")
+    if machines is not None:
+        if config.num_nodes % machines:
+            _fail(
+                f"config.num_nodes={config.num_nodes} (the workers) is not a multiple of the "
+                f"{machines} machines: every machine holds the same number of workers."
+            )
+        per_machine = devices // machines if jax.process_count() == 1 else jax.local_device_count()
+        if jax.process_count() == 1 and devices % machines:
+            _fail(
+                f"config.machines={machines} does not divide the {devices} devices: one "
+                "process simulates machines as equal groups of its devices."
+            )
+        if config.num_nodes // machines > per_machine:
+            _fail(
+                f"config.num_nodes={config.num_nodes} puts {config.num_nodes // machines} "
+                f"workers on each machine's {per_machine} devices: a hierarchical run needs "
+                "one worker per device (at most machines x devices per machine nodes)."
+            )
+        return
+    if config.hierarchical and config.num_nodes <= devices:
+        _fail(
+            "config.hierarchical=True in one process needs config.machines (machines "
+            "simulated as groups of devices) or several nodes per device (the devices are "
+            "the machines): set config.machines, or config.devices below config.num_nodes."
+        )
     if config.num_nodes > devices and config.num_nodes % devices:
         _fail(
             f"config.num_nodes={config.num_nodes} exceeds the {devices} devices and is not a "
             f"multiple of {devices}: simulated nodes are spread evenly over the devices."
         )
+
+
+def machine_count(config: ml_collections.ConfigDict) -> int | None:
+    """The machines of a hierarchical run on a 2-D layout, or None (no machines axis).
+
+    Several processes: each is a machine. One process: `config.machines` simulated
+    ones, or None for seed 004's one-process layout (the devices are the machines).
+    """
+    if config.machines and not config.hierarchical:
+        _fail(f"config.machines={config.machines} needs config.hierarchical=True.")
+    if not config.hierarchical:
+        return None
+    processes = jax.process_count()
+    if config.machines and not (isinstance(config.machines, int) and config.machines >= 2):
+        _fail(f"config.machines={config.machines!r} must be an integer >= 2 (0 = processes).")
+    if processes > 1:
+        if config.machines and config.machines != processes:
+            _fail(
+                f"config.machines={config.machines} but {processes} processes run: each "
+                f"process is a machine, so set it to 0 or {processes}."
+            )
+        return processes
+    return config.machines or None
 
 
 def load_dataset(config: ml_collections.ConfigDict) -> lpdec.data.Dataset:
