@@ -181,7 +181,7 @@ BAD_CONFIGS = [
     ({"hierarchical": True, "machines": 2, "num_nodes": 7}, "num_nodes=7 .* not a multiple"),
     ({"hierarchical": True, "machines": 3, "num_nodes": 6}, "machines=3 does not divide the 8"),
     ({"hierarchical": True, "machines": 2, "num_nodes": 16}, "8 workers on each machine's 4"),
-    ({"hierarchical": True, "machines": 2, "algorithm": "allreduce"}, "no exchange between"),
+    ({"hierarchical": True, "machines": 2, "algorithm": "allreduce"}, "no compressed exchange"),
     ({"hierarchical": True}, "config.hierarchical=True in one process needs config.machines"),
 ]
 

@@ -166,16 +166,11 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             _fail(f"config.devices={config.devices} must be in 1..{devices} (0 = all devices).")
         devices = config.devices
     machines = machine_count(config)
-    if config.hierarchical:
-        if registry.ALGORITHMS[config.algorithm].position != "last" and (
-            config.algorithm != "compressed_mean"
-        ):
-            _fail(
-                f"config.hierarchical=True needs compressed_mean or a gossip algorithm; "
-                f"config.algorithm={config.algorithm!r} has no exchange between machines."
-            )
-        if config.algorithm == "none":
-            _fail("config.hierarchical=True needs an algorithm; config.algorithm='none'.")
+    if config.hierarchical and config.algorithm in ("allreduce", "none"):
+        _fail(
+            "config.hierarchical=True needs compressed_mean or a gossip algorithm; "
+            f"config.algorithm={config.algorithm!r} has no compressed exchange between machines."
+        )
     if machines is not None:
         if config.num_nodes % machines:
             _fail(
@@ -222,6 +217,12 @@ def machine_count(config: ml_collections.ConfigDict) -> int | None:
     if config.machines and not (isinstance(config.machines, int) and config.machines >= 2):
         _fail(f"config.machines={config.machines!r} must be an integer >= 2 (0 = processes).")
     if processes > 1:
+        if config.devices:
+            _fail(
+                f"config.devices={config.devices} with config.hierarchical=True and "
+                f"{processes} processes: each process is a machine of all its local devices, "
+                "so set config.devices to 0."
+            )
         if config.machines and config.machines != processes:
             _fail(
                 f"config.machines={config.machines} but {processes} processes run: each "
