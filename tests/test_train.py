@@ -351,10 +351,12 @@ def _two_processes(workdir, flags, devices=4):
     assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
 
 
-def test_hierarchical_choco_on_two_processes_matches_two_simulated_machines(tmp_path):
+@pytest.mark.parametrize("algorithm", ["choco", "compressed_mean"])
+def test_hierarchical_run_on_two_processes_matches_two_simulated_machines(tmp_path, algorithm):
     """Processes as machines: 2 processes x 4 devices run hierarchical CHOCO (gradients
     averaged inside a process, CHOCO between the processes on a 1/4 slice per device)
-    and land where 1 process simulating 2 machines x 4 workers lands.
+    or seed 004's compressed mean, and land where 1 process simulating 2 machines x 4
+    workers lands.
 
     Not bit for bit: the in-machine all-reduce of the gradients adds in another order
     under gloo than in one process; measured 4.5e-7 at most after 20 steps, float32
@@ -364,7 +366,7 @@ def test_hierarchical_choco_on_two_processes_matches_two_simulated_machines(tmp_
     numpy in tests/test_hierarchy.py."""
     flags = TINY_FLAGS + [
         "--config.hierarchical=True",
-        "--config.algorithm=choco",
+        f"--config.algorithm={algorithm}",
         "--config.compressor=identity",
     ]
     base = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
