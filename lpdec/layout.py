@@ -282,7 +282,7 @@ def make_layout(
 
     Example:
       >>> layout = lpdec.make_layout(8, machines=2)   # 8 devices: a 2 x 4 mesh
-      >>> layout.mesh.shape
+      >>> dict(layout.mesh.shape)
       {'machines': 2, 'workers': 4}
     """
     devices = list(jax.devices() if devices is None else devices)
