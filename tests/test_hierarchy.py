@@ -137,10 +137,20 @@ def test_machine_and_worker_axes_need_a_layout_of_machines():
 SHAPES = {"a": (5, 3), "b": (7,)}  # d = 22: padded to 24 for 4 workers, 11 a slice for 2
 
 
+def _pmean(axis_name):
+    """The workers' mean gradient (local_mean takes one axis name; a nested worker axis
+    is a pair)."""
+    return optax.GradientTransformation(
+        lambda params: optax.EmptyState(),
+        lambda updates, state, params=None: (jax.lax.pmean(updates, axis_name), state),
+    )
+
+
 def _hierarchical_chain(layout, comp, *, lr=0.1, gamma=0.5):
     machines = layout.machines
+    mean = _pmean if layout.nested else lambda axis: lpdec.local_mean(axis_name=axis)
     return optax.chain(
-        lpdec.local_mean(axis_name=layout.worker_axis),
+        mean(layout.worker_axis),
         optax.sgd(lr),
         lpdec.shard_over(
             lpdec.choco(lpdec.ring(machines), comp, gamma=gamma, axis_name=layout.machine_axis),
@@ -184,12 +194,13 @@ def _flat(tree):
     return np.concatenate([np.asarray(tree[k]).reshape(tree[k].shape[0], -1) for k in SHAPES], 1)
 
 
-@pytest.mark.parametrize("machines", [2, 4])
+@pytest.mark.parametrize("nodes,machines", [(8, 2), (8, 4), (16, 2)])
 @pytest.mark.parametrize("compressor", ["identity", "minmax8"])
-def test_hierarchical_choco_follows_choco_between_machine_models(rng, machines, compressor):
+def test_hierarchical_choco_follows_choco_between_machine_models(rng, nodes, machines, compressor):
+    """On 8 devices: 2 x 4 and 4 x 2 workers, and 2 x 8 workers nested 2 per device."""
     _need(8)
-    layout = lpdec.make_layout(8, machines=machines)
-    workers = 8 // machines
+    layout = lpdec.make_layout(nodes, machines=machines)
+    workers = nodes // machines
     comp, quantize = {
         "identity": (lpdec.identity(), lambda s: s),
         "minmax8": (lpdec.minmax(8), _minmax_np),
@@ -200,11 +211,11 @@ def test_hierarchical_choco_follows_choco_between_machine_models(rng, machines, 
     # Every worker of machine m starts from machine m's model.
     x0 = {k: np.repeat(v, workers, axis=0) for k, v in model.items()}
     grads = [
-        {k: rng.normal(size=(8, *s)).astype(np.float32) for k, s in SHAPES.items()}
+        {k: rng.normal(size=(nodes, *s)).astype(np.float32) for k, s in SHAPES.items()}
         for _ in range(T)
     ]
     params, opt_state = lpdec.init_nodes(tx, x0, layout, stacked=True)
-    assert jax.tree.leaves(opt_state[-1].inner.lag)[0].shape == (8, -(-22 // workers))
+    assert jax.tree.leaves(opt_state[-1].inner.lag)[0].shape == (nodes, -(-22 // workers))
 
     def step(params, opt_state, g):
         updates, opt_state = tx.update(g, opt_state, params)

@@ -111,7 +111,11 @@ def step(
         _my_slice(updates, axis_name), state.inner, _my_slice(params, axis_name), **extra_args
     )
     # Every worker ends with the same full update: the machine's model stays one model.
-    whole = gossip.local_all_gather(sliced, axis_name=axis_name)
+    # Over a pair of axes (workers, nested vmap) the inner axis is gathered first, which
+    # is the row-major order of the slices (jax cannot gather a mesh and a vmap axis at once).
+    whole = sliced
+    for name in reversed((axis_name,) if isinstance(axis_name, str) else axis_name):
+        whole = gossip.local_all_gather(whole, axis_name=name)
     return _unflatten(whole, updates), ShardOverState(inner_state)
 
 
