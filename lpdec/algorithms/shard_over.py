@@ -22,14 +22,15 @@ algorithm's state on each worker.
 
 It is exact, i.e. the machines follow the inner algorithm's rule on their
 whole models, for the elementwise gossip algorithms (every one of lpdec's)
-when the compressor's chunks fall within a slice: min-max chunks restart at
-each slice (``chunk_size`` <= s, or the slice is one chunk), so the whole
-model is quantized as k slices, which is the compressor a reference must
-apply. The padding repeats the last element: an elementwise algorithm
-keeps each padded entry equal to the last entry on every machine, so no
-chunk's range ever changes (zeros would widen the last chunk's).
+with the compressor applied slice by slice, which is the compressor a
+reference must apply. For min-max with ``chunk_size`` dividing s this is the
+whole-model compressor itself (its chunks fall within slices); otherwise each
+slice starts new chunks. top_k / random_k keep their ratio of each slice, not
+of the whole model. The padding repeats the last element: an elementwise
+algorithm keeps each padded entry equal to the last entry on every machine,
+so no chunk's range ever changes (zeros would widen the last chunk's).
 Randomness: the workers of a machine draw with their machine's key, so their
-slices see the same stream (top_k/random_k pick the same positions in every
+slices see the same stream (random_k picks the same positions in every
 slice).
 """
 
