@@ -297,27 +297,7 @@ def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
         timeout=600,
     )
     multi = tmp_path / "multi"
-    address = f"127.0.0.1:{_free_port()}"
-    procs = [
-        subprocess.Popen(
-            base
-            + [
-                f"--workdir={multi}",
-                f"--coordinator_address={address}",
-                "--num_processes=2",
-                f"--process_id={i}",
-            ]
-            + TINY_FLAGS,
-            env=_env(4),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            cwd=ROOT,
-            text=True,
-        )
-        for i in range(2)
-    ]
-    outputs = [p.communicate(timeout=600)[0] for p in procs]
-    assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
+    _two_processes(multi, TINY_FLAGS)
     summary = json.loads((multi / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["devices"] == 8
     a, b = final_params(single), final_params(multi)
