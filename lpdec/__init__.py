@@ -22,6 +22,8 @@ from lpdec.algorithms.d2 import D2State
 from lpdec.algorithms.d2 import d2
 from lpdec.algorithms.dcd import DCDState
 from lpdec.algorithms.dcd import dcd
+from lpdec.algorithms.diloco import DiLoCoState
+from lpdec.algorithms.diloco import diloco
 from lpdec.algorithms.deepsqueeze import DeepSqueezeState
 from lpdec.algorithms.deepsqueeze import deepsqueeze
 from lpdec.algorithms.delay import DelayState
@@ -75,6 +77,7 @@ __all__ = [
     "DPSGDState",
     "DeepSqueezeState",
     "DelayState",
+    "DiLoCoState",
     "Health",
     "LocalMeanState",
     "MoniquaState",
@@ -94,6 +97,7 @@ __all__ = [
     "dcd",
     "deepsqueeze",
     "delay",
+    "diloco",
     "directed_ring",
     "dpsgd",
     "exponential",

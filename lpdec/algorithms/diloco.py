@@ -1,0 +1,233 @@
+r"""Local steps with an outer optimizer: DiLoCo, its delayed (streaming) form, over any exchange.
+
+Each node takes H steps of its own inner optimizer; every H-th step it turns
+the distance it travelled since the last synchronisation into a
+pseudo-gradient and hands it to the outer transform, which exchanges it and
+takes one outer optimizer step on the synchronised parameters (the anchor):
+
+.. math::
+
+  \Delta_i = a - x_i^{(H)}, \qquad a^{+} = a + \mathrm{outer}(\Delta_i), \qquad x_i \leftarrow a^{+}
+
+The exchange is part of `outer`, written as an optax chain in lpdec's usual
+order:
+
+- a mean exchange FIRST, on the pseudo-gradients, then the outer optimizer:
+  ``optax.chain(lpdec.local_mean(...) or lpdec.compressed_mean(...),
+  optax.sgd(0.7, momentum=0.9, nesterov=True))`` is DiLoCo (Douillard et al.)
+  with a full-precision or compressed all-reduce;
+- a gossip algorithm LAST, on the anchors: ``optax.chain(optax.sgd(0.7,
+  momentum=0.9, nesterov=True), lpdec.choco(topology, ...))`` lets each node
+  take its outer step with its own pseudo-gradient and then gossip its anchor
+  with its neighbours (a random peer per round with
+  ``lpdec.random_matching``, in the spirit of NoLoCo), compressed with
+  CHOCO's replicas where the compressor needs them.
+
+Communication happens only on exchange rounds: the outer transform runs
+under a ``lax.cond`` on the step counter, which is the same on every node, so
+the compiled program's collectives sit inside the conditional's exchange
+branch and nothing crosses the wire on the H - 1 other steps. (Simulated
+nodes that share a device are mapped with `jax.vmap`, which turns the
+conditional into a select of both branches; that costs compute but no wire.)
+
+Delayed outer step (``overlap=True``, the idea of Streaming DiLoCo): the
+outer update computed at the end of round t is applied at the end of round
+t + 1, so the exchange has a whole round of inner steps to complete. Each
+node keeps its own, not yet averaged, progress of the last round on top of the
+anchor:
+
+.. math::
+
+  \Delta_i^{t} = s_i^{t} - x_i^{t}, \qquad a^{t} = a^{t-1} + o^{t-1}, \qquad
+  s_i^{t+1} = a^{t} + (x_i^{t} - s_i^{t}), \qquad o^{t} = \mathrm{outer}(\Delta^{t})
+
+where :math:`s_i^t` and :math:`x_i^t` are node i's parameters at the start
+and end of round t and :math:`o^t` the outer update (zero before the first
+exchange arrives). Every round's local progress enters the anchor exactly
+once, averaged, one round late.
+
+Memory: the inner and outer states, a float32 anchor, and with `overlap` the
+round's start and the pending outer update (two more parameter-sized buffers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from lpdec import gossip
+from lpdec.algorithms import _common
+
+PyTree = Any
+
+
+class DiLoCoState(NamedTuple):
+    """State of `diloco`.
+
+    Attributes:
+      count: shape=(), dtype=int32; inner steps taken (the same on every node).
+      inner: the inner optimizer's state (kept across rounds, as in DiLoCo).
+      outer: the outer transform's state (exchange and outer optimizer).
+      anchor: float32 tree like the parameters: the synchronised parameters
+        of the last applied outer step.
+      start: with `overlap`, float32 parameters at the start of this round;
+        otherwise ``()`` (the start is the anchor).
+      pending: with `overlap`, the outer update computed at the end of the
+        last round, applied at the end of this one; otherwise ``()``.
+    """
+
+    count: jax.Array
+    inner: PyTree
+    outer: PyTree
+    anchor: PyTree
+    start: PyTree
+    pending: PyTree
+
+
+def init(
+    params: optax.Params,
+    *,
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    overlap: bool = False,
+    axis_name: gossip.AxisName = "nodes",
+) -> DiLoCoState:
+    """The state at step 0; must run under `axis_name` when `outer` communicates."""
+    anchor = _common.own_f32(params, axis_name)
+    state = DiLoCoState(
+        count=jnp.zeros((), jnp.int32),
+        inner=inner.init(params),
+        outer=outer.init(anchor),
+        anchor=anchor,
+        start=_common.own_f32(params, axis_name) if overlap else (),
+        pending=_common.zeros_f32(params, axis_name) if overlap else (),
+    )
+    # The exchange branch returns state varying over the nodes; the carry must start so.
+    return gossip.to_varying(state, axis_name)
+
+
+def step(
+    updates: optax.Updates,
+    state: DiLoCoState,
+    params: optax.Params,
+    *,
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    local_steps: int,
+    overlap: bool = False,
+    axis_name: gossip.AxisName = "nodes",
+    **extra_args,
+) -> tuple[optax.Updates, DiLoCoState]:
+    """One inner step; on every `local_steps`-th, the exchange and the outer step."""
+    inner_updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
+    local = jax.tree.map(
+        lambda p, u: p.astype(jnp.float32) + u.astype(jnp.float32), params, inner_updates
+    )
+    count = state.count + 1
+
+    def keep(carry):
+        local, outer_state, anchor, start, pending = carry
+        return gossip.to_varying((local, outer_state, anchor, start, pending), axis_name)
+
+    def exchange(carry):
+        local, outer_state, anchor, start, pending = carry
+        begun = start if overlap else anchor
+        delta = jax.tree.map(jnp.subtract, begun, local)
+        out, outer_state = outer.update(delta, outer_state, anchor)
+        out = _common.f32(out)
+        if overlap:
+            anchor = jax.tree.map(jnp.add, anchor, pending)
+            local = jax.tree.map(lambda a, x, s: a + (x - s), anchor, local, start)
+            start, pending = local, out
+        else:
+            anchor = jax.tree.map(jnp.add, anchor, out)
+            local = anchor
+        return gossip.to_varying((local, outer_state, anchor, start, pending), axis_name)
+
+    carry = (local, state.outer, state.anchor, state.start, state.pending)
+    local, outer_state, anchor, start, pending = jax.lax.cond(
+        count % local_steps == 0, exchange, keep, carry
+    )
+    new_state = DiLoCoState(count, inner_state, outer_state, anchor, start, pending)
+    return _common.as_updates(local, params), new_state
+
+
+def diloco(
+    inner: optax.GradientTransformation,
+    outer: optax.GradientTransformation,
+    *,
+    local_steps: int,
+    overlap: bool = False,
+    axis_name: gossip.AxisName = "nodes",
+) -> optax.GradientTransformationExtraArgs:
+    r"""H local steps of `inner`, then an exchange and one step of `outer` (DiLoCo).
+
+    .. math::
+
+      x_i \leftarrow x_i + \mathrm{inner}(g_i) \text{ (H times)}, \qquad
+      \Delta_i = a - x_i, \qquad a \leftarrow a + \mathrm{outer}(\Delta_i),
+      \qquad x_i \leftarrow a
+
+    :math:`a` is the anchor (the parameters at the last synchronisation) and
+    :math:`\Delta_i` the pseudo-gradient. `outer` holds the exchange: a mean
+    transform first (``lpdec.local_mean``, ``lpdec.compressed_mean``, with
+    ``error_feedback=True`` for low bit widths) or a gossip transform last
+    (``lpdec.dpsgd``, ``lpdec.choco``); see the module docstring. Nothing is
+    communicated on the H - 1 steps between exchanges. With ``local_steps=1``,
+    an exact mean and ``optax.sgd(1.0)`` as the outer optimizer this is plain
+    data-parallel training with `inner`.
+
+    Args:
+      inner: the local optimizer (DiLoCo: AdamW); its state is kept across rounds.
+      outer: the exchange and outer optimizer, an optax chain (DiLoCo:
+        ``optax.chain(lpdec.local_mean(axis_name=...), optax.sgd(0.7,
+        momentum=0.9, nesterov=True))``).
+      local_steps: H >= 1, inner steps per round.
+      overlap: apply each round's outer update one round late, so its exchange
+        can run during the next round's inner steps (module docstring).
+      axis_name: the nodes' named axis (the layout's ``axis_name``).
+
+    Returns:
+      An optax transform to use as the whole optimizer; `update` needs
+      `params` and passes extra arguments on to `inner`.
+
+    Example:
+      >>> tx = lpdec.diloco(
+      ...     optax.adamw(1e-3),
+      ...     optax.chain(
+      ...         lpdec.compressed_mean(lpdec.minmax(4), axis_name="nodes", error_feedback=True),
+      ...         optax.sgd(0.7, momentum=0.9, nesterov=True),
+      ...     ),
+      ...     local_steps=50,
+      ...     axis_name="nodes",
+      ... )
+
+    References:
+      Douillard et al., DiLoCo: Distributed Low-Communication Training of
+      Language Models, 2023, https://arxiv.org/abs/2311.08105;
+      Douillard et al., Streaming DiLoCo with overlapping communication, 2025,
+      https://arxiv.org/abs/2501.18512
+    """
+    for name, tx in (("inner", inner), ("outer", outer)):
+        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+            raise TypeError(f"diloco: {name} must be an optax transform; got {tx!r}.")
+    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
+        raise ValueError(f"diloco: local_steps must be an int >= 1; got {local_steps!r}.")
+    if not isinstance(overlap, bool):
+        raise TypeError(f"diloco: overlap must be a bool; got {overlap!r}.")
+    inner = optax.with_extra_args_support(inner)
+    outer = optax.with_extra_args_support(outer)
+    options = dict(inner=inner, outer=outer, overlap=overlap, axis_name=axis_name)
+
+    def init_fn(params):
+        return init(params, **options)
+
+    def update_fn(updates, state, params=None, **extra_args):
+        params = _common.require_params(params, "diloco")
+        return step(updates, state, params, local_steps=local_steps, **options, **extra_args)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
