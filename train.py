@@ -117,7 +117,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             if wire_bytes is None:
                 collectives, bytes_by_axis = meter.collectives, dict(meter.bytes_by_axis)
                 wire_bytes, wire_source = metrics_lib.wire_bytes(
-                    compiled[length], meter, layout.per_device
+                    compiled[length], meter, layout.per_device, config.local_steps
                 )
         chunk_started = time.time()
         params, opt_state, model_state, losses, accuracies = compiled[length](*args)

@@ -47,6 +47,20 @@ def get_config() -> ml_collections.ConfigDict:
     config.hierarchical = False
     config.machines = 0  # one process: machines to simulate (0 = devices are machines)
 
+    # Local steps (algorithm = "diloco", issue 12): local_steps steps of the local
+    # optimizer, then an exchange of the pseudo-gradients (parameters at the last
+    # synchronisation minus now) and one outer Nesterov step; nothing crosses the wire
+    # in between. exchange: "mean" (fp32 all-reduce), "compressed_mean" (compressor
+    # and bits below; error_feedback keeps what the rounding lost for the next
+    # exchange) or "gossip" (CHOCO with the compressor on the topology, gamma).
+    # overlap applies each outer step one round late (Streaming DiLoCo).
+    config.local_steps = 1
+    config.outer_lr = 0.7
+    config.outer_momentum = 0.9
+    config.exchange = "mean"
+    config.error_feedback = False
+    config.overlap = False
+
     # Compression of what crosses the wire.
     config.compressor = "minmax"  # see train_lib/registry.py: COMPRESSORS
     config.bits = 8

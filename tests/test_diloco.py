@@ -227,3 +227,26 @@ def test_diloco_communicates_only_inside_the_exchange_branch(exchange):
     total, outside = _collectives_outside_conditionals(hlo)
     assert total > 0
     assert outside == []
+
+
+def test_diloco_meters_one_exchange_per_round():
+    """The trace-time wire meter counts the outer transform's bytes once per H steps."""
+    params = {"w": jnp.zeros((64, 32)), "b": jnp.zeros((32,))}
+    outer = optax.chain(lpdec.compressed_mean(lpdec.minmax(4), axis_name="nodes"), optax.sgd(1.0))
+
+    def metered(tx):
+        def one_step(p):
+            updates, _ = tx.update(p, tx.init(p), p)
+            return updates
+
+        with lpdec.wire.traffic_meter() as meter:
+            jax.jit(jax.vmap(one_step, axis_name="nodes")).lower(
+                jax.tree.map(lambda x: jnp.zeros((N, *x.shape)), params)
+            )
+        return meter.bytes
+
+    alone = metered(outer)
+    h = 5
+    local = metered(lpdec.diloco(optax.sgd(0.1), outer, local_steps=h, axis_name="nodes"))
+    assert alone > 0
+    np.testing.assert_allclose(local * h, alone, rtol=1e-12)

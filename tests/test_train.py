@@ -67,14 +67,24 @@ def test_smoke_run_writes_metrics_tensorboard_checkpoints_and_summary(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 40
 
 
-def test_kill_and_resume_gives_the_same_final_parameters(tmp_path):
+DILOCO = {"algorithm": "diloco", "optimizer": "adam", "learning_rate": 0.01, "local_steps": 3}
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [{}, DILOCO, DILOCO | {"exchange": "compressed_mean", "error_feedback": True, "overlap": True}],
+    ids=["choco", "diloco-mid-round", "diloco-ef-overlap-mid-round"],
+)
+def test_kill_and_resume_gives_the_same_final_parameters(tmp_path, overrides):
     """A run stopped after step 20 (right after its checkpoint) and restarted ends
-    bit-identical to a run that was never interrupted."""
+    bit-identical to a run that was never interrupted (DiLoCo: step 20 is in the middle
+    of its 7th round of 3 local steps, so the anchor, round start and pending outer
+    update must all come back)."""
     straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train.train_and_evaluate(tiny_config(), str(straight))
-    first = train.train_and_evaluate(tiny_config(halt_after_steps=20), str(resumed))
+    train.train_and_evaluate(tiny_config(**overrides), str(straight))
+    first = train.train_and_evaluate(tiny_config(halt_after_steps=20, **overrides), str(resumed))
     assert first["halted"] and first["steps"] == 20
-    second = train.train_and_evaluate(tiny_config(), str(resumed))
+    second = train.train_and_evaluate(tiny_config(**overrides), str(resumed))
     assert second["steps"] == 40 and not second["halted"]
     a, b = final_params(straight), final_params(resumed)
     assert a.keys() == b.keys()
@@ -145,6 +155,11 @@ def test_more_nodes_than_devices_are_simulated_with_vmap(tmp_path):
         {"algorithm": "compressed_mean", "devices": 2, "hierarchical": True},
         {"algorithm": "choco", "devices": 2, "hierarchical": True},
         {"algorithm": "moniqua", "machines": 4, "hierarchical": True},
+        DILOCO | {"num_nodes": 16},
+        DILOCO | {"exchange": "gossip", "compressor": "minmax", "bits": 4, "gamma": 0.5},
+        DILOCO | {"exchange": "gossip", "machines": 2, "hierarchical": True},
+        DILOCO | {"exchange": "compressed_mean", "bits": 4, "error_feedback": True},
+        DILOCO | {"exchange": "compressed_mean", "machines": 2, "hierarchical": True},
     ],
     ids=[
         "qgm-constant-lr",
@@ -152,6 +167,11 @@ def test_more_nodes_than_devices_are_simulated_with_vmap(tmp_path):
         "hierarchical-2x4",
         "hierarchical-choco-2x4-nested",
         "hierarchical-moniqua-4x2-machines",
+        "diloco-mean-nested",
+        "diloco-choco4",
+        "diloco-hierarchical-choco-2x4",
+        "diloco-ef4",
+        "diloco-hierarchical-cmean-2x4",
     ],
 )
 def test_optimizers_algorithms_and_layouts_train(tmp_path, overrides):
@@ -183,6 +203,18 @@ BAD_CONFIGS = [
     ({"hierarchical": True, "machines": 2, "num_nodes": 16}, "8 workers on each machine's 4"),
     ({"hierarchical": True, "machines": 2, "algorithm": "allreduce"}, "no compressed exchange"),
     ({"hierarchical": True}, "config.hierarchical=True in one process needs config.machines"),
+    (DILOCO | {"local_steps": 0}, r"config.local_steps=0 must be an integer >= 1"),
+    (DILOCO | {"outer_lr": 0.0}, r"config.outer_lr=0.0 must be > 0"),
+    (DILOCO | {"outer_momentum": 1.0}, r"config.outer_momentum=1.0 must be in \[0, 1\)"),
+    (DILOCO | {"local_steps": 1, "overlap": True}, "config.overlap=True needs config.local_steps"),
+    ({"overlap": True}, "config.overlap=True needs config.algorithm='diloco'"),
+    ({"local_steps": 5}, "config.local_steps=5 needs config.algorithm='diloco'"),
+    (DILOCO | {"exchange": "allgather"}, "config.exchange='allgather' is not one of"),
+    (DILOCO | {"error_feedback": True}, "config.error_feedback=True needs config.exchange="),
+    (
+        DILOCO | {"exchange": "compressed_mean", "compressor": "modulo"},
+        "config.compressor='modulo' cannot serve config.exchange='compressed_mean'",
+    ),
 ]
 
 
@@ -213,6 +245,7 @@ REGISTRY_TABLES = [
     ("lr_schedule", registry.SCHEDULES),
     ("optimizer", registry.OPTIMIZERS),
     ("algorithm", registry.ALGORITHMS),
+    ("exchange", registry.EXCHANGES),
 ]
 # cifar10 needs the user's files (tests/test_data.py reads a fake copy).
 REGISTRY_ENTRIES = [
@@ -227,11 +260,15 @@ def test_every_registry_entry_declares_the_fields_it_reads(field, name):
     schedule, is checked by the theta-schedule run above)."""
     config = tiny_config(theta_follows_lr=True, **{field: name})
     schedule = optax.constant_schedule(0.1)
+    built = registry.Built(lpdec.complete(8), lpdec.minmax(), schedule, "nodes", None)
     extra = {
         "lr_schedule": (40,),
         "optimizer": (schedule,),
-        "algorithm": (registry.Built(lpdec.complete(8), lpdec.minmax(), schedule, "nodes", None),),
+        "algorithm": (built,),
+        "exchange": (built,),
     }.get(field, ())
+    if field == "algorithm" and registry.ALGORITHMS[name].position == "whole":
+        extra = (built, optax.sgd(0.1), optax.sgd(0.7))
     table = dict(REGISTRY_TABLES)[field]
     built = registry.build(config, field, table, *extra)
     assert (built is None) == (name == "none")
@@ -331,7 +368,16 @@ def _two_processes(workdir, flags, devices=4):
     assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
 
 
-@pytest.mark.parametrize("algorithm", ["choco", "compressed_mean"])
+@pytest.mark.parametrize(
+    "algorithm",
+    [
+        ["--config.algorithm=choco"],
+        ["--config.algorithm=compressed_mean"],
+        # 20 steps = 4 rounds of 5: every node ends on the synchronised anchor.
+        ["--config.algorithm=diloco", "--config.local_steps=5", "--config.exchange=gossip"],
+    ],
+    ids=["choco", "compressed_mean", "diloco-gossip"],
+)
 def test_hierarchical_run_on_two_processes_matches_two_simulated_machines(tmp_path, algorithm):
     """Processes as machines: 2 processes x 4 devices run hierarchical CHOCO (gradients
     averaged inside a process, CHOCO between the processes on a 1/4 slice per device)
@@ -346,7 +392,7 @@ def test_hierarchical_run_on_two_processes_matches_two_simulated_machines(tmp_pa
     numpy in tests/test_hierarchy.py."""
     flags = TINY_FLAGS + [
         "--config.hierarchical=True",
-        f"--config.algorithm={algorithm}",
+        *algorithm,
         "--config.compressor=identity",
     ]
     base = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
@@ -364,11 +410,14 @@ def test_hierarchical_run_on_two_processes_matches_two_simulated_machines(tmp_pa
     summary = json.loads((multi / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["devices"] == 8
     a, b = final_params(single), final_params(multi)
+    # Every worker of a machine holds the machine's model, bit for bit; DiLoCo's workers
+    # step apart within a round and land on the shared anchor through optax's
+    # params + (anchor - params), exact to one float32 rounding (1.2e-7 x |params|).
+    same = 0 if "--config.algorithm=diloco" not in algorithm else 1e-6
     for name in a:
-        # Every worker of a machine holds the machine's model, bit for bit.
         for params in (a[name], b[name]):
             for machine in (params[:4], params[4:]):
-                np.testing.assert_array_equal(machine, machine[:1].repeat(4, axis=0), name)
+                np.testing.assert_allclose(machine, machine[:1].repeat(4, axis=0), 0, same, name)
         np.testing.assert_allclose(b[name], a[name], rtol=0, atol=2e-6, err_msg=name)
 
 

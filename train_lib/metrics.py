@@ -55,16 +55,21 @@ def nonfinite_counts(opt_state) -> tuple[int, int]:
     return updates, received
 
 
-def wire_bytes(compiled, meter: lpdec.wire.TrafficMeter, per_device: int) -> tuple[float, str]:
+def wire_bytes(
+    compiled, meter: lpdec.wire.TrafficMeter, per_device: int, exchange_every: int = 1
+) -> tuple[float, str]:
     """(bytes one node sends per step, where the count comes from).
 
     Read from the compiled program when every node has its own device; when
     nodes share devices the HLO shows none (or inflated) collectives, so the
     trace-time `meter` counts them (the two agree where both apply:
-    tests/test_algorithms.py).
+    tests/test_algorithms.py). The HLO's collectives of a run that exchanges
+    every `exchange_every` steps (DiLoCo's local_steps) sit in a conditional
+    taken once per that many steps; the meter already weighs them so.
     """
     if per_device == 1:
-        return lpdec.metrics.collective_traffic(compiled.as_text()).total_bytes, "compiled HLO"
+        traffic = lpdec.metrics.collective_traffic(compiled.as_text()).total_bytes
+        return traffic / exchange_every, "compiled HLO"
     return meter.bytes, "trace-time meter"
 
 

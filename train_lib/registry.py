@@ -48,10 +48,11 @@ class AlgorithmEntry(Entry):
 
     `position` is where it goes in the optax chain: "last", after the local
     optimizer (gossip acts on the parameters' update), or "first", before it
-    (centralized means act on the gradients).
+    (centralized means act on the gradients), or "whole": it wraps the local
+    optimizer (`lpdec.diloco`), `build(view, built, local, outer)`.
     """
 
-    position: Literal["first", "last"] = "last"
+    position: Literal["first", "last", "whole"] = "last"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -251,6 +252,71 @@ def _d2(c, b: Built) -> optax.GradientTransformation:
     return lpdec.d2(b.topology, axis_name=b.axis_name, comp=comp, seed=c.seed)
 
 
+# ----------------------------------------------------------------------------
+# Local steps with an outer optimizer (`lpdec.diloco`): the exchanges of its
+# pseudo-gradients, `build(view, built)` -> the outer chain (exchange and outer step).
+# ----------------------------------------------------------------------------
+
+
+def _outer_optimizer(c) -> optax.GradientTransformation:
+    """DiLoCo's outer step: Nesterov momentum on the averaged pseudo-gradient."""
+    return optax.sgd(c.outer_lr, momentum=c.outer_momentum or None, nesterov=True)
+
+
+OUTER = ("outer_lr", "outer_momentum")
+
+
+def _mean_exchange(c, b: Built) -> optax.GradientTransformation:
+    if c.error_feedback:
+        raise ConfigError(
+            "config.error_feedback=True needs config.exchange='compressed_mean': "
+            "exchange='mean' sends full precision and has no compression error to feed back."
+        )
+    axes = b.axis_name if b.local_axis is None else (b.axis_name, b.local_axis)
+    return optax.chain(lpdec.local_mean(axis_name=axes), _outer_optimizer(c))
+
+
+def _compressed_mean_exchange(c, b: Built) -> optax.GradientTransformation:
+    mean = lpdec.compressed_mean(
+        b.compressor,
+        axis_name=b.axis_name,
+        local_axis=b.local_axis,
+        seed=c.seed,
+        error_feedback=c.error_feedback,
+    )
+    return optax.chain(mean, _outer_optimizer(c))
+
+
+def _gossip_exchange(c, b: Built) -> optax.GradientTransformation:
+    if c.error_feedback:
+        raise ConfigError(
+            "config.error_feedback=True does not apply to config.exchange='gossip': CHOCO's "
+            "replicas already carry the compression error to the next exchange."
+        )
+    choco = lpdec.choco(b.topology, b.compressor, c.gamma, axis_name=b.axis_name, seed=c.seed)
+    if b.local_axis is None:
+        return optax.chain(_outer_optimizer(c), choco)
+    # Hierarchical: the workers of a machine average their pseudo-gradients, take the
+    # same outer step, and gossip 1/k of the anchor each with the other machines.
+    return optax.chain(
+        lpdec.local_mean(axis_name=b.local_axis),
+        _outer_optimizer(c),
+        lpdec.shard_over(choco, axis_name=b.local_axis),
+    )
+
+
+EXCHANGES = {
+    "mean": Entry(_mean_exchange, ("error_feedback", *OUTER)),
+    "compressed_mean": Entry(_compressed_mean_exchange, ("error_feedback", "seed", *OUTER)),
+    "gossip": Entry(_gossip_exchange, ("error_feedback", "gamma", "seed", *OUTER)),
+}
+
+
+def _diloco(c, b: Built, local, outer) -> optax.GradientTransformation:
+    axes = b.axis_name if b.local_axis is None else (b.axis_name, b.local_axis)
+    return lpdec.diloco(local, outer, local_steps=c.local_steps, overlap=c.overlap, axis_name=axes)
+
+
 ALGORITHMS = {
     "choco": AlgorithmEntry(
         lambda c, b: lpdec.choco(
@@ -304,6 +370,9 @@ ALGORITHMS = {
         ("seed",),
         position="first",
     ),
+    # H local steps of the local optimizer, then config.exchange (EXCHANGES) and the
+    # outer Nesterov step: the whole optimizer, `build(view, built, local, outer)`.
+    "diloco": AlgorithmEntry(_diloco, ("local_steps", "overlap"), position="whole"),
     # Independent nodes: the local optimizer alone.
     "none": AlgorithmEntry(lambda c, b: None),
 }
@@ -318,6 +387,9 @@ def make_chain(
     their gradients in full precision, take the same local step, and run the
     algorithm between the machines on 1/k of the model each (`lpdec.shard_over`).
     """
+    if ALGORITHMS[config.algorithm].position == "whole":
+        outer = build(config, "exchange", EXCHANGES, built)
+        return build(config, "algorithm", ALGORITHMS, built, local, outer)
     algorithm = build(config, "algorithm", ALGORITHMS, built)
     if algorithm is None:
         return local

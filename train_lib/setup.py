@@ -160,6 +160,7 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     registry.choose(config, "algorithm", registry.ALGORITHMS)
     registry.choose(config, "lr_schedule", registry.SCHEDULES)
     registry.choose(config, "optimizer", registry.OPTIMIZERS)
+    _check_local_steps(config)
     devices = jax.device_count()
     if config.devices:
         if not 1 <= config.devices <= devices:
@@ -200,6 +201,35 @@ def check_values(config: ml_collections.ConfigDict) -> None:
         _fail(
             f"config.num_nodes={config.num_nodes} exceeds the {devices} devices and is not a "
             f"multiple of {devices}: simulated nodes are spread evenly over the devices."
+        )
+
+
+def _check_local_steps(config: ml_collections.ConfigDict) -> None:
+    """DiLoCo's fields: H, the outer step, the exchange, and overlap only with local steps."""
+    if config.algorithm != "diloco":
+        for field, off in (("local_steps", 1), ("overlap", False), ("error_feedback", False)):
+            if config[field] != off:
+                _fail(
+                    f"config.{field}={config[field]!r} needs config.algorithm='diloco' "
+                    f"(local steps with an outer optimizer); got {config.algorithm!r}."
+                )
+        return
+    if not isinstance(config.local_steps, int) or config.local_steps < 1:
+        _fail(f"config.local_steps={config.local_steps!r} must be an integer >= 1 (H).")
+    if not config.outer_lr > 0:
+        _fail(f"config.outer_lr={config.outer_lr!r} must be > 0.")
+    if not 0 <= config.outer_momentum < 1:
+        _fail(f"config.outer_momentum={config.outer_momentum!r} must be in [0, 1).")
+    registry.choose(config, "exchange", registry.EXCHANGES)
+    if config.overlap and config.local_steps == 1:
+        _fail(
+            "config.overlap=True needs config.local_steps > 1: the exchange overlaps with "
+            "the next round's local steps, and with local_steps=1 there are none."
+        )
+    if config.exchange == "compressed_mean" and config.compressor == "modulo":
+        _fail(
+            "config.compressor='modulo' cannot serve config.exchange='compressed_mean': it "
+            "decodes against the receiver's own model, and a mean of pseudo-gradients has none."
         )
 
 

@@ -46,6 +46,11 @@ and end of round t and :math:`o^t` the outer update (zero before the first
 exchange arrives). Every round's local progress enters the anchor exactly
 once, averaged, one round late.
 
+The nodes land on the anchor through optax's ``params + (anchor - params)``,
+which float rounding can leave one ulp away from the anchor on some nodes; the
+anchor itself is kept exactly in the state, so these roundings never
+accumulate (the next pseudo-gradient is measured from the anchor).
+
 Memory: the inner and outer states, a float32 anchor, and with `overlap` the
 round's start and the pending outer update (two more parameter-sized buffers).
 """
@@ -60,6 +65,7 @@ import jax.numpy as jnp
 import optax
 
 from lpdec import gossip
+from lpdec import wire
 from lpdec.algorithms import _common
 
 PyTree = Any
@@ -137,7 +143,9 @@ def step(
         local, outer_state, anchor, start, pending = carry
         begun = start if overlap else anchor
         delta = jax.tree.map(jnp.subtract, begun, local)
-        out, outer_state = outer.update(delta, outer_state, anchor)
+        # The wire meter averages over steps: this round's bytes are spent once per H steps.
+        with wire.share(1.0 / local_steps):
+            out, outer_state = outer.update(delta, outer_state, anchor)
         out = _common.f32(out)
         if overlap:
             anchor = jax.tree.map(jnp.add, anchor, pending)
