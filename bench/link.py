@@ -46,6 +46,7 @@ import csv
 import dataclasses
 import datetime
 import json
+import math
 import os
 import platform
 import signal
@@ -128,6 +129,32 @@ METHODS = {
         {"algorithm": "moniqua", "bits": 2, "theta": 0.1, "rounding": "stochastic", "slack": 0.5},
     ),
 }
+
+
+def _diloco(label: str, exchange: str, local_steps: int = 10, **fields) -> Method:
+    """DiLoCo (issue 12): `local_steps` Nesterov SGD steps, then `exchange` and the outer step."""
+    overrides = {"algorithm": "diloco", "local_steps": local_steps, "exchange": exchange}
+    return Method(label, overrides | fields)
+
+
+_EF4 = {"compressor": "minmax", "bits": 4, "error_feedback": True}
+_EF2 = {"compressor": "minmax", "bits": 2, "error_feedback": True}
+METHODS |= {
+    "diloco32": _diloco("DiLoCo H=10, fp32 mean", "mean"),
+    "diloco4": _diloco("DiLoCo H=10, 4-bit EF mean", "compressed_mean", **_EF4),
+    "diloco2": _diloco("DiLoCo H=10, 2-bit EF mean", "compressed_mean", **_EF2),
+    "diloco4ov": _diloco(
+        "DiLoCo H=10, 4-bit EF mean, overlap", "compressed_mean", overlap=True, **_EF4
+    ),
+    "hdiloco4": _diloco(
+        "DiLoCo H=10, hierarchical 4-bit EF", "compressed_mean", hierarchical=True, **_EF4
+    ),
+    "dilocochoco4": _diloco(
+        "DiLoCo H=10, CHOCO 4-bit gossip", "gossip", compressor="minmax", bits=4, gamma=0.8
+    ),
+    "diloco4h20": _diloco("DiLoCo H=20, 4-bit EF mean", "compressed_mean", 20, **_EF4),
+    "diloco4h40": _diloco("DiLoCo H=40, 4-bit EF mean", "compressed_mean", 40, **_EF4),
+}  # fmt: skip
 BASELINE = "allreduce"
 
 
@@ -256,11 +283,26 @@ def curve(rows: list[dict]) -> list[tuple[float, float]]:
     return points
 
 
-def time_to_target(rows: list[dict], target: float) -> float | None:
-    for elapsed, accuracy in curve(rows):
+def time_to_target(points: list[tuple[float, float]], target: float) -> float | None:
+    """The training time of the first `curve` point at or above `target`, or None."""
+    for elapsed, accuracy in points:
         if accuracy >= target:
             return elapsed
     return None
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def targets(results: list[dict], rates: list[str], target: float | None) -> dict[str, float]:
+    """The target accuracy per rate: `target`, or (None) the baseline's final accuracy there."""
+    if target is not None:
+        return {rate: target for rate in rates}
+    base = next((r for r in results if r["method"] == BASELINE and "error" not in r), None)
+    if base is None:
+        raise ValueError(f"--target=final needs the baseline {BASELINE!r} among the methods")
+    return {rate: base["rates"][rate]["final_accuracy"] for rate in rates}
 
 
 def measure(network, name, args, port, workdir) -> dict:
@@ -268,7 +310,13 @@ def measure(network, name, args, port, workdir) -> dict:
     overrides = dict(METHODS[name].overrides, **args.set)
     if args.quick:
         overrides.setdefault("num_nodes", network.hosts * args.devices)
-    n1, n2 = args.probe_steps
+    # A run that exchanges every H steps is measured over whole rounds: probes, chunks
+    # (log rows) and runs are multiples of H, so every row holds the same exchanges.
+    h = int(overrides.get("local_steps", 1))
+    n1, n2 = (_round_up(n, h) for n in args.probe_steps)
+    n2 = max(n2, n1 + h)
+    log_every = math.lcm(args.log_every, h)
+    steps = _round_up(args.steps, log_every)
     result = {"method": name, "label": METHODS[name].label, "rates": {}}
     network.shape(None)
     probes = []
@@ -299,7 +347,7 @@ def measure(network, name, args, port, workdir) -> dict:
             next(port),
             args.devices,
             args.config,
-            dict(overrides, num_steps=args.steps, log_every=args.log_every),
+            dict(overrides, num_steps=steps, log_every=log_every),
             args.timeout,
         )
         # The first row holds the first execution of the chunk (warm-up): the median skips it
@@ -307,7 +355,6 @@ def measure(network, name, args, port, workdir) -> dict:
         times = [row["step_time_s"] for row in run.rows[1:]] or [run.rows[0]["step_time_s"]]
         result["rates"][key] = {
             "s_per_step": statistics.median(times),
-            "time_to_target_s": time_to_target(run.rows, args.target),
             "final_accuracy": run.rows[-1]["test_accuracy_avg_model"],
             "curve": curve(run.rows),
             "wall_s": run.wall_s,
@@ -324,11 +371,16 @@ def megabytes(value: float) -> str:
 
 
 def table(results: list[dict], rate: str, target: float) -> str:
+    for r in results:
+        if "error" not in r:
+            at = r["rates"][rate]
+            at["target"] = target
+            at["time_to_target_s"] = time_to_target(at["curve"], target)
     base = next((r for r in results if r["method"] == BASELINE and "error" not in r), None)
     base_time = base["rates"][rate]["time_to_target_s"] if base else None
     lines = [
         f"| method | s/step | link bytes/step (measured) | compiled bytes/step | utilisation "
-        f"| time to {target:.0%} | vs fp32 all-reduce | final accuracy |",
+        f"| time to {target:.1%} | vs fp32 all-reduce | final accuracy |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
@@ -366,6 +418,11 @@ def shown(path: str) -> str:
 
 def section(all_results: dict, args, command: str) -> str:
     quick = " (QUICK SMOKE RUN: not representative)" if args.quick else ""
+    target_text = (
+        f"{args.target:.0%}"
+        if args.target is not None
+        else "the fp32 all-reduce's final accuracy on the same link"
+    )
     machine = f"{platform.machine()}, {os.cpu_count()} CPU cores shared by every process"
     parts = [
         f"## Training across a shaped link (`bench/link.py`){quick}",
@@ -382,17 +439,19 @@ def section(all_results: dict, args, command: str) -> str:
         "steps; compiled bytes: bytes one node sends per step (train.py's "
         "`wire_bytes_per_step`); unshaped: the veth with no qdisc (as fast as the kernel "
         "copies, on the same CPU cores); utilisation: unshaped s/step / shaped s/step; time to "
-        f"target: training time until the node-averaged model reaches {args.target:.0%} test "
-        "accuracy (evaluation and compilation not counted). Plot: "
+        "target: training time until the node-averaged model reaches the target test "
+        f"accuracy ({target_text}; evaluation and compilation not counted). DiLoCo runs "
+        "are measured over whole rounds (probes, rows and runs are multiples of H). Plot: "
         f"`{shown(args.plot)}`.",
     ]
     for processes, results in all_results.items():
-        for rate in [UNSHAPED] + args.rates:
+        rates = [UNSHAPED] + args.rates
+        for rate, target in targets(results, rates, args.target).items():
             parts += [
                 "",
                 f"### {processes} processes x {args.devices} devices, {rate} link",
                 "",
-                table(results, rate, args.target),
+                table(results, rate, target),
             ]
     return "\n".join(parts)
 
@@ -413,7 +472,8 @@ def plot(all_results: dict, args) -> None:
                 continue
             xs, ys = zip(*r["rates"][rate]["curve"], strict=True)
             ax.plot(xs, ys, marker=".", label=r["label"])
-        ax.axhline(args.target, color="gray", linestyle="--", linewidth=0.8)
+        target = targets(all_results[processes], [rate], args.target)[rate]
+        ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
         ax.set_title(f"{processes} processes x {args.devices} devices, {rate} link")
         ax.set_xlabel("training time (s)")
         ax.grid(alpha=0.3)
@@ -432,7 +492,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=400, help="steps of each shaped run")
     parser.add_argument("--log-every", type=int, default=20, help="steps per metrics row")
     parser.add_argument("--probe-steps", default="10,30", help="N1,N2: the unshaped runs")
-    parser.add_argument("--target", type=float, default=0.7, help="target test accuracy")
+    parser.add_argument(
+        "--target",
+        default="0.7",
+        help="target test accuracy, or 'final': the fp32 all-reduce's final accuracy per link",
+    )
     parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated names")
     parser.add_argument("--config", default=os.path.join(ROOT, "configs", "link_mlp.py"))
     parser.add_argument(
@@ -473,7 +537,16 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.probe_steps = tuple(int(s) for s in args.probe_steps.split(","))
     except ValueError:
         parser.error("--processes and --probe-steps take comma-separated integers")
+    if args.target == "final":
+        args.target = None
+    else:
+        try:
+            args.target = float(args.target)
+        except ValueError:
+            parser.error(f"--target={args.target!r}: expected an accuracy in (0, 1] or 'final'")
     args.methods = [m for m in args.methods.split(",") if m]
+    if args.target is None and BASELINE not in args.methods:
+        parser.error(f"--target=final needs the baseline {BASELINE!r} in --methods")
     unknown = [m for m in args.methods if m not in METHODS]
     if unknown:
         parser.error(f"--methods: {unknown} not among {sorted(METHODS)}")

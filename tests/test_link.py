@@ -181,13 +181,49 @@ def test_time_to_target_sums_step_times_over_the_rows():
     ]
     # 10 x 0.5 = 5 s, then 10 x 0.25 = 2.5 s, then 20 x 0.125 = 2.5 s.
     assert link.curve(rows) == [(5.0, 0.4), (7.5, 0.72), (10.0, 0.8)]
-    assert link.time_to_target(rows, 0.7) == 7.5
-    assert link.time_to_target(rows, 0.9) is None
+    assert link.time_to_target(link.curve(rows), 0.7) == 7.5
+    assert link.time_to_target(link.curve(rows), 0.9) is None
+
+
+def test_target_final_is_the_baseline_final_accuracy_per_link():
+    """--target=final times every method to the accuracy fp32 all-reduce ends with on that link."""
+
+    def result(method, finals, curves):
+        rates = {
+            rate: {"final_accuracy": finals[rate], "curve": curves[rate], "s_per_step": 1.0,
+                   "utilisation": 1.0}
+            for rate in finals
+        }  # fmt: skip
+        return {"method": method, "label": method, "rates": rates, "link_bytes_per_step": 1.0,
+                "compiled_bytes_per_step": 1.0}  # fmt: skip
+
+    base = result(
+        "allreduce",
+        {"unshaped": 0.75, "100mbit": 0.7},
+        {"unshaped": [(1.0, 0.5), (2.0, 0.75)], "100mbit": [(10.0, 0.5), (20.0, 0.7)]},
+    )
+    fast = result(
+        "diloco4",
+        {"unshaped": 0.8, "100mbit": 0.8},
+        {"unshaped": [(1.0, 0.74), (2.0, 0.8)], "100mbit": [(1.0, 0.71), (2.0, 0.8)]},
+    )
+    assert link.targets([base, fast], ["unshaped", "100mbit"], None) == {
+        "unshaped": 0.75,
+        "100mbit": 0.7,
+    }
+    assert link.targets([base, fast], ["100mbit"], 0.6) == {"100mbit": 0.6}
+    rows = link.table([base, fast], "100mbit", 0.7).splitlines()
+    # all-reduce reaches 70% at 20 s, DiLoCo at 1 s: 20x.
+    assert "| 20.0 s | 1.00x |" in rows[2] and "| 1.0 s | 20.00x |" in rows[3], rows
+    with pytest.raises(ValueError, match="needs the baseline"):
+        link.targets([fast], ["100mbit"], None)
 
 
 @pytest.mark.parametrize(
     "flags,message",
     [
+        (["--target=high"], "--target='high': expected an accuracy in (0, 1] or 'final'"),
+        (["--target=final", "--methods=choco8"], "--target=final needs the baseline"),
         (["--methods=choco9"], "--methods: ['choco9'] not among"),
         (["--processes=1"], "--processes=[1]: a link needs at least 2 processes"),
         (["--probe-steps=30,10"], "--probe-steps=(30, 10): expected N1,N2 with 0 < N1 < N2"),
