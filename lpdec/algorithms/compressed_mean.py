@@ -256,6 +256,14 @@ def step(
       (the mean over both axes, in each leaf's dtype; the next state).
     """
     gossip.require_axis(axis_name, "compressed_mean")
+    if not isinstance(axis_name, str) and len(axis_name) > 1:
+        manual = jax.sharding.get_abstract_mesh().manual_axes
+        if any(a not in manual for a in axis_name):
+            raise ValueError(
+                f"compressed_mean: axis_name={axis_name!r} includes a vmap axis, and jax cannot "
+                "all-gather over several axes when one is vmapped: use shard_map mesh axes "
+                "only, or one axis (with local_axis= for the nodes nested in each device)."
+            )
     if local_axis is None:
 
         def device_id(node):
