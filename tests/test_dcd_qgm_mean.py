@@ -629,6 +629,13 @@ def test_bad_inputs_raise_clear_errors():
         compressed_mean("minmax")
     with pytest.raises(ValueError, match="local_axis"):
         compressed_mean(comp, axis_name="nodes", local_axis="nodes")
+    with pytest.raises(ValueError, match="with local_axis, axis_name must be one axis name"):
+        compressed_mean(comp, axis_name=("machines", "workers"), local_axis="local")
+    for bad in (("nodes", "nodes"), (), ("nodes", 1), ["nodes"], 3):
+        with pytest.raises(TypeError, match="compressed_mean: axis_name must be an axis name"):
+            compressed_mean(comp, axis_name=bad)
+        with pytest.raises(TypeError, match="local_mean: axis_name must be an axis name"):
+            local_mean(axis_name=bad)
     cm = compressed_mean(comp)
     with pytest.raises(ValueError, match="not bound here"):
         cm.update({"v": jnp.ones(4)}, cm.init({"v": jnp.ones(4)}))
