@@ -344,7 +344,8 @@ def test_compressed_mean_identity_is_the_exact_mean(mode, rng):
 def _quantization_steps(g):
     """The min-max 8-bit steps each element of the compressed mean of g goes through.
 
-    g: [n, d] float64. Element e lies in chunk c = e // ceil(d / n), which node
+    g: [n, d] float64, the whole update of each node as one vector (its leaves
+    concatenated). Element e lies in chunk c = e // ceil(d / n), which node
     j != c quantizes in round 1 with step u1[j, e] = range_j(chunk c) / 255 (the
     owner c adds its own chunk exactly: u1[c, e] = 0). Round 2 quantizes the
     round-1 average, whose range is at most r[e] (the exact mean's range over
@@ -368,12 +369,14 @@ def _quantization_steps(g):
 def test_compressed_mean_minmax_nearest_error_is_within_the_two_round_bound(rng):
     grads = {"a": _gradients(rng)["a"], "z": rng.standard_normal((N, 5003)).astype(np.float32)}
     means, _ = _run_mean(compressed_mean(lpdec.minmax(8, "nearest")), grads, mode="shard_map")
-    for name, g in grads.items():
-        g = np.asarray(g, np.float64)
-        # Rounding to nearest errs by at most half a step, in each round.
-        u1, r = _quantization_steps(g)
-        e1 = u1.sum(axis=0) / (2 * N)
-        bound = e1 + (r + 2 * e1) / 255 / 2 + 1e-6 * np.abs(g).max()
+    # The leaves travel as one vector, in the tree's order, cut into N chunks.
+    whole = np.concatenate([np.asarray(grads[name], np.float64) for name in ("a", "z")], axis=1)
+    # Rounding to nearest errs by at most half a step, in each round.
+    u1, r = _quantization_steps(whole)
+    e1 = u1.sum(axis=0) / (2 * N)
+    bounds = np.split(e1 + (r + 2 * e1) / 255 / 2 + 1e-6 * np.abs(whole).max(), [1000])
+    for name, bound in zip(("a", "z"), bounds, strict=True):
+        g = np.asarray(grads[name], np.float64)
         error = np.abs(means[name][:, 0].astype(np.float64) - g.mean(axis=0))
         assert np.all(error <= bound), f"{name}: worst error / bound {np.max(error / bound)}"
         # Compression did happen: the error reaches a fair part of the bound.
@@ -491,6 +494,58 @@ def test_compressed_mean_compiles_to_uint8_exchanges_without_all_reduce(shape, a
             assert any(op in line and "f32[" in line for line in within), (op, lines)
 
 
+def _count_collectives(hlo):
+    ops = ("all-reduce", "all-to-all", "all-gather", "reduce-scatter", "collective-permute")
+    counts = {}
+    for line in _collectives_in(hlo):
+        op = next(op for op in ops if f" {op}(" in line or f"{op}-start(" in line)
+        counts[op] = counts.get(op, 0) + 1
+    return counts
+
+
+@pytest.mark.parametrize("leaves, error_feedback", [(1, False), (6, False), (6, True)])
+@pytest.mark.parametrize(
+    "shape, axes, expected",
+    [
+        ((N,), (AXIS,), {"all-to-all": 1, "all-gather": 1}),
+        # Within a machine: one reduce-scatter before, one all-gather after.
+        ((2, 4), ("nodes", "local"), {"all-to-all": 1, "all-gather": 2, "reduce-scatter": 1}),
+    ],
+)
+def test_compressed_mean_issues_one_collective_per_round_for_the_whole_model(
+    leaves, error_feedback, shape, axes, expected
+):
+    local_axis = axes[1] if len(axes) == 2 else None
+    tx = compressed_mean(
+        lpdec.minmax(8, "nearest"),
+        axis_name=axes[0],
+        local_axis=local_axis,
+        error_feedback=error_feedback,
+    )
+    mesh = jax.make_mesh(shape, axes)
+    spec = jax.P(*axes)
+    k = len(axes)
+    model = [
+        ((4096,), jnp.float32),
+        ((37,), jnp.float32),
+        ((5, 3), jnp.bfloat16),
+        ((11,), jnp.float32),
+        ((0,), jnp.float32),
+        ((2, 2, 2), jnp.float32),
+    ]
+    grads = {f"leaf{i}": jnp.ones(shape + s, t) for i, (s, t) in enumerate(model[:leaves])}
+
+    def program(g):
+        g = jax.tree.map(lambda x: x.reshape(x.shape[k:]), g)
+        out, _ = tx.update(g, tx.init(g))
+        return jax.tree.map(lambda x: x.reshape((1,) * k + x.shape), out)
+
+    grads = jax.device_put(grads, jax.NamedSharding(mesh, spec))
+    fn = jax.shard_map(program, mesh=mesh, in_specs=spec, out_specs=spec)
+    hlo = jax.jit(fn).lower(grads).compile().as_text()
+    assert _count_collectives(hlo) == expected
+
+
 @pytest.mark.parametrize("mode", harness.MODES)
 def test_compressed_mean_drops_a_nonfinite_node(mode, rng):
     bad = 5
@@ -502,10 +557,9 @@ def test_compressed_mean_drops_a_nonfinite_node(mode, rng):
         np.asarray(means["a"])[:, 0], np.broadcast_to(exact, (N, 1000)), atol=1e-6
     )
     np.testing.assert_array_equal(state.health.nonfinite_updates, np.eye(N, dtype=int)[bad])
-    # Every chunk owner but `bad` dropped its chunk of each of the 4 non-empty leaves.
-    np.testing.assert_array_equal(
-        state.health.nonfinite_received, 4 * (1 - np.eye(N, dtype=int)[bad])
-    )
+    # The leaves travel as one vector: every chunk owner but `bad` dropped the one chunk
+    # `bad` sent it; `bad` itself averaged the others' copies of its own chunk.
+    np.testing.assert_array_equal(state.health.nonfinite_received, 1 - np.eye(N, dtype=int)[bad])
 
 
 def test_local_mean_averages_finite_updates(rng):
@@ -575,6 +629,13 @@ def test_bad_inputs_raise_clear_errors():
         compressed_mean("minmax")
     with pytest.raises(ValueError, match="local_axis"):
         compressed_mean(comp, axis_name="nodes", local_axis="nodes")
+    with pytest.raises(ValueError, match="with local_axis, axis_name must be one axis name"):
+        compressed_mean(comp, axis_name=("machines", "workers"), local_axis="local")
+    for bad in (("nodes", "nodes"), (), ("nodes", 1), ["nodes"], 3):
+        with pytest.raises(TypeError, match="compressed_mean: axis_name must be an axis name"):
+            compressed_mean(comp, axis_name=bad)
+        with pytest.raises(TypeError, match="local_mean: axis_name must be an axis name"):
+            local_mean(axis_name=bad)
     cm = compressed_mean(comp)
     with pytest.raises(ValueError, match="not bound here"):
         cm.update({"v": jnp.ones(4)}, cm.init({"v": jnp.ones(4)}))

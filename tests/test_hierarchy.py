@@ -137,20 +137,11 @@ def test_machine_and_worker_axes_need_a_layout_of_machines():
 SHAPES = {"a": (5, 3), "b": (7,)}  # d = 22: padded to 24 for 4 workers, 11 a slice for 2
 
 
-def _pmean(axis_name):
-    """The workers' mean gradient (local_mean takes one axis name; a nested worker axis
-    is a pair)."""
-    return optax.GradientTransformation(
-        lambda params: optax.EmptyState(),
-        lambda updates, state, params=None: (jax.lax.pmean(updates, axis_name), state),
-    )
-
-
 def _hierarchical_chain(layout, comp, *, lr=0.125, gamma=0.5):
     machines = layout.machines
-    mean = _pmean if layout.nested else lambda axis: lpdec.local_mean(axis_name=axis)
     return optax.chain(
-        mean(layout.worker_axis),
+        # A nested layout's worker axis is a pair: (workers, local).
+        lpdec.local_mean(axis_name=layout.worker_axis),
         optax.sgd(lr),
         lpdec.shard_over(
             lpdec.choco(lpdec.ring(machines), comp, gamma=gamma, axis_name=layout.machine_axis),
@@ -301,6 +292,49 @@ def test_compressed_mean_runs_between_the_machines_of_a_2d_mesh(rng, compressor)
     np.testing.assert_array_equal(got, mean_on(nested, nested.mesh_axis, nested.local_axis))
     if compressor == "identity":
         np.testing.assert_allclose(got, np.tile(grads["w"].mean(0), (8, 1)), rtol=1e-5, atol=1e-6)
+
+
+def _dyadic(rng, shape):
+    """Multiples of 1/64: their mean over 8 nodes is exact in float32 in any order."""
+    return (rng.integers(-256, 256, size=shape) / 64).astype(np.float32)
+
+
+MEANS = {
+    "local_mean": lambda axis: lpdec.local_mean(axis_name=axis),
+    "compressed_mean": lambda axis: lpdec.compressed_mean(lpdec.identity(), axis_name=axis),
+}
+
+
+@pytest.mark.parametrize("layout_kind", ["machines", "nested"])
+@pytest.mark.parametrize("name", sorted(MEANS))
+def test_means_over_a_tuple_of_axes_average_every_node(rng, name, layout_kind):
+    """axis_name=layout.axis_name, a tuple: ("machines", "workers") of the 2 x 4 mesh, or
+    ("nodes", "local") of 8 nodes nested on 2 devices, is one flat axis of 8 nodes."""
+    _need(8)
+    layout = {
+        "machines": lambda: lpdec.make_layout(8, machines=2),
+        "nested": lambda: lpdec.make_layout(8, devices=jax.devices()[:2]),
+    }[layout_kind]()
+    assert (
+        layout.axis_name
+        == {"machines": ("machines", "workers"), "nested": ("nodes", "local")}[layout_kind]
+    )
+    tx = MEANS[name](layout.axis_name)
+    grads = {"a": _dyadic(rng, (8, 5, 3)), "b": _dyadic(rng, (8, 7)), "c": _dyadic(rng, (8, 1))}
+
+    def step(g, opt_state):
+        return tx.update(g, opt_state)[0]
+
+    _, opt_state = lpdec.init_nodes(tx, grads, layout, stacked=True)
+    step = jax.jit(layout.map(step, (True, True)))
+    if name == "compressed_mean" and layout_kind == "nested":
+        with pytest.raises(ValueError, match=r"compressed_mean: axis_name=\('nodes', 'local'\)"):
+            step(layout.put(grads), opt_state)
+        return
+    got = step(layout.put(grads), opt_state)
+    for k, g in grads.items():
+        exact = np.broadcast_to(g.astype(np.float64).mean(axis=0), g.shape)
+        np.testing.assert_array_equal(np.asarray(got[k]), exact)
 
 
 def test_each_process_is_one_machine_of_its_own_devices():

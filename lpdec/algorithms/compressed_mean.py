@@ -2,24 +2,29 @@ r"""Centralized compressed all-reduce: QSGD-TF's two rounds (seed 001), hierarch
 
 Every node's incoming update (its gradient) is replaced by the mean over the
 nodes, computed without an all-reduce and with compressed payloads on the
-wire. Each leaf is flattened and cut into n chunks (n = the axis size; the
-last chunk padded by repeating the leaf's last element, which leaves every
-chunk's range unchanged):
+wire. The update's leaves are cast to float32, flattened and concatenated into
+one vector, which is cut into n chunks (n = the axis size; the last chunk
+padded by repeating the vector's last element, which leaves every chunk's
+range unchanged):
 
 1. scatter-reduce: node i encodes chunk c of its update and sends it to node c
    (one all-to-all). Node c decodes the n - 1 copies of its chunk and averages
    them with its own chunk in full precision.
 2. all-gather: node c encodes its averaged chunk and every node receives all of
-   them (one all-gather), decodes and concatenates.
+   them (one all-gather), decodes, concatenates and splits the vector back into
+   the update's leaves.
 
-Every node, chunk owners included, decodes the same round-2 payloads, so every
-node ends with the same bits: data-parallel replicas stay identical.
+A payload (codes and scales) travels as one uint8 buffer, so a step issues one
+collective per round for the whole model, whatever its number of leaves: each
+collective is a rendezvous of all the nodes, which costs latency on a real
+link. Every node, chunk owners included, decodes the same round-2 payloads, so
+every node ends with the same bits: data-parallel replicas stay identical.
 
 With ``local_axis`` (seed 004, on a 2-axis mesh: `axis_name` between machines,
 `local_axis` between the accelerators of a machine) the exchange becomes
-hierarchical: a full-precision reduce-scatter within the machine, the two
-compressed rounds between machines, a full-precision all-gather within the
-machine. Seed 004 has the first GPU of each machine reduce, exchange and
+hierarchical: a full-precision reduce-scatter within the machine (its mean),
+the two compressed rounds between machines, a full-precision all-gather within
+the machine. Seed 004 has the first GPU of each machine reduce, exchange and
 broadcast the whole vector; here every local rank l reduces 1/L of it and runs
 the compressed exchange for that shard with rank l of the other machines, so
 the L ranks share the compression work and the inter-machine traffic in
@@ -28,14 +33,16 @@ all-gather of the shards.
 
 Non-finite updates: a node whose update holds NaN/Inf sends NaN in every chunk
 (counted in its ``health.nonfinite_updates``); every chunk owner drops the
-non-finite copies it receives (counted in ``health.nonfinite_received``) and
+non-finite copy it receives (counted in ``health.nonfinite_received``) and
 averages the others, so the result is the mean over the nodes whose updates
-were finite, the same on every node.
+were finite, the same on every node. With error feedback, such a node keeps
+its residual unchanged for that step.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -59,52 +66,97 @@ class CompressedMeanState(NamedTuple):
       count: shape=(), dtype=int32; steps taken.
       key: shape=(2,), dtype=uint32; shared by all nodes (see `_chunk_key`).
       health: non-finite counters (`lpdec.Health`), varying over both axes.
+      residual: with error feedback, shape=(m,), dtype=float32: e, what this
+        device's share of the update has sent short so far (m = the model's
+        size, or with `local_axis` its 1/L shard, ceil(size / L)); ``()``
+        without.
     """
 
     count: jax.Array
     key: jax.Array
     health: health_lib.Health
+    residual: jax.Array | tuple
+
+
+def _share_size(size: int, local_axis: str | None) -> int:
+    """Elements of the vector this device runs the two rounds on: all, or its 1/L shard."""
+    if local_axis is None:
+        return size
+    return -(-size // jax.lax.axis_size(local_axis))
 
 
 def init(
     params: optax.Params,
     *,
     seed: int | jax.Array = 0,
-    axis_name: str = "nodes",
+    axis_name: gossip.AxisName = "nodes",
     local_axis: str | None = None,
+    error_feedback: bool = False,
 ) -> CompressedMeanState:
     """The state at step 0; must run under `axis_name` (and `local_axis`)."""
-    del params
     gossip.require_axis(axis_name, "compressed_mean's init")
-    axes = (axis_name,)
+    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
     if local_axis is not None:
         gossip.require_axis(local_axis, "compressed_mean's init")
-        axes = (axis_name, local_axis)
+        axes = (*axes, local_axis)
+    residual = ()
+    if error_feedback:
+        size = sum(x.size for x in jax.tree.leaves(params))
+        residual = gossip.to_varying(jnp.zeros(_share_size(size, local_axis), jnp.float32), axes)
     return CompressedMeanState(
         count=jnp.zeros((), jnp.int32),
         key=_common.key_from_seed(seed),
         health=health_lib.init(axes),
+        residual=residual,
     )
 
 
 def _chunk_key(
-    key: jax.Array, step: jax.Array, sender: jax.Array, round_: int, leaf: int, chunk: jax.Array
+    key: jax.Array, step: jax.Array, sender: jax.Array, round_: int, chunk: jax.Array
 ) -> jax.Array:
-    """The key `sender` encodes chunk `chunk` of leaf `leaf` with in round `round_` (1 or 2).
+    """The key `sender` encodes chunk `chunk` with in round `round_` (1 or 2).
 
     `sender` is the device's global index (node * L + local rank with a local
     axis); receivers re-derive it for compressors that need the sender's key.
     """
     k = _common.node_key(key, step, sender)
-    for value in (round_, leaf, chunk):
-        k = jax.random.fold_in(k, value)
-    return k
+    return jax.random.fold_in(jax.random.fold_in(k, round_), chunk)
 
 
 def _pad(vector: jax.Array, multiple: int) -> jax.Array:
     """Pads to a multiple of `multiple` by repeating the last element (ranges unchanged)."""
     extra = -vector.size % multiple
     return jnp.pad(vector, (0, extra), mode="edge") if extra else vector
+
+
+def _pack_rows(payload: Any) -> jax.Array:
+    """A payload tree with a leading row axis as one uint8 array [rows, bytes]."""
+    leaves = jax.tree.leaves(payload)
+    rows = leaves[0].shape[0]
+    as_bytes = [
+        x if x.dtype == jnp.uint8 else jax.lax.bitcast_convert_type(x, jnp.uint8) for x in leaves
+    ]
+    return jnp.concatenate([b.reshape(rows, -1) for b in as_bytes], axis=1)
+
+
+def _unpack_rows(packed: jax.Array, row: Any) -> Any:
+    """Inverse of `_pack_rows`; `row` is one row of the payload (shapes and dtypes)."""
+    leaves, treedef = jax.tree.flatten(row)
+    rows, offset, out = packed.shape[0], 0, []
+    for x in leaves:
+        width = jnp.dtype(x.dtype).itemsize
+        raw = packed[:, offset : offset + x.size * width]
+        offset += x.size * width
+        if x.dtype == jnp.uint8:
+            out.append(raw.reshape((rows, *x.shape)))
+        else:
+            out.append(jax.lax.bitcast_convert_type(raw.reshape((rows, *x.shape, width)), x.dtype))
+    return treedef.unflatten(out)
+
+
+def _row_of(payload: Any) -> Any:
+    """Shapes and dtypes of one row of a payload with a leading row axis."""
+    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), payload)
 
 
 def _decode_rows(compressor, rows, keys):
@@ -114,17 +166,22 @@ def _decode_rows(compressor, rows, keys):
 
 
 def _two_round_mean(
-    vectors: list[jax.Array],
+    vector: jax.Array,
     state: CompressedMeanState,
     *,
     compressor: compress_base.Compressor,
-    axis_name: str,
+    axis_name: gossip.AxisName,
     device_id: Callable[[jax.Array], jax.Array],
-) -> tuple[list[jax.Array], jax.Array]:
-    """Seed 001's scatter-reduce + all-gather of flat float32 vectors over `axis_name`.
+    error_feedback: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """Seed 001's scatter-reduce + all-gather of one flat float32 vector over `axis_name`.
+
+    Args:
+      vector: v, this node's share (its update, plus its residual with error feedback).
 
     Returns:
-      (the mean vectors, trimmed to their input sizes; payloads dropped as non-finite).
+      (the mean, trimmed to the input's size; payloads dropped as non-finite;
+       with `error_feedback` the new residual v - t (compressed_mean's docstring), else None).
     """
     n = jax.lax.axis_size(axis_name)
     me = gossip.node_index(axis_name)
@@ -132,48 +189,48 @@ def _two_round_mean(
     mine = peers == me
     senders = device_id(peers)
 
-    def key_of(sender, round_, leaf, chunk):
-        return _chunk_key(state.key, state.count, sender, round_, leaf, chunk)
+    def key_of(sender, round_, chunk):
+        return _chunk_key(state.key, state.count, sender, round_, chunk)
 
-    # Round 1: chunk c of every leaf goes to node c.
-    chunks, outgoing = [], []
-    for leaf, vector in enumerate(vectors):
-        c = _pad(vector, n).reshape(n, -1)
-        keys = jax.vmap(lambda ch, leaf=leaf: key_of(device_id(me), _SCATTER_REDUCE, leaf, ch))(
-            peers
-        )
-        chunks.append(c)
-        outgoing.append(jax.vmap(compressor.encode)(c, keys))
-    incoming = gossip.all_to_all_payload(outgoing, axis_name=axis_name)
-
-    skipped = jnp.int32(0)
-    averages = []
-    for leaf, (c, rows) in enumerate(zip(chunks, incoming, strict=True)):
-        keys = jax.vmap(lambda s, leaf=leaf: key_of(s, _SCATTER_REDUCE, leaf, me))(senders)
-        decoded, ok = _decode_rows(compressor, rows, keys)
-        # This node's own chunk enters in full precision.
-        own = jnp.take(c, me, axis=0)
-        decoded = jnp.where(mine[:, None], own[None], decoded)
-        ok = jnp.where(mine, jnp.all(jnp.isfinite(own)), ok)
-        total = jnp.sum(jnp.where(ok[:, None], decoded, 0.0), axis=0)
-        contributors = jnp.sum(ok.astype(jnp.int32))
-        averages.append(total / jnp.maximum(contributors, 1).astype(jnp.float32))
-        skipped = skipped + jnp.sum((~ok & ~mine).astype(jnp.int32))
+    # Round 1: chunk c goes to node c, all chunks in one all-to-all.
+    chunks = _pad(vector, n).reshape(n, -1)
+    sent_keys = jax.vmap(lambda c: key_of(device_id(me), _SCATTER_REDUCE, c))(peers)
+    outgoing = jax.vmap(compressor.encode)(chunks, sent_keys)
+    incoming = _unpack_rows(
+        gossip.all_to_all_payload(_pack_rows(outgoing), axis_name=axis_name), _row_of(outgoing)
+    )
+    keys = jax.vmap(lambda s: key_of(s, _SCATTER_REDUCE, me))(senders)
+    decoded, ok = _decode_rows(compressor, incoming, keys)
+    # This node's own chunk enters in full precision.
+    own = jnp.take(chunks, me, axis=0)
+    decoded = jnp.where(mine[:, None], own[None], decoded)
+    ok = jnp.where(mine, jnp.all(jnp.isfinite(own)), ok)
+    total = jnp.sum(jnp.where(ok[:, None], decoded, 0.0), axis=0)
+    contributors = jnp.sum(ok.astype(jnp.int32))
+    average = total / jnp.maximum(contributors, 1).astype(jnp.float32)  # a_me
+    skipped = jnp.sum((~ok & ~mine).astype(jnp.int32))
 
     # Round 2: node c's averaged chunk goes to everyone, itself included.
-    outgoing = [
-        compressor.encode(avg, key_of(device_id(me), _ALL_GATHER, leaf, me))
-        for leaf, avg in enumerate(averages)
-    ]
-    gathered = gossip.all_gather_payload(outgoing, axis_name=axis_name)
-    means = []
-    for leaf, (vector, rows) in enumerate(zip(vectors, gathered, strict=True)):
-        keys = jax.vmap(lambda s, ch, leaf=leaf: key_of(s, _ALL_GATHER, leaf, ch))(senders, peers)
-        decoded, ok = _decode_rows(compressor, rows, keys)
-        decoded = jnp.where(ok[:, None], decoded, 0.0)
-        skipped = skipped + jnp.sum((~ok).astype(jnp.int32))
-        means.append(decoded.reshape(-1)[: vector.size])
-    return means, skipped
+    payload = compressor.encode(average, key_of(device_id(me), _ALL_GATHER, me))
+    rows = jax.tree.map(lambda x: x[None], payload)
+    gathered = gossip.all_gather_payload(_pack_rows(rows)[0], axis_name=axis_name)
+    gathered = _unpack_rows(gathered, _row_of(rows))
+    keys = jax.vmap(lambda s, c: key_of(s, _ALL_GATHER, c))(senders, peers)
+    decoded, ok = _decode_rows(compressor, gathered, keys)
+    decoded = jnp.where(ok[:, None], decoded, 0.0)
+    skipped = skipped + jnp.sum((~ok).astype(jnp.int32))
+    mean = decoded.reshape(-1)[: vector.size]
+    if not error_feedback:
+        return mean, skipped, None
+
+    # e = v - t: Q(v_c) fell short of v_c on the chunks sent to others; on its own
+    # chunk, the round-2 error Q(a_me) - a_me enters the mean n times over.
+    sent = jax.vmap(lambda p, k: compressor.decode(p, key=k).astype(jnp.float32))(
+        outgoing, sent_keys
+    )
+    own_error = n * (average - jnp.take(decoded, me, axis=0))
+    error = jnp.where(mine[:, None], own_error[None], chunks - sent)
+    return mean, skipped, error.reshape(-1)[: vector.size]
 
 
 def step(
@@ -181,8 +238,9 @@ def step(
     state: CompressedMeanState,
     *,
     compressor: compress_base.Compressor,
-    axis_name: str = "nodes",
+    axis_name: gossip.AxisName = "nodes",
     local_axis: str | None = None,
+    error_feedback: bool = False,
 ) -> tuple[optax.Updates, CompressedMeanState]:
     """The compressed mean of `updates` over the nodes; must run under the named axes.
 
@@ -190,13 +248,22 @@ def step(
       updates: this device's update (its gradient).
       state: the state from `init` or the previous step.
       compressor: Q, applied to the chunks in both rounds.
-      axis_name: the nodes' axis.
+      axis_name: the nodes' axis (or a tuple of axes, one flat node axis).
       local_axis: None, or the axis of a node's accelerators.
+      error_feedback: add the residual to what is sent and keep the new one.
 
     Returns:
       (the mean over both axes, in each leaf's dtype; the next state).
     """
     gossip.require_axis(axis_name, "compressed_mean")
+    if not isinstance(axis_name, str) and len(axis_name) > 1:
+        manual = jax.sharding.get_abstract_mesh().manual_axes
+        if any(a not in manual for a in axis_name):
+            raise ValueError(
+                f"compressed_mean: axis_name={axis_name!r} includes a vmap axis, and jax cannot "
+                "all-gather over several axes when one is vmapped: use shard_map mesh axes "
+                "only, or one axis (with local_axis= for the nodes nested in each device)."
+            )
     if local_axis is None:
 
         def device_id(node):
@@ -212,57 +279,104 @@ def step(
     ok = _common.all_finite(updates)
     health = health_lib.count_update(state.health, ok)
     leaves, treedef = jax.tree.flatten(updates)
-    # Empty leaves have nothing to send; NaN everywhere marks a non-finite update for every chunk.
     live = [i for i, u in enumerate(leaves) if u.size]
-    vectors = [jnp.where(ok, leaves[i].astype(jnp.float32).reshape(-1), jnp.nan) for i in live]
-    if local_axis is not None:
-        shards = [_pad(v, local_size) for v in vectors]
-        shards = gossip.local_reduce_scatter(shards, axis_name=local_axis)
-        shard_means, skipped = _two_round_mean(
-            shards, state, compressor=compressor, axis_name=axis_name, device_id=device_id
-        )
-        gathered = gossip.local_all_gather(shard_means, axis_name=local_axis)
-        means = [g[: v.size] for g, v in zip(gathered, vectors, strict=True)]
-    else:
-        means, skipped = _two_round_mean(
-            vectors, state, compressor=compressor, axis_name=axis_name, device_id=device_id
-        )
     out = [jnp.zeros_like(u) for u in leaves]
-    for i, mean in zip(live, means, strict=True):
-        out[i] = mean.reshape(leaves[i].shape).astype(leaves[i].dtype)
+    if not live:  # nothing to send
+        return treedef.unflatten(out), state._replace(count=state.count + 1, health=health)
+    # NaN everywhere marks a non-finite update in every chunk.
+    flat = jnp.concatenate([leaves[i].astype(jnp.float32).reshape(-1) for i in live])
+    flat = jnp.where(ok, flat, jnp.nan)
+    share = flat
+    if local_axis is not None:
+        share = gossip.local_reduce_scatter(_pad(flat, local_size), axis_name=local_axis)
+    if error_feedback:
+        share = share + state.residual
+    mean, skipped, error = _two_round_mean(
+        share,
+        state,
+        compressor=compressor,
+        axis_name=axis_name,
+        device_id=device_id,
+        error_feedback=error_feedback,
+    )
+    residual = state.residual
+    if error_feedback:
+        residual = jnp.where(jnp.all(jnp.isfinite(share)), error, state.residual)
+    if local_axis is not None:
+        mean = gossip.local_all_gather(mean, axis_name=local_axis)[: flat.size]
+    offset = 0
+    for i in live:
+        leaf = leaves[i]
+        out[i] = mean[offset : offset + leaf.size].reshape(leaf.shape).astype(leaf.dtype)
+        offset += leaf.size
     health = health_lib.count_received(health, skipped)
-    return treedef.unflatten(out), CompressedMeanState(state.count + 1, state.key, health)
+    return treedef.unflatten(out), CompressedMeanState(state.count + 1, state.key, health, residual)
+
+
+def _is_axis_name(name: Any) -> bool:
+    """A string, or a non-empty tuple of distinct strings."""
+    if isinstance(name, str):
+        return True
+    return (
+        isinstance(name, tuple)
+        and bool(name)
+        and all(isinstance(a, str) for a in name)
+        and len(set(name)) == len(name)
+    )
 
 
 def compressed_mean(
     comp: compress_base.Compressor,
     *,
-    axis_name: str = "nodes",
+    axis_name: gossip.AxisName = "nodes",
     local_axis: str | None = None,
     seed: int | jax.Array = 0,
+    error_feedback: bool = False,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Mean of the updates over the nodes by a two-round compressed all-reduce (seeds 001, 004).
 
     .. math::
 
-      a_c = \frac{1}{n}\Big(g_c^{(c)} + \sum_{j \ne c} Q\big(g_c^{(j)}\big)\Big),\qquad
+      a_c = \frac{1}{n}\Big(v_c^{(c)} + \sum_{j \ne c} Q\big(v_c^{(j)}\big)\Big),\qquad
       \bar g = \big[\,Q(a_0), \dots, Q(a_{n-1})\,\big]
 
-    :math:`g^{(j)}_c` is chunk c of node j's incoming update (per leaf,
-    flattened), Q is `comp` (encode then decode) and n the size of
-    `axis_name`. Node c computes :math:`a_c`; every node receives every
-    :math:`Q(a_c)`. For ``minmax(b, "nearest")`` each element of chunk c is
-    within :math:`\frac{1}{n}\sum_{j \ne c} \frac{u_{jc}}{2} + \frac{u_c'}{2}`
-    of the exact mean, :math:`u_{jc}` the step of node j's chunk c and
-    :math:`u'_c` that of :math:`a_c` (range / (2^b - 1) per scale chunk);
-    stochastic rounding makes the result unbiased. Each node sends, and
-    receives, about 2 (n - 1)/n times the compressed size of its update per
-    step, half in each round.
+    :math:`v^{(j)} = g^{(j)}` is node j's incoming update, its leaves
+    flattened and concatenated into one vector, and :math:`v^{(j)}_c` its
+    chunk c; Q is `comp` (encode then decode) and n the size of `axis_name`.
+    Node c computes :math:`a_c`; every node receives every :math:`Q(a_c)`.
+    For ``minmax(b, "nearest")`` each element of chunk c is within
+    :math:`\frac{1}{n}\sum_{j \ne c} \frac{u_{jc}}{2} + \frac{u_c'}{2}` of the
+    exact mean, :math:`u_{jc}` the step of node j's chunk c and :math:`u'_c`
+    that of :math:`a_c` (range / (2^b - 1) per scale chunk); stochastic
+    rounding makes the result unbiased. Each node sends, and receives, about
+    2 (n - 1)/n times the compressed size of its update per step, half in each
+    round, in one all-to-all and one all-gather.
+
+    Error feedback (``error_feedback=True``): node j keeps a residual
+    :math:`e^{(j)}` (zero at first), sends :math:`v^{(j)} = g^{(j)} + e^{(j)}`
+    in the rounds above, and keeps what its transmission fell short by:
+
+    .. math::
+
+      t^{(j)}_c = Q\big(v^{(j)}_c\big)\ (c \ne j),\qquad
+      t^{(j)}_j = v^{(j)}_j + n\big(Q(a_j) - a_j\big),\qquad
+      e^{(j)} \leftarrow v^{(j)} - t^{(j)}
+
+    Since :math:`Q(a_c) = a_c + (Q(a_c) - a_c)`, the result is exactly
+    :math:`\bar g = \frac{1}{n}\sum_j t^{(j)}` (node c's own term carries the
+    round-2 error n times), so over T steps the errors telescope:
+    :math:`\sum_t \bar g_t = \sum_t \frac{1}{n}\sum_j g^{(j)}_t + \frac{1}{n}
+    \sum_j \big(e^{(j)}_0 - e^{(j)}_T\big)`: the accumulated error stays
+    that of one step instead of growing. A step whose v is not finite keeps
+    the residual unchanged (and the identity then holds over the steps where
+    all nodes' v were finite).
 
     With `local_axis`, the mean is over both axes: a full-precision
-    reduce-scatter over `local_axis` first, then the two rounds between the
-    nodes of `axis_name` on each 1/L shard, then a full-precision all-gather
-    over `local_axis` (module docstring).
+    reduce-scatter (mean) over `local_axis` first, then the two rounds between
+    the nodes of `axis_name` on each 1/L shard, then a full-precision
+    all-gather over `local_axis` (module docstring). There v is the machine's
+    mean shard plus the residual of the local rank that holds it, and n is the
+    number of machines.
 
     A centralized transform: put it FIRST in the chain, on the gradients,
     followed by a local optimizer. It must run under `axis_name` (and
@@ -271,10 +385,14 @@ def compressed_mean(
     Args:
       comp: Q, an `lpdec` compressor other than `modulo`; seeds 001 and 004
         use ``lpdec.minmax(8, "stochastic")``.
-      axis_name: the named axis whose instances are the nodes (machines).
+      axis_name: the named axis whose instances are the nodes (machines); a
+        tuple of axis names (e.g. ``("machines", "workers")``) makes their
+        product one flat node axis when `local_axis` is None.
       local_axis: optional second named axis, the accelerators within a node.
       seed: seeds the shared key for stochastic rounding / random-k (an int
         or an int scalar array, so ``optax.inject_hyperparams`` works).
+      error_feedback: keep a float32 residual of this device's share in the
+        state and feed it back (above).
 
     Returns:
       An optax transform whose `init` and `update` must run under `axis_name`
@@ -289,7 +407,9 @@ def compressed_mean(
     References:
       Alistarh et al., QSGD: Communication-Efficient SGD via Gradient
       Quantization and Encoding, NeurIPS 2017, https://arxiv.org/abs/1610.02132;
-      Bagua's low precision gradient all-reduce, https://github.com/BaguaSys/bagua
+      Bagua's low precision gradient all-reduce, https://github.com/BaguaSys/bagua;
+      Karimireddy et al., Error Feedback Fixes SignSGD and other Gradient
+      Compression Schemes, ICML 2019, https://arxiv.org/abs/1901.09847
     """
     _common.check_compressor(comp, "compressed_mean", "lpdec.minmax(8)")
     if isinstance(comp, Modulo):
@@ -297,19 +417,43 @@ def compressed_mean(
             "compressed_mean cannot use modulo: it decodes against the receiver's own model, "
             "and a mean of updates has none."
         )
-    if not isinstance(axis_name, str):
-        raise TypeError(f"compressed_mean: axis_name must be a string; got {axis_name!r}.")
-    if local_axis is not None and (not isinstance(local_axis, str) or local_axis == axis_name):
-        raise ValueError(
-            "compressed_mean: local_axis must be None or an axis name other than "
-            f"axis_name={axis_name!r}; got {local_axis!r}."
+    if not _is_axis_name(axis_name):
+        raise TypeError(
+            "compressed_mean: axis_name must be an axis name or a tuple of distinct axis names; "
+            f"got {axis_name!r}."
         )
+    if local_axis is not None:
+        if not isinstance(axis_name, str):
+            raise ValueError(
+                "compressed_mean: with local_axis, axis_name must be one axis name (a string); "
+                f"got {axis_name!r}."
+            )
+        if not isinstance(local_axis, str) or local_axis == axis_name:
+            raise ValueError(
+                "compressed_mean: local_axis must be None or an axis name other than "
+                f"axis_name={axis_name!r}; got {local_axis!r}."
+            )
+    if not isinstance(error_feedback, bool):
+        raise TypeError(f"compressed_mean: error_feedback must be a bool; got {error_feedback!r}.")
 
     def init_fn(params):
-        return init(params, seed=seed, axis_name=axis_name, local_axis=local_axis)
+        return init(
+            params,
+            seed=seed,
+            axis_name=axis_name,
+            local_axis=local_axis,
+            error_feedback=error_feedback,
+        )
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        return step(updates, state, compressor=comp, axis_name=axis_name, local_axis=local_axis)
+        return step(
+            updates,
+            state,
+            compressor=comp,
+            axis_name=axis_name,
+            local_axis=local_axis,
+            error_feedback=error_feedback,
+        )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

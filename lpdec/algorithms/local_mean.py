@@ -7,6 +7,7 @@ accelerators before a decentralized algorithm gossips between the nodes.
 
 from __future__ import annotations
 
+from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -30,7 +31,7 @@ class LocalMeanState(NamedTuple):
     health: health_lib.Health
 
 
-def init(params: optax.Params, *, axis_name: str) -> LocalMeanState:
+def init(params: optax.Params, *, axis_name: gossip.AxisName) -> LocalMeanState:
     """The state at step 0; must run under `axis_name`."""
     del params
     gossip.require_axis(axis_name, "local_mean's init")
@@ -38,7 +39,7 @@ def init(params: optax.Params, *, axis_name: str) -> LocalMeanState:
 
 
 def step(
-    updates: optax.Updates, state: LocalMeanState, *, axis_name: str
+    updates: optax.Updates, state: LocalMeanState, *, axis_name: gossip.AxisName
 ) -> tuple[optax.Updates, LocalMeanState]:
     """The mean of `updates` over `axis_name`; must run under that named axis."""
     size = gossip.require_axis(axis_name, "local_mean")
@@ -54,23 +55,37 @@ def step(
     return mean, LocalMeanState(health_lib.count_received(health, dropped))
 
 
-def local_mean(*, axis_name: str) -> optax.GradientTransformationExtraArgs:
+def _is_axis_name(name: Any) -> bool:
+    """A string, or a non-empty tuple of distinct strings."""
+    if isinstance(name, str):
+        return True
+    return (
+        isinstance(name, tuple)
+        and bool(name)
+        and all(isinstance(a, str) for a in name)
+        and len(set(name)) == len(name)
+    )
+
+
+def local_mean(*, axis_name: gossip.AxisName) -> optax.GradientTransformationExtraArgs:
     r"""Mean of the incoming updates over the named axis `axis_name`, in full precision.
 
     .. math::
 
       \bar u = \frac{1}{|F|} \sum_{l \in F} u_l
 
-    :math:`u_l` is the update of rank l along `axis_name` and F the ranks whose
-    update is finite (all of them, normally: then it is `lax.pmean`). Every
-    rank gets the same :math:`\bar u`.
+    :math:`u_l` is the update of rank l along `axis_name` (over all its axes,
+    for a tuple) and F the ranks whose update is finite (all of them,
+    normally: then it is `lax.pmean`). Every rank gets the same :math:`\bar u`.
 
     Put it FIRST in the chain, on the gradients. It must run under
     `axis_name` (`jax.shard_map` or `jax.vmap(axis_name=...)`).
 
     Args:
       axis_name: the named axis to average over (e.g. the accelerators of a
-        node on a 2-axis mesh).
+        node on a 2-axis mesh), or a tuple of axis names to average over all
+        of them at once (``("machines", "workers")``: every device of a 2-D
+        layout; ``("nodes", "local")``: every node of a nested one).
 
     Returns:
       An optax transform whose `init` and `update` must run under
@@ -83,8 +98,11 @@ def local_mean(*, axis_name: str) -> optax.GradientTransformationExtraArgs:
       ...     lpdec.dpsgd(lpdec.ring(4), axis_name="nodes"),
       ... )
     """
-    if not isinstance(axis_name, str):
-        raise TypeError(f"local_mean: axis_name must be a string; got {axis_name!r}.")
+    if not _is_axis_name(axis_name):
+        raise TypeError(
+            "local_mean: axis_name must be an axis name or a tuple of distinct axis names; "
+            f"got {axis_name!r}."
+        )
 
     def init_fn(params):
         return init(params, axis_name=axis_name)
