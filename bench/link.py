@@ -504,6 +504,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--output", default=os.path.join(ROOT, "BENCHMARKS.md"))
+    parser.add_argument(
+        "--section",
+        default=SECTION,
+        help="name of the section of --output to write (one per layout, e.g. 'bench/link.py 4x2')",
+    )
     parser.add_argument("--plot", default=os.path.join(ROOT, "docs", "link_accuracy_vs_time.png"))
     parser.add_argument("--results", help="JSON of every number (default: in --workdir)")
     parser.add_argument("--workdir", help="run directories (default: a new temporary one)")
@@ -613,7 +618,7 @@ def main(argv=None) -> int:
     with open(results_path, "w") as f:
         json.dump({"args": vars(args), "results": all_results}, f, indent=2, default=str)
     body = section(all_results, args, command)
-    _sections.replace_section(args.output, SECTION, body, header=_sections.BENCHMARKS_HEADER)
+    _sections.replace_section(args.output, args.section, body, header=_sections.BENCHMARKS_HEADER)
     plot(all_results, args)
     print(body)
     print(f"results: {results_path}; section: {args.output}; plot: {args.plot}")
