@@ -66,7 +66,8 @@ def _reference(a, b, x0, steps, h, *, exchange="mean", w=None, overlap=False):
     pending = np.zeros_like(x)
     inner = _Momentum(INNER_LR, INNER_MU, False, x.shape)
     outer = _Momentum(OUTER_LR, OUTER_MU, True, x.shape)
-    out = []
+    out, rounds = [], 0
+    mixing = w if callable(w) else (lambda r: w)
     for t in range(steps):
         g = np.einsum("nij,nj->ni", a, x) - b
         x = x + inner(g)
@@ -75,7 +76,8 @@ def _reference(a, b, x0, steps, h, *, exchange="mean", w=None, overlap=False):
             if exchange == "mean":
                 o = outer(np.broadcast_to(delta.mean(axis=0), delta.shape))
             else:  # gossip: D-PSGD mixes the anchors, then adds the outer update
-                o = w @ anchor + outer(delta) - anchor
+                o = mixing(rounds) @ anchor + outer(delta) - anchor
+            rounds += 1
             if overlap:
                 anchor = anchor + pending
                 x = anchor + (x - start)
@@ -118,6 +120,26 @@ def test_diloco_matches_numpy_simulation(problem, mode, overlap, exchange):
         w=w,
         overlap=overlap,
     )
+    np.testing.assert_allclose(np.asarray(ps["w"]), ref, rtol=2e-4, atol=2e-5)
+
+
+def test_diloco_gossips_with_a_new_random_peer_every_round(problem):
+    """With a time-varying topology the gossip uses W of the exchange round, not of the step."""
+    a, b, x0 = problem
+    topology = lpdec.random_matching(N, seed=3)
+    outer = optax.chain(
+        optax.sgd(OUTER_LR, momentum=OUTER_MU, nesterov=True),
+        lpdec.dpsgd(topology, axis_name=testing.AXIS),
+    )
+    tx = lpdec.diloco(
+        optax.sgd(INNER_LR, momentum=INNER_MU), outer, local_steps=2, axis_name=testing.AXIS
+    )
+    ps, _, _ = testing.run(tx, {"w": x0}, 12, grad_fn=_grad_fn(a, b), mode="shard_map")
+
+    def w(round_):
+        return np.asarray(topology.mixing_matrix(round_), np.float64)
+
+    ref = _reference(a, b, x0, 12, 2, exchange="gossip", w=w)
     np.testing.assert_allclose(np.asarray(ps["w"]), ref, rtol=2e-4, atol=2e-5)
 
 

@@ -19,9 +19,11 @@ order:
 - a gossip algorithm LAST, on the anchors: ``optax.chain(optax.sgd(0.7,
   momentum=0.9, nesterov=True), lpdec.choco(topology, ...))`` lets each node
   take its outer step with its own pseudo-gradient and then gossip its anchor
-  with its neighbours (a random peer per round with
-  ``lpdec.random_matching``, in the spirit of NoLoCo), compressed with
-  CHOCO's replicas where the compressor needs them.
+  with its neighbours: with ``lpdec.dpsgd(lpdec.random_matching(n, seed))``
+  one random peer per round, in the spirit of NoLoCo (whose modified Nesterov
+  step this does not reproduce); compressed on a static graph with
+  ``lpdec.choco``, whose replicas keep the compression error out of the
+  anchors.
 
 Communication happens only on exchange rounds: the outer transform runs
 under a ``lax.cond`` on the step counter, which is the same on every node, so
