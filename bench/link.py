@@ -320,12 +320,12 @@ def measure(network, name, args, port, workdir) -> dict:
     result = {"method": name, "label": METHODS[name].label, "rates": {}}
     network.shape(None)
     probes = []
-    for steps in (n1, n2):
-        probe = dict(overrides, num_steps=steps, log_every=steps)
+    for length in (n1, n2):
+        probe = dict(overrides, num_steps=length, log_every=length)
         probes.append(
             run_training(
                 network,
-                os.path.join(workdir, f"{name}-probe-{steps}"),
+                os.path.join(workdir, f"{name}-probe-{length}"),
                 next(port),
                 args.devices,
                 args.config,

@@ -220,6 +220,42 @@ def test_target_final_is_the_baseline_final_accuracy_per_link():
 
 
 @pytest.mark.parametrize(
+    "method,probes,log_every,steps",
+    [("choco8", (10, 30), 20, 400), ("diloco4", (10, 30), 20, 400),
+     ("diloco4h40", (40, 80), 40, 400), ("diloco4h20", (20, 40), 20, 400)],
+)  # fmt: skip
+def test_runs_that_exchange_every_h_steps_are_measured_over_whole_rounds(
+    monkeypatch, method, probes, log_every, steps
+):
+    """Probe lengths, their difference, log rows and run lengths are multiples of H, so
+    the veth difference and every timed row hold whole rounds of DiLoCo's exchanges."""
+    calls = []
+
+    def fake_run(network, workdir, port, devices, config, overrides, timeout):
+        calls.append((overrides["num_steps"], overrides["log_every"]))
+        n = overrides["num_steps"]
+        every = overrides["log_every"]
+        rows = [{"step": float(s), "step_time_s": 0.1, "test_accuracy_avg_model": 0.5}
+                for s in range(every, n + 1, every)]  # fmt: skip
+        return link.Run(rows, {"final": {"wire_bytes_per_step": 1.0},
+                               "wire_bytes_source": "x"}, n * 100, n * 100, 1.0)  # fmt: skip
+
+    class FakeNetwork:
+        def shape(self, rate):
+            pass
+
+    monkeypatch.setattr(link, "run_training", fake_run)
+    args = link.parse_args([f"--methods={method}", "--rates=100mbit"])
+    result = link.measure(FakeNetwork(), method, args, iter(range(100)), "/tmp/unused")
+    h = link.METHODS[method].overrides.get("local_steps", 1)
+    (n1, _), (n2, _), *runs = calls
+    assert (n1, n2) == probes and n1 % h == 0 and (n2 - n1) % h == 0
+    assert runs == [(steps, log_every)] * 2  # unshaped and 100mbit
+    assert log_every % h == 0 and steps % log_every == 0
+    assert result["link_bytes_per_step"] == 100.0
+
+
+@pytest.mark.parametrize(
     "flags,message",
     [
         (["--target=high"], "--target='high': expected an accuracy in (0, 1] or 'final'"),
