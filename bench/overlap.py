@@ -1,0 +1,559 @@
+"""Is an exchange hidden behind compute when it is dispatched as its own program? (issue 12, pt 3)
+
+    python -m bench.overlap --rate 100mbit --devices 2 --repeats 5   # BENCHMARKS.md section
+    python -m bench.overlap --output /tmp/overlap.md                 # anywhere else
+
+`lpdec.diloco(..., overlap=True)` applies each round's outer update one round
+late, so the exchange could in principle run while the next H inner steps
+compute. Inside one XLA program it cannot (the collective blocks the step it
+sits in). This experiment asks whether it can when the exchange is a program
+of its own: two processes, each in its own network namespace
+(`bench/netns.py`, a veth pair shaped with htb at each end), each with
+`--devices` CPU devices and gloo collectives, build a mesh
+`("process", "device")` over all devices and two jitted programs that share
+no data:
+
+* `exchange(x)`: `psum` over "process" of `--elements` float32 per device
+  (under `jax.shard_map`), what a pseudo-gradient all-reduce sends;
+* `inner(params, batch, steps)`: `steps` SGD steps of a two-layer MLP on
+  every device, no collectives. `steps` (H) is calibrated on each link so that
+  H steps take about as long as the exchange there (process 0 decides, every
+  process runs the same H).
+
+After warm-up, each repetition times, from dispatch until every result is
+ready (`block_until_ready`), with a barrier (a tiny psum) before each:
+T_exchange alone, T_inner alone, and both together in three ways: both
+dispatched from the main thread, exchange first (`async`); the exchange
+called from a `threading.Thread` while the main thread runs inner
+(`thread`); both from the main thread, inner first (`async, inner first`).
+Overlap efficiency = (T_inner + T_exchange - T_both) / min(T_inner,
+T_exchange): 1 when the shorter one is fully hidden, 0 when they run one
+after the other. Reported: medians over `--repeats`, process 0's times,
+whether every exchange result (on both processes) equals the sum computed
+independently with numpy, and how long the call `exchange(x)` took to return
+in the `async` mode (near zero when dispatch is asynchronous).
+
+Every run is bounded by `--timeout`; the namespaces (prefix
+`lpdecov-<pid>` by default, so they never collide with `bench/link.py`'s
+`lpdec-<pid>`) are removed on exit, on SIGINT/SIGTERM/SIGHUP and at
+interpreter exit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import datetime
+import json
+import os
+import platform
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+from bench import _sections
+from bench import netns
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTION = "bench/overlap.py"
+PROCESSES = 2
+FIRST_PORT = 24567
+UNSHAPED = "unshaped"
+#: The measured quantities, in table order: (key, what it is).
+MODES = {
+    "exchange": "exchange alone",
+    "inner": "inner alone",
+    "async": "both, main thread, exchange first",
+    "thread": "both, exchange in a thread",
+    "async_inner_first": "both, main thread, inner first",
+}
+BOTH = ("async", "thread", "async_inner_first")
+
+
+def efficiency(t_inner: float, t_exchange: float, t_both: float) -> float:
+    """(T_inner + T_exchange - T_both) / min(T_inner, T_exchange): 1 hidden, 0 serialized."""
+    shorter = min(t_inner, t_exchange)
+    if shorter <= 0:
+        raise ValueError(f"efficiency: times must be positive, got {t_inner=}, {t_exchange=}")
+    return (t_inner + t_exchange - t_both) / shorter
+
+
+def expected_sum(process_count: int, device: int, elements: int):
+    """The exchange's result on device `device` of any process, computed with numpy alone."""
+    return sum(_payload(p, device, elements) for p in range(process_count))
+
+
+def _payload(process: int, device: int, elements: int):
+    """What device `device` of process `process` contributes: small integers, exact in float32."""
+    import numpy as np
+
+    return (np.arange(elements) % 13 + 16 * process + 3 * device).astype(np.float32)
+
+
+# ---------------------------------------------------------------------------------------------
+# The worker: one process of the pair, inside its namespace.
+
+
+def _worker(args) -> int:
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    jax.distributed.initialize(
+        coordinator_address=args.coordinator,
+        num_processes=PROCESSES,
+        process_id=args.process_id,
+    )
+    me, k = jax.process_index(), jax.local_device_count()
+    devices = np.array(jax.devices()).reshape(PROCESSES, k)
+    if any(d.process_index != p for p in range(PROCESSES) for d in devices[p]):
+        raise RuntimeError("jax.devices() is not grouped by process; cannot build the mesh")
+    mesh = jax.sharding.Mesh(devices, ("process", "device"))
+    spec = jax.P("process", "device")
+    sharding = jax.NamedSharding(mesh, spec)
+
+    def global_array(shape, local):
+        """A (PROCESSES, k, *shape) array; `local(p, d)` gives device (p, d)'s block."""
+        return jax.make_array_from_callback(
+            (PROCESSES, k, *shape),
+            sharding,
+            lambda index: local(index[0].start or 0, index[1].start or 0)[None, None],
+        )
+
+    exchange = jax.jit(
+        jax.shard_map(
+            lambda v: jax.lax.psum(v, "process"), mesh=mesh, in_specs=spec, out_specs=spec
+        )
+    )
+    # A barrier that also broadcasts process 0's integer: the sum over every device.
+    everyone = jax.jit(
+        jax.shard_map(
+            lambda v: jax.lax.psum(v, ("process", "device")),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+        )
+    )
+
+    def barrier(value: int = 0) -> int:
+        local = lambda p, d: np.array(value if (p, d) == (0, 0) else 0, np.int32)  # noqa: E731
+        out = everyone(global_array((), local))
+        return int(np.asarray(out.addressable_shards[0].data).reshape(()))
+
+    def local_sgd(w1, w2, xb, yb, steps):
+        block = lambda a: a[0, 0]  # noqa: E731  (the device's block of a shard_map argument)
+        xb, yb = block(xb), block(yb)
+
+        def loss(w):
+            hidden = jnp.tanh(xb @ w[0])
+            return jnp.mean((hidden @ w[1] - yb) ** 2)
+
+        def step(_, w):
+            grads = jax.grad(loss)(w)
+            return jax.tree.map(lambda a, g: a - 0.01 * g, w, grads)
+
+        w = jax.lax.fori_loop(0, steps, step, (block(w1), block(w2)))
+        return tuple(a[None, None] for a in w)
+
+    inner = jax.jit(
+        jax.shard_map(
+            local_sgd,
+            mesh=mesh,
+            in_specs=(spec, spec, spec, spec, jax.P()),
+            out_specs=(spec, spec),
+        )
+    )
+
+    rng = np.random.default_rng(0)
+    width, batch = args.width, args.batch
+
+    def normal(scale, rows):
+        return global_array(
+            (rows, width), lambda p, d: rng.normal(0, scale, (rows, width)).astype(np.float32)
+        )
+
+    w1, w2, xb, yb = normal(0.05, width), normal(0.05, width), normal(1, batch), normal(1, batch)
+    x = global_array((args.elements,), lambda p, d: _payload(p, d, args.elements))
+    expected = {d: expected_sum(PROCESSES, d, args.elements) for d in range(k)}
+    correct = []
+
+    def check(out):
+        for shard in out.addressable_shards:
+            got = np.asarray(shard.data)[0, 0]
+            correct.append(bool(np.array_equal(got, expected[shard.index[1].start or 0])))
+
+    def steps_array(h):
+        return jax.device_put(jnp.int32(h), jax.NamedSharding(mesh, jax.P()))
+
+    def run_inner(h):
+        return inner(w1, w2, xb, yb, h)
+
+    def timed(fn):
+        barrier()
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    # Warm-up: compile and run each program twice.
+    one = steps_array(1)
+    for _ in range(2):
+        check(exchange(x).block_until_ready())
+        jax.block_until_ready(run_inner(one))
+        barrier()
+
+    def exchange_alone():
+        check(exchange(x).block_until_ready())
+
+    t_exchange = statistics.median(timed(exchange_alone) for _ in range(3))
+    probe_steps = steps_array(args.probe_steps)
+    t_probe = statistics.median(
+        timed(lambda: jax.block_until_ready(run_inner(probe_steps))) for _ in range(3)
+    )
+    # H steps take about as long as the exchange; process 0's choice, broadcast.
+    h_mine = max(1, round(args.probe_steps * t_exchange / t_probe))
+    h = barrier(h_mine if me == 0 else 0)
+    steps = steps_array(h)
+
+    dispatch = []
+
+    def both_async():
+        start = time.perf_counter()
+        ex = exchange(x)
+        dispatch.append(time.perf_counter() - start)
+        jax.block_until_ready((ex, run_inner(steps)))
+        check(ex)
+
+    def both_thread():
+        results = {}
+
+        def send():
+            results["ex"] = exchange(x).block_until_ready()
+
+        sender = threading.Thread(target=send)
+        sender.start()
+        jax.block_until_ready(run_inner(steps))
+        sender.join()
+        check(results["ex"])
+
+    def both_inner_first():
+        w = run_inner(steps)
+        ex = exchange(x)
+        jax.block_until_ready((ex, w))
+        check(ex)
+
+    measure = {
+        "exchange": exchange_alone,
+        "inner": lambda: jax.block_until_ready(run_inner(steps)),
+        "async": both_async,
+        "thread": both_thread,
+        "async_inner_first": both_inner_first,
+    }
+    times = {mode: [] for mode in measure}
+    for _ in range(args.repeats):  # interleaved, so that drift hits every mode alike
+        for mode, fn in measure.items():
+            times[mode].append(timed(fn))
+    barrier()
+    result = {
+        "process": me,
+        "devices": k,
+        "h": h,
+        "probe_s_per_step": t_probe / args.probe_steps,
+        "times": times,
+        "dispatch_s": dispatch,
+        "exchanges_checked": len(correct),
+        "correct": all(correct) and bool(correct),
+    }
+    with open(args.result, "w") as f:
+        json.dump(result, f)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The driver: namespaces, one pair of workers per link, the table.
+
+
+class RunFailed(RuntimeError):
+    """A worker exited with an error or ran past its time limit."""
+
+
+class Interrupted(BaseException):
+    """Raised by the signal handlers so that every `finally` runs."""
+
+
+_children: list[subprocess.Popen] = []
+_networks: list[netns.Network] = []
+
+
+def _teardown() -> None:
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    for proc in _children:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    _children.clear()
+    for network in _networks:
+        network.destroy()
+    _networks.clear()
+
+
+def _on_signal(signum, frame):
+    del frame
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def subnets_in_use() -> set[int]:
+    """Third octets of the 10.77.x.y addresses of every existing namespace."""
+    used = set()
+    for name in netns.namespaces(""):
+        out = subprocess.run(
+            ["ip", "-n", name, "-o", "-4", "addr", "show"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout
+        used.update(int(x) for x in re.findall(r"10\.77\.(\d+)\.\d+", out))
+    return used
+
+
+def free_subnet(start: int) -> int:
+    """The first third octet from `start` on (mod 256) that no namespace uses yet."""
+    used = subnets_in_use()
+    for offset in range(256):
+        candidate = (start + offset) % 256
+        if candidate not in used:
+            return candidate
+    raise RuntimeError("every 10.77.x.0/24 subnet is taken by some namespace")
+
+
+def run_pair(network, args, port: int, workdir: str, label: str) -> list[dict]:
+    """Both workers on `network`; their result dicts, process 0's first."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={args.devices}"
+    env["PYTHONPATH"] = ROOT
+    procs, paths = [], []
+    for host in range(PROCESSES):
+        paths.append(os.path.join(workdir, f"{label}-process{host}.json"))
+        log = open(os.path.join(workdir, f"{label}-process{host}.log"), "w")
+        command = network.exec_prefix(host) + [
+            sys.executable, "-m", "bench.overlap", "--worker",
+            f"--coordinator={network.address(0)}:{port}", f"--process-id={host}",
+            f"--result={paths[-1]}", f"--elements={args.elements}", f"--width={args.width}",
+            f"--batch={args.batch}", f"--repeats={args.repeats}",
+            f"--probe-steps={args.probe_steps}",
+        ]  # fmt: skip
+        procs.append(
+            subprocess.Popen(
+                command,
+                env=env,
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,  # a process group of its own, killed as one
+            )
+        )
+        log.close()
+        _children.append(procs[-1])
+    started = time.time()
+    try:
+        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
+            if time.time() - started > args.timeout:
+                raise RunFailed(f"{label}: ran past --timeout={args.timeout} s")
+            time.sleep(0.2)
+    finally:
+        for proc in procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            _children.remove(proc)
+    for host, proc in enumerate(procs):
+        if proc.returncode:
+            with open(os.path.join(workdir, f"{label}-process{host}.log")) as f:
+                tail = [line.strip() for line in f.read().splitlines() if line.strip()]
+            raise RunFailed(f"{label}: process {host} exited with {proc.returncode}: {tail[-1:]}")
+    results = []
+    for path in paths:
+        with open(path) as f:
+            results.append(json.load(f))
+    return results
+
+
+def summarize(workers: list[dict]) -> dict:
+    """Process 0's medians, the efficiencies, and correctness over both processes."""
+    medians = {mode: statistics.median(ts) for mode, ts in workers[0]["times"].items()}
+    return {
+        "h": workers[0]["h"],
+        "medians": medians,
+        "efficiency": {
+            mode: efficiency(medians["inner"], medians["exchange"], medians[mode]) for mode in BOTH
+        },
+        "dispatch_s": statistics.median(workers[0]["dispatch_s"]),
+        "correct": all(w["correct"] for w in workers),
+        "exchanges_checked": sum(w["exchanges_checked"] for w in workers),
+    }
+
+
+def table(summaries: dict) -> str:
+    lines = [
+        "| link | H | T_exchange | T_inner | mode | T_both | overlap efficiency | sums correct |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for rate, s in summaries.items():
+        m = s["medians"]
+        for mode in BOTH:
+            lines.append(
+                f"| {rate} | {s['h']} | {m['exchange']:.3f} s | {m['inner']:.3f} s "
+                f"| {MODES[mode]} | {m[mode]:.3f} s | {s['efficiency'][mode]:.2f} "
+                f"| {'yes' if s['correct'] else 'NO'} ({s['exchanges_checked']}) |"
+            )
+    return "\n".join(lines)
+
+
+def versions() -> str:
+    import jax
+    import jaxlib
+
+    iproute = subprocess.run(["ip", "-V"], capture_output=True, text=True).stdout.strip()
+    return (
+        f"Python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+        f"{iproute}, Linux {platform.release()}"
+    )
+
+
+def finding(summaries: dict) -> str:
+    """One paragraph read off the numbers: which modes hid the exchange, and where."""
+    parts = []
+    for rate, s in summaries.items():
+        effs = ", ".join(f"{MODES[m]} {s['efficiency'][m]:.2f}" for m in BOTH)
+        parts.append(
+            f"{rate}: {effs} (the `exchange(x)` call returned after "
+            f"{s['dispatch_s'] * 1e3:.1f} ms of a {s['medians']['exchange'] * 1e3:.0f} ms exchange)"
+        )
+    return "Overlap efficiency by link and mode: " + "; ".join(parts) + "."
+
+
+def section(summaries: dict, args, command: str, conclusion: str) -> str:
+    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores shared by every process"
+    return "\n".join(
+        [
+            "## Does a separately dispatched exchange overlap with compute? (`bench/overlap.py`)",
+            "",
+            f"`{command}`",
+            "",
+            f"Measured {datetime.date.today().isoformat()} on {machine}; {versions()}.",
+            "",
+            f"{PROCESSES} processes x {args.devices} CPU devices (gloo), each process in its own "
+            "network namespace on a veth link shaped with htb at each end. `exchange`: psum "
+            f"over the processes of {args.elements:,} float32 per device ("
+            f"{args.elements * 4 * args.devices / 1e6:.1f} MB per process); `inner`: H SGD steps "
+            f"of a {args.width}-wide two-layer MLP (batch {args.batch}) on every device, no "
+            "collectives, H calibrated per link so that it takes about as long as the exchange. "
+            "Times from dispatch until every result is ready, process 0, medians of "
+            f"{args.repeats} interleaved repetitions. Overlap efficiency = (T_inner + "
+            "T_exchange - T_both) / min(T_inner, T_exchange): 1 = the shorter one fully "
+            "hidden, 0 = one after the other. Sums correct: every exchange result on both "
+            "processes equals the sum computed with numpy (number of device results checked).",
+            "",
+            table(summaries),
+            "",
+            finding(summaries) + (" " + conclusion if conclusion else ""),
+        ]
+    )
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument(
+        "--rate", default="100mbit", help="tc rates besides the unshaped link, comma-separated"
+    )
+    parser.add_argument("--devices", type=int, default=2, help="CPU devices per process")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions per mode")
+    parser.add_argument("--elements", type=int, default=1_100_000, help="float32 per device")
+    parser.add_argument("--width", type=int, default=256, help="the MLP's width")
+    parser.add_argument("--batch", type=int, default=128, help="the MLP's batch per device")
+    parser.add_argument("--probe-steps", type=int, default=10, help="inner steps to calibrate H")
+    parser.add_argument("--timeout", type=float, default=180, help="seconds per pair of workers")
+    parser.add_argument("--output", default=os.path.join(ROOT, "BENCHMARKS.md"))
+    parser.add_argument("--results", help="JSON of every number (default: in a temporary dir)")
+    parser.add_argument("--prefix", help="namespace name prefix (default lpdecov-<pid>)")
+    parser.add_argument(
+        "--subnet", type=int, help="third octet of 10.77.x.0/24 (default: one no namespace uses)"
+    )
+    parser.add_argument(
+        "--conclusion", default="", help="a sentence appended to the section's finding"
+    )
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--coordinator", help=argparse.SUPPRESS)
+    parser.add_argument("--process-id", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.rates = [r for r in args.rate.split(",") if r and r != UNSHAPED]
+    for name in ("devices", "repeats", "elements", "width", "batch", "probe_steps"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')}={getattr(args, name)}: expected >= 1")
+    if args.timeout <= 0:
+        parser.error(f"--timeout={args.timeout}: expected a positive number of seconds")
+    if args.subnet is not None and not 0 <= args.subnet <= 255:
+        parser.error(f"--subnet={args.subnet}: expected 0..255")
+    args.output = os.path.abspath(args.output)
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        return _worker(args)
+    reason = netns.unavailable()
+    if reason:
+        print(f"error: cannot make network namespaces: {reason}", file=sys.stderr)
+        return 2
+    command = "python -m bench.overlap " + " ".join(sys.argv[1:] if argv is None else argv)
+    prefix = args.prefix or f"lpdecov-{os.getpid()}"
+    workdir = tempfile.mkdtemp(prefix="lpdec_overlap_")
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _on_signal)
+    atexit.register(_teardown)
+    summaries, raw = {}, {}
+    try:
+        # Far from bench/link.py's pid % 256 and clear of every subnet already in use.
+        subnet = args.subnet if args.subnet is not None else free_subnet(os.getpid() % 256 + 128)
+        network = netns.Network(PROCESSES, prefix, subnet)
+        _networks.append(network)
+        network.create()
+        print(f"namespaces {' '.join(network.names)} on 10.77.{subnet}.0/24", flush=True)
+        for i, rate in enumerate([None] + args.rates):
+            network.shape(rate)
+            key = rate or UNSHAPED
+            raw[key] = run_pair(network, args, FIRST_PORT + i, workdir, key)
+            summaries[key] = summarize(raw[key])
+            print(key, json.dumps(summaries[key]), flush=True)
+    except Interrupted as signame:
+        print(f"interrupted by {signame}: removing namespaces", file=sys.stderr, flush=True)
+        _teardown()
+        return 130
+    except RunFailed as error:
+        print(f"error: {error} (logs in {workdir})", file=sys.stderr)
+        return 1
+    finally:
+        _teardown()
+    results_path = args.results or os.path.join(workdir, "overlap_results.json")
+    with open(results_path, "w") as f:
+        json.dump({"args": vars(args), "summaries": summaries, "workers": raw}, f, indent=2)
+    body = section(summaries, args, command, args.conclusion)
+    _sections.replace_section(args.output, SECTION, body, header=_sections.BENCHMARKS_HEADER)
+    print(body)
+    print(f"results: {results_path}; section: {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
