@@ -264,9 +264,8 @@ def _measure(programs: _Programs, barrier, correct: list, args) -> dict:
     for _ in range(2):
         steps = programs.steps(h)
         runs = [timed(lambda s=steps: block(programs.inner(s))) for _ in range(2)]
-        t_inner = statistics.median(runs)
-        h = max(1, round(h * t_exchange / t_inner))
-    h = barrier(h if programs.jax.process_index() == 0 else 0)
+        h = max(1, round(h * t_exchange / statistics.median(runs)))
+        h = barrier(h if programs.jax.process_index() == 0 else 0)
     steps = programs.steps(h)
 
     dispatch, first_ready = [], {mode: [] for mode in BOTH}
