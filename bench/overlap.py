@@ -630,6 +630,10 @@ def main(argv=None) -> int:
     _sections.replace_section(args.output, SECTION, body, header=_sections.BENCHMARKS_HEADER)
     print(body)
     print(f"results: {results_path}; section: {args.output}")
+    wrong = [rate for rate, summary in summaries.items() if not summary["correct"]]
+    if wrong:
+        print(f"error: exchange results differ from the expected sums on {wrong}", file=sys.stderr)
+        return 1
     return 0
 
 
