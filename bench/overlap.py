@@ -2,6 +2,7 @@
 
     python -m bench.overlap --rate 100mbit --devices 2 --repeats 5   # BENCHMARKS.md section
     python -m bench.overlap --output /tmp/overlap.md                 # anywhere else
+    python -m bench.overlap --cleanup        # removes namespaces left by a killed run
 
 `lpdec.diloco(..., overlap=True)` applies each round's outer update one round
 late, so the exchange could in principle run while the next H inner steps
@@ -565,9 +566,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--timeout", type=float, default=180, help="seconds per pair of workers")
     parser.add_argument("--output", default=os.path.join(ROOT, "BENCHMARKS.md"))
     parser.add_argument("--results", help="JSON of every number (default: in a temporary dir)")
-    parser.add_argument("--prefix", help="namespace name prefix (default lpdecov-<pid>)")
+    parser.add_argument(
+        "--prefix", help="namespace name prefix (default lpdecov-<pid>; for --cleanup, lpdecov-)"
+    )
     parser.add_argument(
         "--subnet", type=int, help="third octet of 10.77.x.0/24 (default: one no namespace uses)"
+    )
+    parser.add_argument(
+        "--cleanup", action="store_true", help="only remove namespaces starting with --prefix"
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--coordinator", help=argparse.SUPPRESS)
@@ -590,6 +596,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.worker:
         return _worker(args)
+    if args.cleanup:
+        removed = netns.cleanup(args.prefix or "lpdecov-")
+        print(f"removed {len(removed)} namespaces: {' '.join(removed)}")
+        return 0
     reason = netns.unavailable()
     if reason:
         print(f"error: cannot make network namespaces: {reason}", file=sys.stderr)

@@ -167,3 +167,25 @@ def test_a_signal_mid_run_removes_namespaces_and_workers(tmp_path, signum):
     for pid in pids:
         assert not os.path.exists(f"/proc/{pid}"), f"worker {pid} outlived the harness"
     assert not (tmp_path / "BENCHMARKS.md").exists()
+
+
+@needs_namespaces
+def test_cleanup_flag_removes_leftovers_with_its_prefix(tmp_path):
+    prefix = f"lpdecovtest-{os.getpid()}-left"
+    network = netns.Network(2, prefix, 7)
+    network.create()
+    try:
+        assert len(netns.namespaces(prefix)) == 2
+        proc = subprocess.run(
+            [sys.executable, "-m", "bench.overlap", "--cleanup", f"--prefix={prefix}"],
+            env=_env(),
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert proc.returncode == 0, proc.stderr
+        assert "removed 2 namespaces" in proc.stdout
+        assert netns.namespaces(prefix) == []
+    finally:
+        network.destroy()
