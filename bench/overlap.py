@@ -21,6 +21,11 @@ no data:
   H steps take about as long as the exchange there (process 0 decides, every
   process runs the same H).
 
+Two layouts: `shared`, both programs on all devices of the mesh; `split`,
+the exchange alone on each process's last device (carrying the payload of
+all k devices, so the same bytes cross the link) and inner on the other
+k - 1 (needs `--devices` >= 2).
+
 After warm-up, each repetition times, from dispatch until every result is
 ready (`block_until_ready`), with a barrier (a tiny psum) before each:
 T_exchange alone, T_inner alone, and both together in three ways: both
@@ -515,7 +520,9 @@ WHY = (
     "a single-device program waits for the last program enqueued on that device. "
     "Two programs on the same devices therefore run one after the other whatever thread "
     "dispatches them; only programs on disjoint local devices can run concurrently, which is "
-    "what the `split` layout (the exchange alone on a device of its own) tests."
+    "what the `split` layout (the exchange alone on a device of its own) tests. On the "
+    "unshaped veth the exchange waits on no link: gloo and the kernel copy the bytes on the "
+    "same CPU cores that run the inner steps, so running concurrently cannot hide it there."
 )
 
 
