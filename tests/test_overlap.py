@@ -62,6 +62,27 @@ def test_efficiency_rejects_a_zero_time():
         overlap.efficiency(0.0, 1.0, 1.0)
 
 
+def test_summaries_take_the_slower_process_of_each_repetition():
+    def worker(exchange, inner, both):
+        times = {"exchange": exchange, "inner": inner}
+        times |= {mode: both for mode in overlap.BOTH}
+        first = {mode: [0.1, 0.1, 0.1] for mode in overlap.BOTH}
+        at = {"h": 3, "times": times, "first_ready_s": first, "dispatch_s": [0.001]}
+        return {"layouts": {"shared": at}, "correct": True, "exchanges_checked": 4}
+
+    # Repetition by repetition, the slower process: exchange [2, 2, 3], inner [2, 1, 3],
+    # both [4, 3, 2]; medians 2, 2 and 3: efficiency (2 + 2 - 3) / 2.
+    workers = [
+        worker([1.0, 2.0, 3.0], [2.0, 1.0, 1.0], [4.0, 1.0, 2.0]),
+        worker([2.0, 1.0, 1.0], [1.0, 1.0, 3.0], [1.0, 3.0, 1.0]),
+    ]
+    summary = overlap.summarize(workers)
+    at = summary["layouts"]["shared"]
+    assert at["medians"] == {"exchange": 2.0, "inner": 2.0} | {m: 3.0 for m in overlap.BOTH}
+    assert at["efficiency"] == {m: 0.5 for m in overlap.BOTH}
+    assert summary["correct"] and summary["exchanges_checked"] == 8
+
+
 def test_expected_sum_adds_every_process_payload():
     # Device d of process p sends (i mod 13) + 16 p + 3 d at element i.
     i = np.arange(50)
