@@ -143,6 +143,32 @@ def test_diloco_gossips_with_a_new_random_peer_every_round(problem):
     np.testing.assert_allclose(np.asarray(ps["w"]), ref, rtol=2e-4, atol=2e-5)
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("bad", ["nan_gradient", "overflow"])
+def test_a_nonfinite_inner_step_is_skipped(problem, overlap, bad):
+    """Node 3 gets a NaN gradient at step 4, or gradients of 3.4e38 at steps 3 and 4 (its
+    momentum, then its parameters, would overflow at step 4). It skips that one step
+    (its parameters stay where they were), no model ever holds NaN/Inf, and the skip is
+    counted on node 3 only."""
+    a, b, x0 = problem
+    grad = _grad_fn(a, b)
+    first = 4 if bad == "nan_gradient" else 3
+    value = jnp.nan if bad == "nan_gradient" else jnp.float32(3.4e38)
+
+    def grad_fn(params, node, step):
+        g = grad(params, node, step)
+        hit = (node == 3) & (step >= first) & (step <= 4)
+        return jax.tree.map(lambda x: jnp.where(hit, value, x), g)
+
+    ps, states, _ = testing.run(_tx(3, "mean", overlap), {"w": x0}, 9, grad_fn=grad_fn)
+    w = np.asarray(ps["w"])
+    assert np.isfinite(w).all()
+    # Node 3 did not move at step 4 (overflow: step 3 went through, with a huge step).
+    np.testing.assert_array_equal(w[3, 4], w[3, 3])
+    skipped = np.asarray(states.health.nonfinite_updates)[:, -1]
+    np.testing.assert_array_equal(skipped, np.where(np.arange(N) == 3, 1, 0))
+
+
 def test_diloco_one_local_step_is_data_parallel_sgd(problem):
     """H = 1, exact mean, outer sgd(1): every node takes the step of the mean gradient."""
     a, b, x0 = problem

@@ -48,6 +48,13 @@ and end of round t and :math:`o^t` the outer update (zero before the first
 exchange arrives). Every round's local progress enters the anchor exactly
 once, averaged, one round late.
 
+Non-finite values: a node skips an inner step whose gradient, or whose
+resulting parameters, hold NaN/Inf (parameters and inner optimizer state stay
+as they were; counted in ``health.nonfinite_updates``). Parameters must stay
+finite because optax applies updates by addition: no update brings an
+infinite parameter back to the anchor. The outer exchange guards its own
+inputs as every lpdec exchange does.
+
 The nodes land on the anchor through optax's ``params + (anchor - params)``,
 which float rounding can leave one ulp away from the anchor on some nodes; the
 anchor itself is kept exactly in the state, so these roundings never
@@ -69,6 +76,7 @@ import optax
 from lpdec import gossip
 from lpdec import wire
 from lpdec.algorithms import _common
+from lpdec.algorithms import health as health_lib
 
 PyTree = Any
 
@@ -86,6 +94,8 @@ class DiLoCoState(NamedTuple):
         otherwise ``()`` (the start is the anchor).
       pending: with `overlap`, the outer update computed at the end of the
         last round, applied at the end of this one; otherwise ``()``.
+      health: `lpdec.Health`; ``nonfinite_updates`` counts the inner steps
+        this node skipped (a NaN/Inf gradient or resulting parameter).
     """
 
     count: jax.Array
@@ -94,6 +104,7 @@ class DiLoCoState(NamedTuple):
     anchor: PyTree
     start: PyTree
     pending: PyTree
+    health: health_lib.Health
 
 
 def init(
@@ -113,6 +124,7 @@ def init(
         anchor=anchor,
         start=_common.own_f32(params, axis_name) if overlap else (),
         pending=_common.zeros_f32(params, axis_name) if overlap else (),
+        health=health_lib.init(axis_name),
     )
     # The exchange branch returns state varying over the nodes; the carry must start so.
     return gossip.to_varying(state, axis_name)
@@ -135,14 +147,20 @@ def step(
     local = jax.tree.map(
         lambda p, u: p.astype(jnp.float32) + u.astype(jnp.float32), params, inner_updates
     )
+    # A NaN/Inf gradient or step: this node skips the inner step (parameters and
+    # optimizer state as they were). Parameters must stay finite: optax applies
+    # updates by addition, and no update brings an infinite parameter back.
+    ok = _common.all_finite(updates) & _common.all_finite(local)
+    health = health_lib.count_update(state.health, ok)
+    inner_state = _select(ok, inner_state, state.inner)
+    local = _select(ok, local, _common.f32(params))
     count = state.count + 1
 
     def keep(carry):
-        local, outer_state, anchor, start, pending = carry
-        return gossip.to_varying((local, outer_state, anchor, start, pending), axis_name)
+        return gossip.to_varying(carry, axis_name)
 
     def exchange(carry):
-        local, outer_state, anchor, start, pending = carry
+        local, inner_state, outer_state, anchor, start, pending, health = carry
         begun = start if overlap else anchor
         delta = jax.tree.map(jnp.subtract, begun, local)
         # The wire meter averages over steps: this round's bytes are spent once per H steps.
@@ -156,14 +174,17 @@ def step(
         else:
             anchor = jax.tree.map(jnp.add, anchor, out)
             local = anchor
-        return gossip.to_varying((local, outer_state, anchor, start, pending), axis_name)
+        carry = (local, inner_state, outer_state, anchor, start, pending, health)
+        return gossip.to_varying(carry, axis_name)
 
-    carry = (local, state.outer, state.anchor, state.start, state.pending)
-    local, outer_state, anchor, start, pending = jax.lax.cond(
-        count % local_steps == 0, exchange, keep, carry
-    )
-    new_state = DiLoCoState(count, inner_state, outer_state, anchor, start, pending)
-    return _common.as_updates(local, params), new_state
+    carry = (local, inner_state, state.outer, state.anchor, state.start, state.pending, health)
+    local, *rest = jax.lax.cond(count % local_steps == 0, exchange, keep, carry)
+    return _common.as_updates(local, params), DiLoCoState(count, *rest)
+
+
+def _select(ok: jax.Array, new: PyTree, old: PyTree) -> PyTree:
+    """`new` where the scalar `ok` is true, else `old`, leaf by leaf."""
+    return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
 
 
 def diloco(
