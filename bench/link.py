@@ -41,7 +41,6 @@ default) and a plot of test accuracy against training time (`--plot`).
 from __future__ import annotations
 
 import argparse
-import atexit
 import csv
 import dataclasses
 import datetime
@@ -167,10 +166,6 @@ class RunFailed(RuntimeError):
     """A training run exited with an error or ran past its time limit."""
 
 
-class Interrupted(BaseException):
-    """Raised by the signal handlers so that every `finally` runs."""
-
-
 @dataclasses.dataclass
 class Run:
     """One finished run of P train.py processes."""
@@ -180,33 +175,6 @@ class Run:
     tx_bytes: int  # host 0's veth counters over the run
     rx_bytes: int
     wall_s: float
-
-
-# Live state that the exit path must clean up: child process groups and networks.
-_children: list[subprocess.Popen] = []
-_networks: list[netns.Network] = []
-
-
-def _teardown() -> None:
-    # A second Ctrl-C must not cut the cleanup short.
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
-    for proc in _children:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    _children.clear()
-    for network in _networks:
-        network.destroy()
-    _networks.clear()
-
-
-def _on_signal(signum, frame):
-    del frame
-    raise Interrupted(signal.Signals(signum).name)
 
 
 def train_command(network, host, workdir, port, config, overrides) -> list[str]:
@@ -244,7 +212,7 @@ def run_training(network, workdir, port, devices, config, overrides, timeout) ->
             )
         )
         log.close()
-        _children.append(procs[-1])
+        netns.CHILDREN.append(procs[-1])
     try:
         # A process that failed leaves the others waiting for it: stop at the first failure.
         while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
@@ -256,7 +224,7 @@ def run_training(network, workdir, port, devices, config, overrides, timeout) ->
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            _children.remove(proc)
+            netns.CHILDREN.remove(proc)
     wall = time.time() - started
     tx1, rx1 = network.counters(0)
     # Report a process that failed by itself before one that was killed for it (code < 0).
@@ -585,14 +553,12 @@ def main(argv=None) -> int:
     command = "python -m bench.link " + " ".join(sys.argv[1:] if argv is None else argv)
     workdir = args.workdir or tempfile.mkdtemp(prefix="lpdec_link_")
     port = iter(range(FIRST_PORT, FIRST_PORT + 10_000))
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _on_signal)
-    atexit.register(_teardown)
+    netns.install_cleanup()
     all_results: dict[int, list[dict]] = {}
     try:
         for processes in args.processes:
             network = netns.Network(processes, f"{prefix}-p{processes}", os.getpid() % 256)
-            _networks.append(network)
+            netns.NETWORKS.append(network)
             network.create()
             print(f"{processes} hosts: namespaces {' '.join(network.names)}", flush=True)
             results = all_results.setdefault(processes, [])
@@ -607,13 +573,13 @@ def main(argv=None) -> int:
                                     "error": str(error)})  # fmt: skip
                 print(json.dumps(results[-1], default=str)[:400], flush=True)
             network.destroy()
-            _networks.remove(network)
-    except Interrupted as signame:
+            netns.NETWORKS.remove(network)
+    except netns.Interrupted as signame:
         print(f"interrupted by {signame}: removing namespaces", file=sys.stderr, flush=True)
-        _teardown()
+        netns.teardown()
         return 130
     finally:
-        _teardown()
+        netns.teardown()
     results_path = args.results or os.path.join(workdir, "link_results.json")
     with open(results_path, "w") as f:
         json.dump({"args": vars(args), "results": all_results}, f, indent=2, default=str)

@@ -22,8 +22,10 @@ Everything needs root and iproute2 (`ip`, `tc` with the htb qdisc); see
 
 from __future__ import annotations
 
+import atexit
 import os
 import shutil
+import signal
 import socket
 import subprocess
 
@@ -178,3 +180,47 @@ class Network:
     def destroy(self) -> None:
         """Removes every namespace of this network; safe to call more than once."""
         cleanup(f"{self.prefix}-")
+
+
+# ----------------------------------------------------------------------------
+# What a harness must clean up on every exit path: its child process groups
+# and the networks it made (bench/link.py, bench/overlap.py).
+# ----------------------------------------------------------------------------
+
+
+class Interrupted(BaseException):
+    """Raised by the signal handlers so that every `finally` runs."""
+
+
+CHILDREN: list[subprocess.Popen] = []
+NETWORKS: list[Network] = []
+
+
+def teardown() -> None:
+    """Kills every live child process group and destroys every network; idempotent."""
+    # A second Ctrl-C must not cut the cleanup short.
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, signal.SIG_IGN)
+    for proc in CHILDREN:
+        if proc.poll() is None:
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    CHILDREN.clear()
+    for network in NETWORKS:
+        network.destroy()
+    NETWORKS.clear()
+
+
+def _on_signal(signum, frame):
+    del frame
+    raise Interrupted(signal.Signals(signum).name)
+
+
+def install_cleanup() -> None:
+    """SIGINT/SIGTERM/SIGHUP raise `Interrupted`; `teardown` runs at interpreter exit."""
+    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _on_signal)
+    atexit.register(teardown)

@@ -52,7 +52,6 @@ interpreter exit.
 from __future__ import annotations
 
 import argparse
-import atexit
 import datetime
 import json
 import os
@@ -334,35 +333,6 @@ class RunFailed(RuntimeError):
     """A worker exited with an error or ran past its time limit."""
 
 
-class Interrupted(BaseException):
-    """Raised by the signal handlers so that every `finally` runs."""
-
-
-_children: list[subprocess.Popen] = []
-_networks: list[netns.Network] = []
-
-
-def _teardown() -> None:
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, signal.SIG_IGN)
-    for proc in _children:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
-    _children.clear()
-    for network in _networks:
-        network.destroy()
-    _networks.clear()
-
-
-def _on_signal(signum, frame):
-    del frame
-    raise Interrupted(signal.Signals(signum).name)
-
-
 def subnets_in_use() -> set[int]:
     """Third octets of the 10.77.x.y addresses of every existing namespace."""
     used = set()
@@ -414,7 +384,7 @@ def run_pair(network, args, port: int, workdir: str, label: str) -> list[dict]:
             )
         )
         log.close()
-        _children.append(procs[-1])
+        netns.CHILDREN.append(procs[-1])
     started = time.time()
     try:
         while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
@@ -426,7 +396,7 @@ def run_pair(network, args, port: int, workdir: str, label: str) -> list[dict]:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
                 proc.wait()
-            _children.remove(proc)
+            netns.CHILDREN.remove(proc)
     for host, proc in enumerate(procs):
         if proc.returncode:
             with open(os.path.join(workdir, f"{label}-process{host}.log")) as f:
@@ -631,15 +601,13 @@ def main(argv=None) -> int:
     command = "python -m bench.overlap " + " ".join(sys.argv[1:] if argv is None else argv)
     prefix = args.prefix or f"lpdecov-{os.getpid()}"
     workdir = tempfile.mkdtemp(prefix="lpdec_overlap_")
-    for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        signal.signal(signum, _on_signal)
-    atexit.register(_teardown)
+    netns.install_cleanup()
     summaries, raw = {}, {}
     try:
         # Far from bench/link.py's pid % 256 and clear of every subnet already in use.
         subnet = args.subnet if args.subnet is not None else free_subnet(os.getpid() % 256 + 128)
         network = netns.Network(PROCESSES, prefix, subnet)
-        _networks.append(network)
+        netns.NETWORKS.append(network)
         network.create()
         print(f"namespaces {' '.join(network.names)} on 10.77.{subnet}.0/24", flush=True)
         for i, rate in enumerate([None] + args.rates):
@@ -648,15 +616,15 @@ def main(argv=None) -> int:
             raw[key] = run_pair(network, args, FIRST_PORT + i, workdir, key)
             summaries[key] = summarize(raw[key])
             print(key, json.dumps(summaries[key]), flush=True)
-    except Interrupted as signame:
+    except netns.Interrupted as signame:
         print(f"interrupted by {signame}: removing namespaces", file=sys.stderr, flush=True)
-        _teardown()
+        netns.teardown()
         return 130
     except RunFailed as error:
         print(f"error: {error} (logs in {workdir})", file=sys.stderr)
         return 1
     finally:
-        _teardown()
+        netns.teardown()
     results_path = args.results or os.path.join(workdir, "overlap_results.json")
     with open(results_path, "w") as f:
         json.dump({"args": vars(args), "summaries": summaries, "workers": raw}, f, indent=2)

@@ -22,12 +22,12 @@ from lpdec.algorithms.d2 import D2State
 from lpdec.algorithms.d2 import d2
 from lpdec.algorithms.dcd import DCDState
 from lpdec.algorithms.dcd import dcd
-from lpdec.algorithms.diloco import DiLoCoState
-from lpdec.algorithms.diloco import diloco
 from lpdec.algorithms.deepsqueeze import DeepSqueezeState
 from lpdec.algorithms.deepsqueeze import deepsqueeze
 from lpdec.algorithms.delay import DelayState
 from lpdec.algorithms.delay import delay
+from lpdec.algorithms.diloco import DiLoCoState
+from lpdec.algorithms.diloco import diloco
 from lpdec.algorithms.dpsgd import DPSGDState
 from lpdec.algorithms.dpsgd import dpsgd
 from lpdec.algorithms.health import Health

@@ -52,6 +52,18 @@ PyTree = Any
 Scalar = float | jax.Array | Callable[[jax.Array], Any]
 
 
+def is_axis_name(name: Any) -> bool:
+    """A string, or a non-empty tuple of distinct strings."""
+    if isinstance(name, str):
+        return True
+    return (
+        isinstance(name, tuple)
+        and bool(name)
+        and all(isinstance(a, str) for a in name)
+        and len(set(name)) == len(name)
+    )
+
+
 def require_params(params: PyTree | None, name: str) -> PyTree:
     if params is None:
         raise ValueError(

@@ -313,18 +313,6 @@ def step(
     return treedef.unflatten(out), CompressedMeanState(state.count + 1, state.key, health, residual)
 
 
-def _is_axis_name(name: Any) -> bool:
-    """A string, or a non-empty tuple of distinct strings."""
-    if isinstance(name, str):
-        return True
-    return (
-        isinstance(name, tuple)
-        and bool(name)
-        and all(isinstance(a, str) for a in name)
-        and len(set(name)) == len(name)
-    )
-
-
 def compressed_mean(
     comp: compress_base.Compressor,
     *,
@@ -417,7 +405,7 @@ def compressed_mean(
             "compressed_mean cannot use modulo: it decodes against the receiver's own model, "
             "and a mean of updates has none."
         )
-    if not _is_axis_name(axis_name):
+    if not _common.is_axis_name(axis_name):
         raise TypeError(
             "compressed_mean: axis_name must be an axis name or a tuple of distinct axis names; "
             f"got {axis_name!r}."

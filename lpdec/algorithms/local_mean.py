@@ -7,7 +7,6 @@ accelerators before a decentralized algorithm gossips between the nodes.
 
 from __future__ import annotations
 
-from typing import Any
 from typing import NamedTuple
 
 import jax
@@ -55,18 +54,6 @@ def step(
     return mean, LocalMeanState(health_lib.count_received(health, dropped))
 
 
-def _is_axis_name(name: Any) -> bool:
-    """A string, or a non-empty tuple of distinct strings."""
-    if isinstance(name, str):
-        return True
-    return (
-        isinstance(name, tuple)
-        and bool(name)
-        and all(isinstance(a, str) for a in name)
-        and len(set(name)) == len(name)
-    )
-
-
 def local_mean(*, axis_name: gossip.AxisName) -> optax.GradientTransformationExtraArgs:
     r"""Mean of the incoming updates over the named axis `axis_name`, in full precision.
 
@@ -98,7 +85,7 @@ def local_mean(*, axis_name: gossip.AxisName) -> optax.GradientTransformationExt
       ...     lpdec.dpsgd(lpdec.ring(4), axis_name="nodes"),
       ... )
     """
-    if not _is_axis_name(axis_name):
+    if not _common.is_axis_name(axis_name):
         raise TypeError(
             "local_mean: axis_name must be an axis name or a tuple of distinct axis names; "
             f"got {axis_name!r}."
