@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import platform
+import subprocess
 
 BENCHMARKS_HEADER = """# lpdec benchmarks
 
@@ -28,3 +30,15 @@ def replace_section(path: str | os.PathLike, marker: str, body: str, *, header: 
         text = text.rstrip() + "\n\n" + block + "\n"
     with open(path, "w") as f:
         f.write(text)
+
+
+def versions() -> str:
+    """Python, jax, jaxlib, iproute2 and kernel versions, for a section's header line."""
+    import jax
+    import jaxlib
+
+    iproute = subprocess.run(["ip", "-V"], capture_output=True, text=True).stdout.strip()
+    return (
+        f"Python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
+        f"{iproute}, Linux {platform.release()}"
+    )

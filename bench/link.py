@@ -367,17 +367,6 @@ def table(results: list[dict], rate: str, target: float) -> str:
     return "\n".join(lines)
 
 
-def versions() -> str:
-    import jax
-    import jaxlib
-
-    iproute = subprocess.run(["ip", "-V"], capture_output=True, text=True).stdout.strip()
-    return (
-        f"Python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
-        f"{iproute}, Linux {platform.release()}"
-    )
-
-
 def shown(path: str) -> str:
     """`path` relative to the repository when it lies inside it."""
     relative = os.path.relpath(path, ROOT)
@@ -397,7 +386,7 @@ def section(all_results: dict, args, command: str) -> str:
         "",
         f"`{command}`",
         "",
-        f"Measured {datetime.date.today().isoformat()} on {machine}; {versions()}.",
+        f"Measured {datetime.date.today().isoformat()} on {machine}; {_sections.versions()}.",
         "",
         f"P processes of `train.py` (`{shown(args.config)}` plus each method's "
         f"fields; {args.devices} CPU devices each, gloo), each in its own network namespace, "

@@ -460,17 +460,6 @@ def table(summaries: dict) -> str:
     return "\n".join(lines)
 
 
-def versions() -> str:
-    import jax
-    import jaxlib
-
-    iproute = subprocess.run(["ip", "-V"], capture_output=True, text=True).stdout.strip()
-    return (
-        f"Python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
-        f"{iproute}, Linux {platform.release()}"
-    )
-
-
 def verdict(value: float) -> str:
     if value >= 0.7:
         return "hidden"
@@ -520,7 +509,7 @@ def section(summaries: dict, args, command: str) -> str:
             "",
             f"`{command}`",
             "",
-            f"Measured {datetime.date.today().isoformat()} on {machine}; {versions()}.",
+            f"Measured {datetime.date.today().isoformat()} on {machine}; {_sections.versions()}.",
             "",
             f"{PROCESSES} processes x {args.devices} CPU devices (gloo), each process in its own "
             "network namespace on a veth link shaped with htb at each end. `exchange`: psum "
