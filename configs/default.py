@@ -65,7 +65,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.compressor = "minmax"  # see train_lib/registry.py: COMPRESSORS
     config.bits = 8
     config.rounding = "nearest"
-    config.chunk_size = 2048
+    # min-max elements per (lo, unit) pair; None: 2048 * (8 // bits), the scales then
+    # add at most 0.63% to the codes at every width (lpdec.compress.minmax.default_chunk_size).
+    config.chunk_size = ml_collections.config_dict.placeholder(int)
     config.ratio = 0.01  # top_k / random_k: fraction kept (0.01 = "99% compression")
 
     # Local optimization (seed 002: Nesterov 0.9, weight decay 1e-4, lr 0.1).

@@ -57,6 +57,34 @@ def test_minmax_nearest_error_at_most_half_unit(rng, bits, dtype, chunk_size):
     assert (err <= unit / 2 + tol).all(), float((err - unit / 2 - tol).max())
 
 
+@pytest.mark.parametrize("bits", range(1, 9))
+def test_minmax_default_chunks_cost_at_most_two_percent_and_keep_the_bound(rng, bits):
+    """Issue 13: the default chunk size keeps the scales <= 2% of the packed codes.
+
+    Counted from the payload itself (its arrays' bytes), for a model-sized vector,
+    and the nearest-rounding error bound |x - x_hat| <= unit / 2 re-checked per
+    chunk in float64 with the default chunking (the unit is the chunk's range over
+    2**b - 1, computed here from x, not read from the payload).
+    """
+    d = 3 * 16384 + 5  # several default chunks at every width, and a ragged tail
+    x = jnp.asarray(rng.standard_normal(d), jnp.float32)
+    comp = lpdec.minmax(bits=bits)
+    payload, x_hat = round_trip(comp, x)
+    sent = sum(np.asarray(a).nbytes for a in (payload.codes, payload.lo, payload.unit))
+    codes_only = math.ceil(d * bits / 8)
+    assert sent == comp.wire_bytes(d)
+    assert sent <= 1.02 * codes_only, (bits, sent / codes_only)
+    x64 = np.asarray(x, np.float64)
+    err = np.abs(np.asarray(x_hat, np.float64) - x64)
+    chunk = comp.chunk_size
+    for start in range(0, d, chunk):
+        part = x64[start : start + chunk]
+        unit = (part.max() - part.min()) / (2**bits - 1)
+        tol = unit * (2**bits + 2) * EPS32 + 2 * EPS32 * np.abs(part).max()
+        assert (err[start : start + chunk] <= unit / 2 + tol).all(), (bits, start)
+    assert payload.lo.size == math.ceil(d / chunk)
+
+
 @pytest.mark.parametrize("bits", [1, 3, 8])
 def test_minmax_stochastic_rounding_is_unbiased(rng, bits):
     """Mean error over K keys vs a bound derived from the Bernoulli variance.
