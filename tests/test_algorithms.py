@@ -98,7 +98,7 @@ def test_vmap_and_nested_layouts_agree_with_shard_map(rng, name):
     for mode in ("shard_map", "vmap"):
         tx = chain(name, optax.sgd(0.05))
         out[mode] = np.asarray(harness.run(tx, x0, 5, grad_fn=grad_fn, mode=mode)[0]["w"])
-    np.testing.assert_allclose(out["vmap"], out["shard_map"], atol=1e-5, rtol=0)
+    assert_layouts_agree(name, out["vmap"], out["shard_map"])
     if name in CENTRAL:
         return  # their collectives over two nested axes are covered in test_dcd_qgm_mean
     # 16 nodes, 2 per device (vmap nested in shard_map), against all 16 in one vmap.
@@ -109,7 +109,28 @@ def test_vmap_and_nested_layouts_agree_with_shard_map(rng, name):
     for mode, axis in (("nested", harness.NESTED_AXIS), ("vmap", harness.AXIS)):
         tx = optax.chain(optax.sgd(0.05), _on_topology(name, sixteen, axis))
         runs[mode] = np.asarray(harness.run(tx, x16, 5, grad_fn=grad16, mode=mode)[0]["w"])
-    np.testing.assert_allclose(runs["nested"], runs["vmap"], atol=1e-5, rtol=0)
+    assert_layouts_agree(name, runs["nested"], runs["vmap"])
+
+
+# Moniqua's modulo code step B / 2**8 for theta = 0.5 (B = 2 theta / (1 - 2 delta), delta = 2**-9).
+_MODULO_STEP = 2 * 0.5 / (1 - 2 * 2.0**-9) / 2**8
+
+
+def assert_layouts_agree(name, a, b):
+    """Two layouts of one run give the same parameters to float32 rounding.
+
+    The layouts fuse the same math differently, so a value can differ in its last
+    bit; where a modulo code (nearest rounding) sits on a rounding tie that bit
+    moves it by one code step, seen for d2_modulo at seed 3910086333 (7 of 192
+    entries off by 0.0019 after 5 steps). For the modulo methods a few entries
+    may therefore differ by up to one code step; a wrong layout moves most entries.
+    """
+    diff = np.abs(a - b)
+    if name not in ("moniqua", "d2_modulo"):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
+        return
+    off = diff > 1e-5
+    assert off.mean() <= 0.1 and diff.max() <= _MODULO_STEP, (off.sum(), diff.max())
 
 
 def _on_topology(name, topology, axis):
