@@ -14,8 +14,13 @@ import pytest
 
 @pytest.fixture
 def rng(request):
-    """A fresh numpy Generator per test; its seed is printed when the test fails."""
-    seed = int.from_bytes(os.urandom(4), "little")
+    """A fresh numpy Generator per test; its seed is printed when the test fails.
+
+    `LPDEC_TEST_SEED=<seed> pytest ...` replays a failure: every test that uses
+    this fixture then draws from that seed.
+    """
+    override = os.environ.get("LPDEC_TEST_SEED")
+    seed = int(override) if override else int.from_bytes(os.urandom(4), "little")
     request.node.user_properties.append(("seed", seed))
     print(f"random seed: {seed}")
     return np.random.default_rng(seed)
