@@ -20,6 +20,8 @@ looked up in `train_lib.registry`); the per-node programs are in
 
 from __future__ import annotations
 
+import difflib
+import importlib.util
 import os
 import sys
 import time
@@ -38,7 +40,8 @@ from train_lib import checkpoint
 from train_lib import metrics as metrics_lib
 from train_lib import setup
 from train_lib import steps
-from train_lib.registry import ConfigError
+from train_lib import workdir as workdir_lib
+from train_lib.registry import RunError
 
 FLAGS = flags.FLAGS
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summary.json.")
@@ -51,15 +54,24 @@ flags.DEFINE_integer("process_id", None, "Multi-host: index of this process.")
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
     """Trains `config` and writes metrics, checkpoints and summary.json into `workdir`.
 
-    Resumes from the latest checkpoint in `workdir` if there is one.
+    Resumes from the newest intact checkpoint in `workdir` if there is one (see
+    `train_lib.checkpoint`), and holds the workdir's lock while it runs.
 
     Returns:
-      The summary (also written to `workdir/summary.json`).
+      The summary (also written to `workdir/summary.json`); `summary["diverged"]`
+      says whether the run stopped because its loss diverged.
+
+    Raises:
+      RunError: a bad config, workdir or checkpoint, in one line.
     """
     started = time.time()
     exp = setup.build(config)
-    workdir = os.path.abspath(workdir)
-    os.makedirs(workdir, exist_ok=True)
+    workdir = workdir_lib.prepare(workdir)
+    with workdir_lib.Lock(workdir, jax.process_index()):
+        return _train(config, exp, workdir, started)
+
+
+def _train(config, exp: setup.Experiment, workdir: str, started: float) -> dict[str, Any]:
     layout, dataset, n = exp.layout, exp.dataset, config.num_nodes
     batcher = lpdec.data.NodeBatcher(
         dataset.x_train,
@@ -82,12 +94,15 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     key = layout.put(jax.random.key_data(jax.random.key(config.seed + 1)), per_node=False)
 
     manager = checkpoint.manager(workdir)
-    state, meta = checkpoint.restore_latest(manager, state)
+    state, meta = checkpoint.restore_latest(manager, state, config)
     step = 0
+    divergence = metrics_lib.DivergenceMonitor(config.divergence_factor, config.divergence_patience)
     if meta is not None:
         step = int(meta["step"])
         batcher.restore(meta["batcher"])
+        divergence.reference = meta.get("loss_reference")
         logging.info("resumed from step %d of %s", step, workdir)
+    resumed_from = step
     params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
 
     # Test data: the averaged model sees a 1/n shard per node; local models a subset.
@@ -105,6 +120,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     wire_bytes, wire_source, collectives, bytes_by_axis = None, None, None, {}
     halt_at = step + config.halt_after_steps if config.halt_after_steps else None
     metrics: dict[str, Any] = {}
+    stopped = None
     while step < exp.total_steps:
         length = min(config.log_every, exp.total_steps - step)
         xs, ys = zip(*(batcher.next() for _ in range(length)), strict=True)
@@ -146,13 +162,23 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
             "nonfinite_received": nonfinite[1],
         }
         writer.write(metrics)
+        stopped = divergence.update(step, metrics["train_loss"])
+        if stopped:
+            # No checkpoint of a diverged state: a resumed run starts from the last good one.
+            logging.error("stopping: %s", stopped)
+            break
         if (
             (config.checkpoint_every and step % config.checkpoint_every == 0)
             or step == exp.total_steps
             or step == halt_at
         ):
             state = {"params": params, "opt_state": opt_state, "model_state": model_state}
-            checkpoint.save(manager, step, state, {"step": step, "batcher": batcher.state()})
+            meta = {
+                "step": step,
+                "batcher": batcher.state(),
+                "loss_reference": divergence.reference,
+            }
+            checkpoint.save(manager, step, state, meta, config)
         if step == halt_at:
             logging.info(
                 "halting after %d steps (config.halt_after_steps)", config.halt_after_steps
@@ -165,7 +191,10 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
         "final": metrics,
         "steps": step,
         "total_steps": exp.total_steps,
-        "halted": step < exp.total_steps,
+        "halted": step < exp.total_steps and not stopped,
+        "diverged": bool(stopped),
+        "stopped": stopped,
+        "resumed_from_step": resumed_from,
         "wall_time_s": time.time() - started,
         "num_nodes": n,
         "devices": jax.device_count(),
@@ -203,12 +232,89 @@ def main(argv):
         jax.devices()[0].platform,
     )
     try:
-        train_and_evaluate(FLAGS.config, FLAGS.workdir)
-    except ConfigError as error:
+        summary = train_and_evaluate(FLAGS.config, FLAGS.workdir)
+    except RunError as error:
         sys.stderr.write(f"error: {error}\n")
-        sys.exit(2)
+        sys.exit(EXIT_BAD_INPUT)
+    if summary["diverged"]:
+        sys.stderr.write(f"error: {summary['stopped']}\n")
+        sys.exit(EXIT_DIVERGED)
+
+
+# Exit statuses besides 0 (done, or halted by config.halt_after_steps).
+EXIT_BAD_INPUT = 2  # a bad flag, config, workdir or checkpoint: one `error:` line on stderr
+EXIT_DIVERGED = 3  # the loss diverged; summary.json says where
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a bad flag, config file or override reported in one line.
+
+    The config file is loaded here (absl loads it lazily, at first use), so a
+    missing file or a typo in `--config.FIELD` stops the run before anything
+    starts, naming the flag and, for a typo, the closest field.
+    """
+    try:
+        rest = FLAGS(argv)
+        FLAGS.config.keys()  # loads the file and applies the overrides now
+        return rest
+    except Exception as error:  # noqa: BLE001 - ml_collections raises many types
+        sys.stderr.write(f"error: {_explain_flag_error(argv, error)}\n")
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def _explain_flag_error(argv: list[str], error: Exception) -> str:
+    path = _config_path(argv)
+    if path and not os.path.isfile(path):
+        return f"--config={path}: no such file; expected a config file such as configs/default.py"
+    config = _load_config_quietly(argv)
+    if config is not None:
+        fields = sorted(_field_names(config.to_dict()))
+        for arg in argv[1:]:
+            if not arg.startswith("--config."):
+                continue
+            name = arg[len("--config.") :].split("=", 1)[0]
+            if name not in fields:
+                close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+                hint = f"; did you mean config.{close[0]}?" if close else ""
+                return f"{arg}: the config has no field {name!r}{hint}"
+    causes, cause = [], error
+    while cause is not None and len(causes) < 3:
+        text = " ".join(str(cause).split()).strip("'\"") or type(cause).__name__
+        if not any(text in earlier for earlier in causes):
+            causes.append(text)
+        cause = cause.__cause__ or cause.__context__
+    return " <- ".join(causes)[:500]
+
+
+def _load_config_quietly(argv: list[str]):
+    """The config `--config=FILE` names, built by its get_config(), or None."""
+    path = _config_path(argv)
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location("lpdec_user_config", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.get_config()
+    except Exception:  # noqa: BLE001 - the caller falls back to the error's own text
+        return None
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """The file of the last `--config=FILE[:ARG]` flag, or None."""
+    values = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    return values[-1].split(":")[0] if values else None
+
+
+def _field_names(tree: dict, prefix: str = "") -> list[str]:
+    names = []
+    for key, value in tree.items():
+        names.append(prefix + key)
+        if isinstance(value, dict):
+            names += _field_names(value, f"{prefix}{key}.")
+    return names
 
 
 if __name__ == "__main__":
     flags.mark_flags_as_required(["config", "workdir"])
-    app.run(main)
+    app.run(main, flags_parser=parse_flags)

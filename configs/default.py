@@ -90,4 +90,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.eval_local_examples = 1000  # test examples for each node's own model
     config.halt_after_steps = 0  # stop after this many steps (as if killed after a checkpoint)
     config.save_final_params = False  # write final_params.npz (all nodes)
+    # Divergence stops the run (summary.json says why; exit status 3): the mean train
+    # loss of a log interval non-finite, or above divergence_factor x the first
+    # interval's, for divergence_patience intervals in a row. 0 turns the check off.
+    config.divergence_factor = 10.0
+    config.divergence_patience = 3
     return config

@@ -86,6 +86,8 @@ def test_kill_and_resume_gives_the_same_final_parameters(tmp_path, overrides):
     assert first["halted"] and first["steps"] == 20
     second = train.train_and_evaluate(tiny_config(**overrides), str(resumed))
     assert second["steps"] == 40 and not second["halted"]
+    # It resumed (rather than starting over, which would also end equal).
+    assert first["resumed_from_step"] == 0 and second["resumed_from_step"] == 20
     a, b = final_params(straight), final_params(resumed)
     assert a.keys() == b.keys()
     for name in a:
@@ -134,6 +136,9 @@ def test_a_process_killed_mid_run_resumes_to_the_same_parameters(tmp_path):
     proc.wait()
     assert not (killed / "final_params.npz").exists()
     train_to_the_end(killed)
+    # It resumed from a checkpoint (20 or later: the kill may land after a later one).
+    resumed = json.loads((killed / "summary.json").read_text())["resumed_from_step"]
+    assert resumed >= 20 and resumed % 10 == 0, resumed
     a, b = final_params(straight), final_params(killed)
     for name in a:
         np.testing.assert_array_equal(a[name], b[name], err_msg=name)

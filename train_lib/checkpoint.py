@@ -2,10 +2,22 @@
 
 A checkpoint holds the train state `{"params", "opt_state", "model_state"}`
 (every node's; the optimizer state with the algorithms' replicas, error
-buffers, push-sum weights and keys) and a JSON `meta` `{"step", "batcher"}`
-(the data position), which is all a restarted run needs to end bit-identical
-to an uninterrupted one. `export_params` writes the final parameters as a
-plain `.npz` for other tools.
+buffers, push-sum weights and keys) and a JSON `meta` `{"step", "batcher",
+"checksum", "fingerprint"}`: the data position, which with the state is all a
+restarted run needs to end bit-identical to an uninterrupted one; a checksum of
+the state's bits; and the config fields that shape the state and the math.
+
+Restoring is checked, newest step first:
+
+- the fingerprint must match the new run's config, except for the fields in
+  `RESUMABLE_FIELDS`; a mismatch is a `ConfigError` listing the fields (a
+  changed algorithm or node count would otherwise load into the wrong state);
+- the restored state's checksum must match the saved one and every float in it
+  must be finite; a step that fails (or that orbax cannot read at all) is moved
+  aside to `checkpoints/<step>.damaged`, with a one-line warning, and the next
+  older step is tried; with none left, a `CheckpointError`.
+
+`export_params` writes the final parameters as a plain `.npz` for other tools.
 """
 
 from __future__ import annotations
@@ -15,10 +27,36 @@ from typing import Any
 
 import jax
 import jax.experimental.multihost_utils
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
+from absl import logging
+
+from train_lib.registry import ConfigError
+from train_lib.registry import RunError
 
 PyTree = Any
+
+# Config fields a resumed run may change: they decide how long to train and what
+# to log or write, not the state's shapes or the update's math.
+RESUMABLE_FIELDS = frozenset(
+    {
+        "num_epochs",
+        "num_steps",
+        "log_every",
+        "checkpoint_every",
+        "halt_after_steps",
+        "eval_local_examples",
+        "save_final_params",
+        "data_dir",
+        "divergence_factor",
+        "divergence_patience",
+    }
+)
+
+
+class CheckpointError(RunError):
+    """No checkpoint in the workdir can be restored (all damaged)."""
 
 
 def manager(workdir: str) -> ocp.CheckpointManager:
@@ -29,30 +67,163 @@ def manager(workdir: str) -> ocp.CheckpointManager:
     )
 
 
-def restore_latest(
-    mngr: ocp.CheckpointManager, state: PyTree
-) -> tuple[PyTree, dict[str, Any] | None]:
-    """(state, meta) of the latest checkpoint, or (`state`, None) when there is none.
+def fingerprint(config) -> dict[str, Any]:
+    """The config's fields that a resumed run must keep (all but `RESUMABLE_FIELDS`)."""
+    flat = _flatten(config.to_dict() if hasattr(config, "to_dict") else dict(config))
+    return {k: v for k, v in sorted(flat.items()) if k.split(".")[0] not in RESUMABLE_FIELDS}
 
-    `state` gives the shapes, dtypes and shardings to restore into.
-    """
-    step = mngr.latest_step()
-    if step is None:
-        return state, None
+
+def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for key, value in tree.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, dict):
+            out.update(_flatten(value, name + "."))
+        else:
+            # JSON has no tuples: compare what a round trip through the meta file gives.
+            out[name] = list(value) if isinstance(value, tuple) else value
+    return out
+
+
+def _words(x: jax.Array) -> jax.Array:
+    """x's bits as a flat uint32 array (one word per element of up to 4 bytes)."""
+    if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        x = jax.random.key_data(x)
+    if x.dtype == jnp.bool_:
+        return x.reshape(-1).astype(jnp.uint32)
+    size = np.dtype(x.dtype).itemsize
+    unsigned = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint32}[size]
+    return jax.lax.bitcast_convert_type(x, unsigned).reshape(-1).astype(jnp.uint32)
+
+
+def _mix(h: jax.Array) -> jax.Array:
+    """A 32-bit finaliser (MurmurHash3's): every input bit moves about half the output bits."""
+    h = h ^ (h >> 16)
+    h = h * jnp.uint32(0x85EBCA6B)
+    h = h ^ (h >> 13)
+    h = h * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+@jax.jit
+def _checksum(state: PyTree) -> jax.Array:
+    total = jnp.uint32(0)
+    for leaf_index, leaf in enumerate(jax.tree.leaves(state)):
+        words = _words(leaf)
+        position = jax.lax.iota(jnp.uint32, words.size) + jnp.uint32((leaf_index * 0x9E3779B9) & 0xFFFFFFFF)
+        # A sum of per-element hashes: integer addition is exact in any order, so the
+        # value does not depend on how the arrays are sharded over devices or hosts.
+        total = total + jnp.sum(_mix(words ^ _mix(position)), dtype=jnp.uint32)
+    return total
+
+
+def checksum(state: PyTree) -> int:
+    """A 32-bit hash of every bit of `state` (position-dependent, layout-independent)."""
+    return int(_checksum(state))
+
+
+@jax.jit
+def _all_finite(state: PyTree) -> jax.Array:
+    floats = [x for x in jax.tree.leaves(state) if jnp.issubdtype(x.dtype, jnp.floating)]
+    return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in floats] or [jnp.bool_(True)]))
+
+
+def _check_fingerprint(saved: dict[str, Any] | None, config, step: int, directory: str) -> None:
+    if saved is None:
+        return  # a checkpoint written before fingerprints existed
+    now = fingerprint(config)
+    changed = [
+        f"config.{k}: {saved.get(k, '(absent)')!r} -> {now.get(k, '(absent)')!r}"
+        for k in sorted(set(saved) | set(now))
+        if saved.get(k, "(absent)") != now.get(k, "(absent)")
+    ]
+    if changed:
+        raise ConfigError(
+            f"the checkpoint at step {step} in {directory} was written with a different config "
+            f"({'; '.join(changed)}); resume with the same values, or use a new workdir "
+            f"(only {', '.join(sorted(RESUMABLE_FIELDS))} may change on resume)."
+        )
+
+
+def _restore_step(mngr: ocp.CheckpointManager, step: int, state: PyTree, config):
+    """(state, meta) of `step`, or raises ValueError/OSError saying what is wrong with it."""
+    meta = mngr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    _check_fingerprint(meta.get("fingerprint"), config, step, str(mngr.directory))
     abstract = jax.tree.map(
         lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state
     )
     restored = mngr.restore(
-        step,
-        args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract), meta=ocp.args.JsonRestore()
-        ),
-    )
-    return restored["state"], restored["meta"]
+        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract))
+    )["state"]
+    if "checksum" in meta and checksum(restored) != meta["checksum"]:
+        raise ValueError("its arrays do not match the checksum saved with them")
+    if not bool(_all_finite(restored)):
+        raise ValueError("it holds NaN or Inf")
+    return restored, meta
 
 
-def save(mngr: ocp.CheckpointManager, step: int, state: PyTree, meta: dict[str, Any]) -> None:
-    """Saves `state` and the JSON-able `meta` as checkpoint `step` (asynchronously)."""
+def _set_aside(mngr: ocp.CheckpointManager, step: int) -> str:
+    """Moves a damaged step out of the manager's view (kept for inspection)."""
+    path = os.path.join(str(mngr.directory), str(step))
+    aside = f"{path}.damaged"
+    if jax.process_index() == 0 and os.path.exists(path):
+        if os.path.exists(aside):
+            aside = f"{aside}-{os.getpid()}"
+        os.rename(path, aside)
+    jax.experimental.multihost_utils.sync_global_devices(f"lpdec checkpoint {step} set aside")
+    mngr.reload()
+    return aside
+
+
+def restore_latest(
+    mngr: ocp.CheckpointManager, state: PyTree, config
+) -> tuple[PyTree, dict[str, Any] | None]:
+    """(state, meta) of the newest intact checkpoint, or (`state`, None) when there is none.
+
+    `state` gives the shapes, dtypes and shardings to restore into; `config` is
+    the new run's, checked against the checkpoint's fingerprint.
+
+    Raises:
+      ConfigError: the checkpoint was written with a different config.
+      CheckpointError: there are checkpoints, but none is intact.
+    """
+    damaged = []
+    for step in sorted(mngr.all_steps(), reverse=True):
+        try:
+            return _restore_step(mngr, step, state, config)
+        except ConfigError:
+            raise
+        except Exception as error:  # noqa: BLE001 - orbax raises many types for unreadable files
+            reason = str(error).strip().splitlines()[0][:200] if str(error).strip() else ""
+            reason = f"{type(error).__name__}: {reason}" if reason else type(error).__name__
+            aside = _set_aside(mngr, step)
+            damaged.append(f"step {step} ({reason})")
+            logging.warning(
+                "checkpoint step %d is damaged (%s); moved to %s, trying the next older one",
+                step,
+                reason,
+                aside,
+            )
+    if damaged:
+        raise CheckpointError(
+            f"no intact checkpoint in {mngr.directory}: {'; '.join(damaged)}; the damaged "
+            "steps were moved aside (*.damaged); start a new run in a new workdir or remove them."
+        )
+    return state, None
+
+
+def save(
+    mngr: ocp.CheckpointManager,
+    step: int,
+    state: PyTree,
+    meta: dict[str, Any],
+    config,
+) -> None:
+    """Saves `state` and the JSON-able `meta` as checkpoint `step` (asynchronously).
+
+    The meta also records the state's checksum and the config's fingerprint.
+    """
+    meta = dict(meta, checksum=checksum(state), fingerprint=fingerprint(config))
     mngr.save(
         step,
         args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),

@@ -140,3 +140,34 @@ def write_summary(workdir: str, summary: dict[str, Any]) -> None:
     if jax.process_index() == 0:
         with open(os.path.join(workdir, "summary.json"), "w") as f:
             json.dump(summary, f, indent=2, default=str)
+
+
+class DivergenceMonitor:
+    """Says when a run has diverged, from the mean train loss of each log interval.
+
+    An interval is bad when its loss is NaN/Inf or above `factor` times the first
+    interval's loss (about the untrained model's). `patience` bad intervals in a row
+    end the run; a good one resets the count, so one bad step (a NaN gradient
+    that lpdec's guards drop) does not. `factor=0` never stops a run.
+    """
+
+    def __init__(self, factor: float, patience: int, reference: float | None = None):
+        self.factor, self.patience = factor, patience
+        self.reference, self.bad = reference, 0
+
+    def update(self, step: int, loss: float) -> str | None:
+        """Records the interval ending at `step`; returns why the run must stop, or None."""
+        if not self.factor:
+            return None
+        finite = bool(np.isfinite(loss))
+        if self.reference is None and finite:
+            self.reference = loss
+        exploding = finite and self.reference is not None and loss > self.factor * self.reference
+        self.bad = self.bad + 1 if (not finite or exploding) else 0
+        if self.bad < self.patience:
+            return None
+        what = "not finite" if not finite else f"above {self.factor:g} x {self.reference:.4g}"
+        return (
+            f"diverged: train_loss {loss:.4g} at step {step} ({what}) for {self.bad} log "
+            "intervals in a row (config.divergence_factor, config.divergence_patience)"
+        )

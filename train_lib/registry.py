@@ -25,7 +25,14 @@ import optax
 import lpdec
 
 
-class ConfigError(ValueError):
+class RunError(Exception):
+    """A problem the user must fix before the run can go on; its message is one line.
+
+    `train.py` prints it as `error: <message>` and exits with status 2.
+    """
+
+
+class ConfigError(RunError, ValueError):
     """A config value that cannot work, with a message naming the field."""
 
 

@@ -151,6 +151,16 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             _fail(f"config.{field}={config[field]!r} must be a positive integer.")
     if config.num_steps < 0 or config.num_epochs < 0 or not (config.num_steps or config.num_epochs):
         _fail("set config.num_steps (> 0) or config.num_epochs (> 0).")
+    if not (config.divergence_factor == 0 or config.divergence_factor > 1):
+        _fail(
+            f"config.divergence_factor={config.divergence_factor!r} must be > 1 "
+            "(or 0: never stop a run for its loss)."
+        )
+    if not isinstance(config.divergence_patience, int) or config.divergence_patience < 1:
+        _fail(
+            f"config.divergence_patience={config.divergence_patience!r} must be a positive "
+            "integer (log intervals in a row)."
+        )
     if config.checkpoint_every % config.log_every:
         _fail(
             f"config.checkpoint_every={config.checkpoint_every} must be a multiple of "

@@ -1,0 +1,240 @@
+"""train.py under faults: damaged checkpoints, a changed config on resume, a second run in
+the workdir, divergence, and bad command lines (issue 14, points 1-5 and 12)."""
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from test_train import final_params
+from test_train import tiny_config
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import train  # noqa: E402
+from train_lib import checkpoint  # noqa: E402
+from train_lib import metrics  # noqa: E402
+from train_lib import workdir as workdir_lib  # noqa: E402
+from train_lib.registry import ConfigError  # noqa: E402
+
+
+def _array_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The files holding the train state's array bytes (orbax's `d/` data files)."""
+    files = [p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"]
+    assert files, sorted(str(p) for p in step_dir.rglob("*"))
+    return files
+
+
+def _flip_bits(path: pathlib.Path, rng) -> None:
+    data = bytearray(path.read_bytes())
+    for i in rng.integers(0, len(data), 16):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+DAMAGE = {
+    "flipped bits": lambda files, rng: [_flip_bits(f, rng) for f in files],
+    "random bytes": lambda files, rng: [f.write_bytes(rng.bytes(f.stat().st_size)) for f in files],
+    "truncated": lambda files, rng: [
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 3]) for f in files
+    ],
+}
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+    """The uninterrupted 40-step run the resumed ones must equal."""
+    workdir = tmp_path_factory.mktemp("straight")
+    train.train_and_evaluate(tiny_config(), str(workdir))
+    return final_params(workdir)
+
+
+@pytest.mark.parametrize("damage", list(DAMAGE))
+def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(
+    tmp_path, rng, straight_run, damage
+):
+    """Step 40's arrays damaged: the rerun says so, resumes from step 30, and ends
+    bit-identical to the uninterrupted run (steps 30-40 trained again)."""
+    train.train_and_evaluate(tiny_config(), str(tmp_path))
+    DAMAGE[damage](_array_files(tmp_path / "checkpoints" / "40"), rng)
+    summary = train.train_and_evaluate(tiny_config(), str(tmp_path))
+    assert summary["resumed_from_step"] == 30 and summary["steps"] == 40
+    assert (tmp_path / "checkpoints" / "40.damaged").is_dir()
+    resumed = final_params(tmp_path)
+    for name, value in straight_run.items():
+        np.testing.assert_array_equal(resumed[name], value, err_msg=name)
+
+
+def test_no_intact_checkpoint_is_one_error_naming_the_steps(tmp_path, rng):
+    train.train_and_evaluate(tiny_config(), str(tmp_path))
+    for step in ("30", "40"):
+        for path in _array_files(tmp_path / "checkpoints" / step):
+            _flip_bits(path, rng)
+    with pytest.raises(checkpoint.CheckpointError, match="no intact checkpoint.*step 40.*step 30"):
+        train.train_and_evaluate(tiny_config(), str(tmp_path))
+
+
+def test_a_checkpoint_holding_nan_is_not_loaded(tmp_path):
+    """A NaN saved with a valid checksum (a run that diverged before the guard): refused."""
+    state = {"w": jnp.array([1.0, jnp.nan]), "count": jnp.array(3)}
+    config = tiny_config()
+    mngr = checkpoint.manager(str(tmp_path))
+    checkpoint.save(mngr, 5, state, {"step": 5}, config)
+    mngr.wait_until_finished()
+    with pytest.raises(checkpoint.CheckpointError, match="step 5.*NaN or Inf"):
+        checkpoint.restore_latest(mngr, state, config)
+
+
+def test_checksum_sees_every_bit_and_not_the_layout():
+    """One flipped bit anywhere changes the checksum; the same values sharded over
+    8 devices or held on one give the same checksum."""
+    x = np.arange(64, dtype=np.float32).reshape(8, 8)
+    tree = {"a": x, "b": np.arange(5, dtype=np.uint8), "c": jnp.bfloat16(2.5) * jnp.ones(3)}
+    base = checkpoint.checksum(tree)
+    for leaf in ("a", "b"):
+        flat = np.array(tree[leaf]).reshape(-1)
+        for index in (0, flat.size - 1):
+            bits = flat.view(np.uint8 if flat.dtype == np.uint8 else np.uint32).copy()
+            bits[index] ^= 1
+            changed = dict(tree, **{leaf: bits.view(flat.dtype).reshape(tree[leaf].shape)})
+            assert checkpoint.checksum(changed) != base, (leaf, index)
+    # Swapping two leaves' values (same multiset of words) changes it too.
+    swapped = dict(tree, a=x[::-1].copy())
+    assert checkpoint.checksum(swapped) != base
+    mesh = jax.make_mesh((8,), ("n",))
+    sharded = dict(tree, a=jax.device_put(x, jax.NamedSharding(mesh, jax.P("n"))))
+    assert checkpoint.checksum(sharded) == base
+
+
+@pytest.mark.parametrize(
+    "change,fields",
+    [
+        ({"bits": 4}, ["config.bits: 8 -> 4"]),
+        ({"algorithm": "dcd"}, ["config.algorithm: 'choco' -> 'dcd'"]),
+        ({"num_nodes": 4, "topology": "complete"}, ["config.num_nodes: 8 -> 4", "config.topology"]),
+    ],
+    ids=["compressor", "algorithm", "nodes"],
+)
+def test_resuming_with_a_different_config_is_refused(tmp_path, change, fields):
+    train.train_and_evaluate(tiny_config(halt_after_steps=20), str(tmp_path))
+    with pytest.raises(ConfigError) as error:
+        train.train_and_evaluate(tiny_config(**change), str(tmp_path))
+    message = str(error.value)
+    assert "\n" not in message and "different config" in message
+    for field in fields:
+        assert field in message, message
+
+
+def test_resuming_may_change_the_length_and_logging(tmp_path):
+    train.train_and_evaluate(tiny_config(halt_after_steps=20), str(tmp_path))
+    summary = train.train_and_evaluate(
+        tiny_config(num_steps=60, log_every=20, checkpoint_every=20), str(tmp_path)
+    )
+    assert summary["resumed_from_step"] == 20 and summary["steps"] == 60
+
+
+def test_a_second_run_in_a_workdir_in_use_is_refused(tmp_path):
+    with workdir_lib.Lock(str(tmp_path)):
+        with pytest.raises(
+            workdir_lib.WorkdirError, match=f"in use by a running train.py \\(pid {os.getpid()}"
+        ):
+            train.train_and_evaluate(tiny_config(), str(tmp_path))
+    # Released: the run can go on now, and releases it when done.
+    train.train_and_evaluate(tiny_config(num_steps=10), str(tmp_path))
+    assert not (tmp_path / ".lock-p0").exists()
+
+
+def test_a_stale_lock_of_a_dead_run_is_taken_over(tmp_path):
+    dead = subprocess.run(
+        [sys.executable, "-c", "import os; print(os.getpid())"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    pid = int(dead.stdout)
+    (tmp_path / ".lock-p0").write_text(
+        json.dumps({"host": os.uname().nodename, "pid": pid, "start_time": "1", "since": "then"})
+    )
+    summary = train.train_and_evaluate(tiny_config(num_steps=10), str(tmp_path))
+    assert summary["steps"] == 10
+
+
+def test_a_lock_held_on_another_host_is_refused(tmp_path):
+    (tmp_path / ".lock-p0").write_text(json.dumps({"host": "elsewhere", "pid": 1, "since": "then"}))
+    with pytest.raises(workdir_lib.WorkdirError, match="pid 1 on host elsewhere"):
+        train.train_and_evaluate(tiny_config(num_steps=10), str(tmp_path))
+
+
+def test_a_diverging_run_stops_and_says_why(tmp_path):
+    summary = train.train_and_evaluate(
+        tiny_config(learning_rate=1e6, num_steps=200, checkpoint_every=0, divergence_patience=2),
+        str(tmp_path),
+    )
+    assert summary["diverged"] and not summary["halted"]
+    assert summary["steps"] < 200
+    assert summary["stopped"].startswith("diverged: train_loss")
+    assert json.loads((tmp_path / "summary.json").read_text())["diverged"]
+
+
+def test_one_bad_interval_does_not_stop_a_run():
+    monitor = metrics.DivergenceMonitor(10.0, 2)
+    assert monitor.update(10, 2.3) is None
+    assert monitor.update(20, float("nan")) is None  # one bad interval
+    assert monitor.update(30, 1.9) is None  # recovered: the count restarts
+    assert monitor.update(40, 40.0) is None
+    assert "above 10 x 2.3" in monitor.update(50, 50.0)
+    off = metrics.DivergenceMonitor(0, 1)
+    assert off.update(10, float("nan")) is None
+
+
+def _env():
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+CLI_ERRORS = [
+    (
+        ["--config.learnign_rate=0.1"],
+        "no field 'learnign_rate'; did you mean config.learning_rate?",
+    ),
+    (["--config=configs/missing.py"], "--config=configs/missing.py: no such file"),
+    (["--workdir={file}"], "is a file; expected a directory"),
+    (["--workdir={file}/sub"], "is not a writable directory"),
+]
+
+
+@pytest.mark.parametrize(
+    "args,message", CLI_ERRORS, ids=["typo", "no-config", "file", "under-file"]
+)
+def test_command_line_mistakes_are_one_line(tmp_path, args, message):
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    argv = [
+        sys.executable,
+        "train.py",
+        "--config=configs/quickstart.py",
+        f"--workdir={tmp_path / 'w'}",
+    ]
+    argv += [a.format(file=afile) for a in args] + ["--config.num_steps=1"]
+    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == train.EXIT_BAD_INPUT, proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if not line.startswith(("I1", "W1"))]
+    assert len(errors) == 1 and errors[0].startswith("error: ") and message in errors[0], errors
+
+
+def test_a_diverging_command_line_run_exits_3(tmp_path):
+    argv = [sys.executable, "train.py", "--config=configs/default.py", f"--workdir={tmp_path}"]
+    argv += ["--config.dataset=synthetic", "--config.num_samples=1200", "--config.model=mlp"]
+    argv += ["--config.learning_rate=1e6", "--config.num_steps=100", "--config.log_every=10"]
+    argv += ["--config.checkpoint_every=0"]
+    proc = subprocess.run(argv, env=_env(), capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert proc.returncode == train.EXIT_DIVERGED, proc.stderr[-2000:]
+    assert proc.stderr.strip().splitlines()[-1].startswith("error: diverged: train_loss")
