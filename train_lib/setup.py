@@ -171,6 +171,14 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     registry.choose(config, "lr_schedule", registry.SCHEDULES)
     registry.choose(config, "optimizer", registry.OPTIMIZERS)
     _check_local_steps(config)
+    if config.algorithm == "moniqua" and config.compressor not in ("minmax", "modulo"):
+        # Moniqua sends its own modulo codes of config.bits bits: another compressor
+        # (and its ratio) would be silently ignored.
+        _fail(
+            f"config.algorithm='moniqua' quantizes with its own modulo codes (config.bits, "
+            f"config.theta); config.compressor={config.compressor!r} would be ignored: "
+            "leave config.compressor at 'minmax' or 'modulo'."
+        )
     devices = jax.device_count()
     if config.devices:
         if not 1 <= config.devices <= devices:
