@@ -4,6 +4,7 @@ the workdir, divergence, and bad command lines (issue 14, points 1-5 and 12)."""
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 
@@ -38,12 +39,23 @@ def _flip_bits(path: pathlib.Path, rng) -> None:
     path.write_bytes(bytes(data))
 
 
+def _other_steps_state(step_dir: pathlib.Path, rng) -> None:
+    """A valid state of another step in this step's place (a botched copy): only the
+    checksum can tell, the storage layer reads it without complaint."""
+    del rng
+    shutil.rmtree(step_dir / "state")
+    shutil.copytree(step_dir.parent / "30" / "state", step_dir / "state")
+
+
 DAMAGE = {
-    "flipped bits": lambda files, rng: [_flip_bits(f, rng) for f in files],
-    "random bytes": lambda files, rng: [f.write_bytes(rng.bytes(f.stat().st_size)) for f in files],
-    "truncated": lambda files, rng: [
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 3]) for f in files
+    "flipped bits": lambda d, rng: [_flip_bits(f, rng) for f in _array_files(d)],
+    "random bytes": lambda d, rng: [
+        f.write_bytes(rng.bytes(f.stat().st_size)) for f in _array_files(d)
     ],
+    "truncated": lambda d, rng: [
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 3]) for f in _array_files(d)
+    ],
+    "another step's state": _other_steps_state,
 }
 
 
@@ -62,7 +74,7 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(
     """Step 40's arrays damaged: the rerun says so, resumes from step 30, and ends
     bit-identical to the uninterrupted run (steps 30-40 trained again)."""
     train.train_and_evaluate(tiny_config(), str(tmp_path))
-    DAMAGE[damage](_array_files(tmp_path / "checkpoints" / "40"), rng)
+    DAMAGE[damage](tmp_path / "checkpoints" / "40", rng)
     summary = train.train_and_evaluate(tiny_config(), str(tmp_path))
     assert summary["resumed_from_step"] == 30 and summary["steps"] == 40
     assert (tmp_path / "checkpoints" / "40.damaged").is_dir()
