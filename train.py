@@ -38,6 +38,7 @@ from ml_collections import config_flags
 import lpdec
 from train_lib import checkpoint
 from train_lib import metrics as metrics_lib
+from train_lib import processes
 from train_lib import setup
 from train_lib import steps
 from train_lib import workdir as workdir_lib
@@ -49,6 +50,15 @@ config_flags.DEFINE_config_file("config", None, "Training configuration file.", 
 flags.DEFINE_string("coordinator_address", None, "Multi-host: address:port of process 0.")
 flags.DEFINE_integer("num_processes", None, "Multi-host: number of processes.")
 flags.DEFINE_integer("process_id", None, "Multi-host: index of this process.")
+flags.DEFINE_string(
+    "coordinator_bind_address",
+    None,
+    "Multi-host: where process 0's coordinator listens (default: the host of "
+    "--coordinator_address, so a loopback address stays on loopback; never all interfaces).",
+)
+flags.DEFINE_integer(
+    "peer_timeout", 300, "Multi-host: seconds to wait for every process to connect, then exit 2."
+)
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
@@ -67,6 +77,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     started = time.time()
     exp = setup.build(config)
     workdir = workdir_lib.prepare(workdir)
+    processes.check_shared_workdir(workdir)
     with workdir_lib.Lock(workdir, jax.process_index()):
         return _train(config, exp, workdir, started)
 
@@ -197,7 +208,7 @@ def _train(config, exp: setup.Experiment, workdir: str, started: float) -> dict[
         "resumed_from_step": resumed_from,
         "wall_time_s": time.time() - started,
         "num_nodes": n,
-        "devices": jax.device_count(),
+        "devices": layout.mesh.devices.size,
         "processes": jax.process_count(),
         "nodes_per_device": layout.per_device,
         "wire_bytes_source": wire_source,
@@ -216,13 +227,20 @@ def main(argv):
         raise app.UsageError("Too many command-line arguments.")
     # Orbax logs every checkpoint step at INFO through absl; keep lpdec's lines readable.
     logging.get_absl_handler().addFilter(lambda record: "orbax" not in record.pathname)
-    if FLAGS.coordinator_address:
-        jax.config.update("jax_cpu_collectives_implementation", "gloo")
-        jax.distributed.initialize(
-            coordinator_address=FLAGS.coordinator_address,
-            num_processes=FLAGS.num_processes,
-            process_id=FLAGS.process_id,
-        )
+    try:
+        processes.check_args(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
+        if FLAGS.coordinator_address:
+            processes.start(
+                FLAGS.coordinator_address,
+                FLAGS.num_processes,
+                FLAGS.process_id,
+                {f"config.{k}": v for k, v in checkpoint.flatten_config(FLAGS.config).items()},
+                bind=FLAGS.coordinator_bind_address,
+                timeout_s=FLAGS.peer_timeout,
+            )
+    except RunError as error:
+        sys.stderr.write(f"error: {error}\n")
+        sys.exit(EXIT_BAD_INPUT)
     logging.info(
         "process %d of %d; %d local / %d global devices: %s",
         jax.process_index(),
@@ -257,6 +275,10 @@ def parse_flags(argv: list[str]) -> list[str]:
         rest = FLAGS(argv)
         FLAGS.config.keys()  # loads the file and applies the overrides now
         return rest
+    except SystemExit:
+        if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv[1:]):
+            _print_config_fields(argv)
+        raise
     except Exception as error:  # noqa: BLE001 - ml_collections raises many types
         sys.stderr.write(f"error: {_explain_flag_error(argv, error)}\n")
         sys.exit(EXIT_BAD_INPUT)
@@ -298,6 +320,21 @@ def _load_config_quietly(argv: list[str]):
         return module.get_config()
     except Exception:  # noqa: BLE001 - the caller falls back to the error's own text
         return None
+
+
+def _print_config_fields(argv: list[str]) -> None:
+    """After absl's help: every `--config.FIELD` override with its default."""
+    if not _config_path(argv):
+        argv = [
+            *argv,
+            f"--config={os.path.join(os.path.dirname(__file__), 'configs', 'default.py')}",
+        ]
+    config = _load_config_quietly(argv)
+    if config is None:
+        return
+    print(f"\n  --config.FIELD=VALUE overrides (defaults from {_config_path(argv)}):")
+    for name, value in checkpoint.flatten_config(config).items():
+        print(f"    --config.{name}: {value!r}")
 
 
 def _config_path(argv: list[str]) -> str | None:

@@ -205,6 +205,12 @@ def test_one_bad_interval_does_not_stop_a_run():
     assert off.update(10, float("nan")) is None
 
 
+def test_an_existing_directory_that_cannot_be_written_is_refused():
+    # /proc/self is a directory in which nobody, root included, can create a file.
+    with pytest.raises(workdir_lib.WorkdirError, match="/proc/self is not a writable directory"):
+        workdir_lib.prepare("/proc/self")
+
+
 def _env():
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"

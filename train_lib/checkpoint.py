@@ -67,9 +67,14 @@ def manager(workdir: str) -> ocp.CheckpointManager:
     )
 
 
+def flatten_config(config) -> dict[str, Any]:
+    """Every field of `config` as {"a.b": value}, tuples as lists (as JSON gives them back)."""
+    return _flatten(config.to_dict() if hasattr(config, "to_dict") else dict(config))
+
+
 def fingerprint(config) -> dict[str, Any]:
     """The config's fields that a resumed run must keep (all but `RESUMABLE_FIELDS`)."""
-    flat = _flatten(config.to_dict() if hasattr(config, "to_dict") else dict(config))
+    flat = flatten_config(config)
     return {k: v for k, v in sorted(flat.items()) if k.split(".")[0] not in RESUMABLE_FIELDS}
 
 
@@ -110,7 +115,9 @@ def _checksum(state: PyTree) -> jax.Array:
     total = jnp.uint32(0)
     for leaf_index, leaf in enumerate(jax.tree.leaves(state)):
         words = _words(leaf)
-        position = jax.lax.iota(jnp.uint32, words.size) + jnp.uint32((leaf_index * 0x9E3779B9) & 0xFFFFFFFF)
+        position = jax.lax.iota(jnp.uint32, words.size) + jnp.uint32(
+            (leaf_index * 0x9E3779B9) & 0xFFFFFFFF
+        )
         # A sum of per-element hashes: integer addition is exact in any order, so the
         # value does not depend on how the arrays are sharded over devices or hosts.
         total = total + jnp.sum(_mix(words ^ _mix(position)), dtype=jnp.uint32)

@@ -180,6 +180,11 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             "leave config.compressor at 'minmax' or 'modulo'."
         )
     devices = jax.device_count()
+    if config.devices and jax.process_count() > 1 and config.devices != devices:
+        _fail(
+            f"config.devices={config.devices} in a run of {jax.process_count()} processes: "
+            f"every process's devices take part ({devices} in all); leave config.devices at 0."
+        )
     if config.devices:
         if not 1 <= config.devices <= devices:
             _fail(f"config.devices={config.devices} must be in 1..{devices} (0 = all devices).")

@@ -1,0 +1,158 @@
+"""Multi-process starts that cannot work end every process with one line, quickly
+(issue 14, point 6): a config or --num_processes that differs, the same --process_id
+twice, an id out of range, a peer that never comes, per-machine workdirs, config.devices."""
+
+import pathlib
+import subprocess
+import sys
+import time
+
+import pytest
+from test_train import TINY_FLAGS
+from test_train import _env
+from test_train import _free_port
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from train_lib import processes  # noqa: E402
+
+TRAIN = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
+
+
+def _start(tmp_path, per_process, timeout=60):
+    """Starts one train.py per entry of `per_process` (its own flags); returns (codes,
+    last stderr lines, seconds)."""
+    address = f"127.0.0.1:{_free_port()}"
+    started = time.monotonic()
+    procs = [
+        subprocess.Popen(
+            TRAIN
+            + [f"--workdir={tmp_path / 'w'}", f"--coordinator_address={address}"]
+            + TINY_FLAGS
+            + flags,
+            env=_env(4),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            text=True,
+        )
+        for flags in per_process
+    ]
+    errors = []
+    for proc in procs:
+        try:
+            errors.append(proc.communicate(timeout=timeout + 60)[1])
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+            pytest.fail(f"a process was still running after {timeout + 60} s")
+    lasts = [e.strip().splitlines()[-1] if e.strip() else "" for e in errors]
+    return [p.returncode for p in procs], lasts, time.monotonic() - started
+
+
+TWO = [["--num_processes=2", "--process_id=0"], ["--num_processes=2", "--process_id=1"]]
+
+MISMATCHES = [
+    (
+        [TWO[0], TWO[1] + ["--config.algorithm=dcd"]],
+        "config.algorithm (process 0: 'choco', process 1: 'dcd')",
+        [0, 1],
+    ),
+    (
+        [TWO[0], ["--num_processes=3", "--process_id=1"]],
+        "--num_processes differs (process 0: 2, process 1: 3)",
+        [0, 1],
+    ),
+    ([TWO[0], TWO[0]], "", [0, 1]),  # the same id twice: see the test
+    (
+        [TWO[0] + ["--peer_timeout=15"], ["--num_processes=2", "--process_id=2"]],
+        "--process_id=2 must be in 0..1",
+        [1],
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "flags,message,who",
+    MISMATCHES,
+    ids=["config", "num_processes", "same-id", "id-out-of-range"],
+)
+def test_processes_that_do_not_fit_together_all_stop_with_one_line(tmp_path, flags, message, who):
+    codes, lasts, seconds = _start(tmp_path, flags)
+    assert codes == [2, 2], (codes, lasts)
+    for i in who:
+        assert lasts[i].startswith("error: ") and message in lasts[i], lasts
+    if message == "":
+        # Process 0 is started twice: one serves the handshake, the other finds the
+        # port taken or is refused as a second --process_id=0; both end with one line.
+        assert all(last.startswith("error: ") for last in lasts), lasts
+    if "out of range" not in str(flags):
+        assert seconds < 50, seconds
+
+
+def test_a_peer_that_never_comes_is_given_up_after_the_timeout(tmp_path):
+    codes, lasts, seconds = _start(tmp_path, [TWO[0] + ["--peer_timeout=5"]])
+    assert codes == [2], lasts
+    assert "process(es) 1 of 2 did not connect" in lasts[0], lasts
+    assert seconds < 40, seconds
+
+
+def test_per_machine_workdirs_are_refused_at_start(tmp_path):
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            TRAIN
+            + [f"--workdir={tmp_path / f'machine{i}'}", f"--coordinator_address={address}"]
+            + TINY_FLAGS
+            + TWO[i],
+            env=_env(4),
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        errors = [p.communicate(timeout=300)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [2, 2], errors
+    last = errors[1].strip().splitlines()[-1]
+    assert "is not one directory shared by all processes: process(es) 1" in last, last
+    assert not list(tmp_path.glob("machine*/checkpoints/*"))
+
+
+def test_config_devices_below_the_device_count_is_refused_in_a_multi_process_run(tmp_path):
+    codes, lasts, _ = _start(tmp_path, [f + ["--config.devices=2"] for f in TWO])
+    assert codes == [2, 2], lasts
+    assert "config.devices=2 in a run of 2 processes" in lasts[0], lasts
+
+
+@pytest.mark.parametrize(
+    "address,override,expected",
+    [
+        ("127.0.0.1:1234", None, "127.0.0.1:1234"),
+        ("localhost:99", None, "127.0.0.1:99"),
+        ("[::1]:5", None, "[::1]:5"),
+        ("10.1.2.3:7", "0.0.0.0:7", "0.0.0.0:7"),
+    ],
+)
+def test_the_coordinator_binds_to_the_address_peers_dial(address, override, expected):
+    assert processes.bind_address(address, override) == expected
+
+
+@pytest.mark.parametrize(
+    "args,message",
+    [
+        (("h:1", 2, 2), "--process_id=2 must be in 0..1"),
+        (("h:1", 0, 0), "--num_processes=0 must be an integer >= 1"),
+        (("nohost", 2, 0), "must be HOST:PORT"),
+        ((None, 2, 1), "need --coordinator_address"),
+    ],
+)
+def test_bad_multi_process_flags_are_one_line(args, message):
+    with pytest.raises(processes.ProcessError, match=message):
+        processes.check_args(*args)
