@@ -185,6 +185,8 @@ def test_optimizers_algorithms_and_layouts_train(tmp_path, overrides):
     config = tiny_config(num_steps=20, save_final_params=False, **overrides)
     summary = train.train_and_evaluate(config, str(tmp_path))
     assert summary["final"]["test_accuracy_avg_model"] > 0.4
+    # The summary counts the devices the run used, not the machine's.
+    assert summary["devices"] == (overrides.get("devices") or jax.device_count())
 
 
 BAD_CONFIGS = [
