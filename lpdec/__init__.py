@@ -30,6 +30,9 @@ from lpdec.algorithms.diloco import DiLoCoState
 from lpdec.algorithms.diloco import diloco
 from lpdec.algorithms.dpsgd import DPSGDState
 from lpdec.algorithms.dpsgd import dpsgd
+from lpdec.algorithms.finite import LocalIfFiniteState
+from lpdec.algorithms.finite import chain
+from lpdec.algorithms.finite import local_apply_if_finite
 from lpdec.algorithms.health import Health
 from lpdec.algorithms.local_mean import LocalMeanState
 from lpdec.algorithms.local_mean import local_mean
@@ -79,6 +82,7 @@ __all__ = [
     "DelayState",
     "DiLoCoState",
     "Health",
+    "LocalIfFiniteState",
     "LocalMeanState",
     "MoniquaState",
     "NaiveQuantizedState",
@@ -92,6 +96,7 @@ __all__ = [
     "complete",
     "compress",
     "compressed_mean",
+    "chain",
     "d2",
     "data",
     "dcd",
@@ -106,6 +111,7 @@ __all__ = [
     "identity",
     "init_nodes",
     "layout",
+    "local_apply_if_finite",
     "local_mean",
     "make_layout",
     "metrics",

@@ -398,6 +398,9 @@ def make_chain(
         outer = build(config, "exchange", EXCHANGES, built)
         return build(config, "algorithm", ALGORITHMS, built, local, outer)
     algorithm = build(config, "algorithm", ALGORITHMS, built)
+    # A NaN gradient on one node skips that node's step and leaves its optimizer
+    # state as it was (lpdec.local_apply_if_finite), instead of poisoning its momentum.
+    local = lpdec.local_apply_if_finite(local)
     if algorithm is None:
         return local
     if ALGORITHMS[config.algorithm].position == "first":
