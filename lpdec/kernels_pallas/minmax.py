@@ -199,6 +199,84 @@ def quantize_elementwise(x, lo, inv_unit, seeds=None, *, bits: int, stochastic: 
     return _codes(x.astype(jnp.float32), lo, inv_unit, seeds, index, bits=bits)
 
 
+BLOCK_ELEMENTS = 1 << 18
+
+
+def _quantize_block(block, seeds, row0, *, chunk: int, bits: int, stochastic: bool):
+    """Quantizes a [r, c] block whose rows are chunks `row0`.. of a flat array of rows of `chunk`.
+
+    `c` is `chunk` except for the ragged last row; the stochastic-rounding index
+    is each element's flat index in the whole array either way.
+    """
+    block = block.astype(jnp.float32)
+    lo, unit, inv_unit = _row_scales(block, bits=bits, variadic=True)
+    index = _common.element_index(block.shape, row0, chunk) if stochastic else None
+    return _codes(block, lo, inv_unit, seeds, index, bits=bits), lo, unit
+
+
+def quantize_blocked(
+    flat, seeds=None, *, chunk: int, bits: int, stochastic: bool, block_elements=BLOCK_ELEMENTS
+):
+    """Per-chunk quantize of a flat array, one cache-sized block of chunks at a time.
+
+    Same bits as `quantize_reference` on the edge-padded [rows, chunk] view (the
+    last chunk may be short), without the padded copy. XLA CPU cannot fuse a
+    reduction with the element-wise loop that consumes it, so quantizing the
+    whole array at once reads x twice from memory; here a loop takes blocks of
+    about `block_elements` (whole chunks, at least one), and the codes pass
+    reads each block while the min/max pass has left it in cache. The last
+    full block is shifted back to end at the last full chunk (recomputing some
+    chunks with identical results) and the short chunk is quantized on its own.
+
+    Args:
+      flat: float array [d] (float32, bfloat16 or float16).
+      seeds: uint32[1, 2] hash seeds (`seeds_from_key`); required when `stochastic`.
+      chunk: elements per (lo, unit) pair.
+      bits: code width, 1..8.
+      stochastic: stochastic rounding from the counter-based hash; else nearest.
+      block_elements: elements of x per loop step.
+
+    Returns:
+      (codes uint8 [d], lo float32 [rows], unit float32 [rows]), rows = ceil(d / chunk).
+    """
+    if stochastic and seeds is None:
+        raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
+    d = flat.shape[0]
+    full = d // chunk
+    rows = _common.num_rows(d, chunk)
+    quantize_block = functools.partial(
+        _quantize_block, chunk=chunk, bits=bits, stochastic=stochastic
+    )
+    codes = jnp.zeros((d,), jnp.uint8)
+    lo = jnp.zeros((rows,), jnp.float32)
+    unit = jnp.zeros((rows,), jnp.float32)
+
+    def put(outputs, row0, block_outputs):
+        offsets = (row0 * chunk, row0, row0)
+        return tuple(
+            jax.lax.dynamic_update_slice(out, new.reshape(-1), (offset,))
+            for out, new, offset in zip(outputs, block_outputs, offsets, strict=True)
+        )
+
+    outputs = (codes, lo, unit)
+    block_rows = max(1, min(full, block_elements // chunk))
+
+    def step(i, outputs):
+        row0 = jnp.minimum(i * block_rows, full - block_rows)
+        block = jax.lax.dynamic_slice(flat, (row0 * chunk,), (block_rows * chunk,))
+        return put(outputs, row0, quantize_block(block.reshape(block_rows, chunk), seeds, row0))
+
+    if full:
+        # The first block is written outside the loop: the buffers it yields carry
+        # x's varying mesh axes under shard_map, as the loop's carry must.
+        outputs = step(0, outputs)
+        outputs = jax.lax.fori_loop(1, _common.num_rows(full, block_rows), step, outputs)
+    if full < rows:
+        tail = flat[full * chunk :].reshape(1, d - full * chunk)
+        outputs = put(outputs, full, quantize_block(tail, seeds, full))
+    return outputs
+
+
 def dequantize_elementwise(codes, lo, unit, *, dtype=jnp.float32):
     """lo + codes * unit with per-element scales, cast to `dtype`."""
     return _dequantize_rows(codes, lo, unit).astype(dtype)
