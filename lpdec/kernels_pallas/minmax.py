@@ -17,10 +17,11 @@ from the same block in registers/VMEM. The element-wise math is in
 `_quantize_rows` / `_dequantize_rows`, called by both the references and the
 kernels, so they agree bit for bit.
 
-On CPU there is no kernel: XLA runs the same math as two passes over x, one
-reduction producing each row's (min, max), then one element-wise loop producing
-the codes; both are written for that (`_row_min_max`, `_codes_from_levels`).
-The compressor calls the `*_elementwise` ops there, which keep the caller's
+On CPU there is no kernel: XLA runs the same math as a reduction producing each
+row's (min, max), then an element-wise loop producing the codes; both are
+written for that (`_row_min_max`, `_codes_from_levels`). The compressor's
+encode runs them block by block (`quantize_blocked`), so the second pass reads
+x from cache; its decode calls the `*_elementwise` ops, which keep the caller's
 layout (see the section that defines them for why).
 """
 
@@ -174,31 +175,17 @@ def dequantize_accumulate_reference(acc, weight, codes, lo, unit):
 # `lax.scan`) in place only when the fusion that writes it reads the old value
 # element for element in the same shape. Viewing a state leaf as [rows, chunk]
 # breaks that, and XLA then copies the leaf every step: two model-sized copies
-# per CHOCO step. These ops take per-element scales (the per-row scales spread
-# over the caller's shape) and do the same arithmetic as the row functions
-# above, so they give the same bits.
+# per CHOCO step. The decode ops take per-element scales (the per-row scales
+# spread over the caller's shape) and do the same arithmetic as the row
+# functions above, so they give the same bits. Encode writes fresh buffers, so
+# it works on the [rows, chunk] view, one cache-sized block at a time.
 # ----------------------------------------------------------------------------
 
 
-def row_scales(x2d, *, bits: int):
-    """Per-row (lo, unit, 1 / unit or 0) of a [rows, chunk] float array, each float32 [rows, 1]."""
-    return _row_scales(x2d.astype(jnp.float32), bits=bits, variadic=True)
-
-
-def quantize_elementwise(x, lo, inv_unit, seeds=None, *, bits: int, stochastic: bool):
-    """Codes of `x` (any shape) given per-element lo and 1 / unit of x's shape.
-
-    Stochastic rounding draws element i's bits from its flat (row-major) index,
-    as the [rows, chunk] kernels do.
-    """
-    if stochastic and seeds is None:
-        raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
-    index = None
-    if stochastic:
-        index = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape)
-    return _codes(x.astype(jnp.float32), lo, inv_unit, seeds, index, bits=bits)
-
-
+# Elements of x per step of `quantize_blocked`: 1 MiB of float32, the L2 cache of
+# a core on the machine the loop was tuned on (half of it on each of the two
+# threads that share XLA's min/max pass). Smaller blocks pay the loop's ~5 us
+# per step too often; much larger ones fall out of cache before the codes pass.
 BLOCK_ELEMENTS = 1 << 18
 
 
@@ -216,13 +203,19 @@ def quantize_blocked(
     """Per-chunk quantize of a flat array, one cache-sized block of chunks at a time.
 
     Same bits as `quantize_reference` on the edge-padded [rows, chunk] view (the
-    last chunk may be short), without the padded copy. XLA CPU cannot fuse a
+    last chunk may be short), without padding x. XLA CPU cannot fuse a
     reduction with the element-wise loop that consumes it, so quantizing the
     whole array at once reads x twice from memory; here a loop takes blocks of
     about `block_elements` (whole chunks, at least one), and the codes pass
     reads each block while the min/max pass has left it in cache. The last
     full block is shifted back to end at the last full chunk (recomputing some
     chunks with identical results) and the short chunk is quantized on its own.
+
+    XLA runs the loop body on one thread: the min/max pass still splits each
+    block over XLA's threads, the codes pass (an in-place update of the
+    output, which XLA does not split) runs on one, from cache. A size that is
+    not a multiple of `chunk` costs one copy of the codes (d bytes) to drop the
+    padding, unless the caller fuses that slice (`pack_bits` below 8 bits does).
 
     Args:
       flat: float array [d] (float32, bfloat16 or float16).
@@ -264,11 +257,13 @@ def quantize_blocked(
         block = jax.lax.dynamic_slice_in_dim(flat, row0 * chunk, block_rows * chunk)
         return put(outputs, row0, quantize_block(block.reshape(block_rows, chunk), seeds, row0))
 
+    blocks = _common.num_rows(full, block_rows)
     if full:
         # The first block is written outside the loop: the buffers it yields carry
         # x's varying mesh axes under shard_map, as the loop's carry must.
         outputs = step(0, outputs)
-        outputs = jax.lax.fori_loop(1, _common.num_rows(full, block_rows), step, outputs)
+    if blocks > 1:
+        outputs = jax.lax.fori_loop(1, blocks, step, outputs)
     if full < rows:
         # The short last chunk, edge-padded like the kernels' input (its min and max
         # are unchanged; the padding's codes are sliced off below).
