@@ -103,19 +103,37 @@ class MinMax(base.Compressor):
             )
             codes = codes.reshape(-1)[:d]
         else:
-            codes, lo, unit = self._encode_blocked(x.reshape(-1), chunk, seeds)
+            lo, unit, inv_unit = self._row_scales(x.reshape(-1), chunk)
+            codes = kernels.quantize_elementwise(
+                x,
+                _spread(lo, chunk, x.shape),
+                _spread(inv_unit, chunk, x.shape),
+                seeds,
+                bits=self.bits,
+                stochastic=self.needs_key,
+            ).reshape(-1)
         packed = bitpack.pack_bits(codes, bits=self.bits, implementation=self.implementation)
         return MinMaxPayload(packed, lo.reshape(-1), unit.reshape(-1), tuple(x.shape), x.dtype)
 
-    def _encode_blocked(self, flat: jax.Array, chunk: int, seeds: jax.Array | None):
-        """The CPU encode: codes [d], lo and unit [rows], one cache-sized block at a time.
+    def _row_scales(self, flat: jax.Array, chunk: int):
+        """Per-chunk (lo, unit, 1 / unit) of a flat array, each [rows, 1].
 
-        Encode writes fresh buffers, so working on the flat view costs no copy of
-        loop-carried state (unlike decode; see kernels_pallas/minmax.py).
+        The full chunks and the partial last one are reduced as two views of
+        `flat`, so a ragged size costs no padded copy.
         """
-        return kernels.quantize_blocked(
-            flat, seeds, chunk=chunk, bits=self.bits, stochastic=self.needs_key
-        )
+        full = flat.size // chunk
+        parts = []
+        if full:
+            parts.append(
+                kernels.row_scales(flat[: full * chunk].reshape(full, chunk), bits=self.bits)
+            )
+        if full * chunk != flat.size:
+            parts.append(kernels.row_scales(flat[full * chunk :].reshape(1, -1), bits=self.bits))
+        if not parts:  # an empty leaf: no chunks
+            return tuple(jnp.zeros((0, 1), jnp.float32) for _ in range(3))
+        if len(parts) == 1:
+            return parts[0]
+        return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts, strict=True))
 
     def _codes(self, payload: MinMaxPayload) -> jax.Array:
         d = math.prod(payload.shape)

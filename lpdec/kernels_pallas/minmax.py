@@ -17,12 +17,19 @@ from the same block in registers/VMEM. The element-wise math is in
 `_quantize_rows` / `_dequantize_rows`, called by both the references and the
 kernels, so they agree bit for bit.
 
-On CPU there is no kernel: XLA runs the same math as a reduction producing each
-row's (min, max), then an element-wise loop producing the codes; both are
-written for that (`_row_min_max`, `_codes_from_levels`). The compressor's
-encode runs them block by block (`quantize_blocked`), so the second pass reads
-x from cache; its decode calls the `*_elementwise` ops, which keep the caller's
+On CPU there is no kernel: XLA runs the same math as two passes over x, one
+reduction producing each row's (min, max), then one element-wise loop producing
+the codes; both are written for that (`_row_min_max`, `_codes_from_levels`).
+The compressor calls the `*_elementwise` ops there, which keep the caller's
 layout (see the section that defines them for why).
+
+Reading x once by quantizing cache-sized blocks of chunks in a loop (reduce a
+block, then write its codes into the output with a dynamic-update-slice) was
+measured slower on a 2-core x86 host, 8-bit, float32: 9.3-12 ms against 6.9 ms
+at 16M elements, 55-57 ms against 52 ms at 64M. XLA CPU runs a loop body's
+operations one after another and never splits an in-place dynamic-update-slice
+fusion across threads, so the codes ran on one thread, where the two
+whole-array passes each use every core.
 """
 
 from __future__ import annotations
@@ -175,102 +182,29 @@ def dequantize_accumulate_reference(acc, weight, codes, lo, unit):
 # `lax.scan`) in place only when the fusion that writes it reads the old value
 # element for element in the same shape. Viewing a state leaf as [rows, chunk]
 # breaks that, and XLA then copies the leaf every step: two model-sized copies
-# per CHOCO step. The decode ops take per-element scales (the per-row scales
-# spread over the caller's shape) and do the same arithmetic as the row
-# functions above, so they give the same bits. Encode writes fresh buffers, so
-# it works on the [rows, chunk] view, one cache-sized block at a time.
+# per CHOCO step. These ops take per-element scales (the per-row scales spread
+# over the caller's shape) and do the same arithmetic as the row functions
+# above, so they give the same bits.
 # ----------------------------------------------------------------------------
 
 
-# Elements of x per step of `quantize_blocked`: 1 MiB of float32, the L2 cache of
-# a core on the machine the loop was tuned on (half of it on each of the two
-# threads that share XLA's min/max pass). Smaller blocks pay the loop's ~5 us
-# per step too often; much larger ones fall out of cache before the codes pass.
-BLOCK_ELEMENTS = 1 << 18
+def row_scales(x2d, *, bits: int):
+    """Per-row (lo, unit, 1 / unit or 0) of a [rows, chunk] float array, each float32 [rows, 1]."""
+    return _row_scales(x2d.astype(jnp.float32), bits=bits, variadic=True)
 
 
-def _quantize_block(block, seeds, row0, *, bits: int, stochastic: bool):
-    """`_quantize_rows` of a [r, chunk] block holding chunks row0 .. row0 + r - 1 of an array."""
-    block = block.astype(jnp.float32)
-    lo, unit, inv_unit = _row_scales(block, bits=bits, variadic=True)
-    index = _common.element_index(block.shape, row0, block.shape[1]) if stochastic else None
-    return _codes(block, lo, inv_unit, seeds, index, bits=bits), lo, unit
+def quantize_elementwise(x, lo, inv_unit, seeds=None, *, bits: int, stochastic: bool):
+    """Codes of `x` (any shape) given per-element lo and 1 / unit of x's shape.
 
-
-def quantize_blocked(
-    flat, seeds=None, *, chunk: int, bits: int, stochastic: bool, block_elements=BLOCK_ELEMENTS
-):
-    """Per-chunk quantize of a flat array, one cache-sized block of chunks at a time.
-
-    Same bits as `quantize_reference` on the edge-padded [rows, chunk] view (the
-    last chunk may be short), without padding x. XLA CPU cannot fuse a
-    reduction with the element-wise loop that consumes it, so quantizing the
-    whole array at once reads x twice from memory; here a loop takes blocks of
-    about `block_elements` (whole chunks, at least one), and the codes pass
-    reads each block while the min/max pass has left it in cache. The last
-    full block is shifted back to end at the last full chunk (recomputing some
-    chunks with identical results) and the short chunk is quantized on its own.
-
-    XLA runs the loop body on one thread: the min/max pass still splits each
-    block over XLA's threads, the codes pass (an in-place update of the
-    output, which XLA does not split) runs on one, from cache. A size that is
-    not a multiple of `chunk` costs one copy of the codes (d bytes) to drop the
-    padding, unless the caller fuses that slice (`pack_bits` below 8 bits does).
-
-    Args:
-      flat: float array [d] (float32, bfloat16 or float16).
-      seeds: uint32[1, 2] hash seeds (`seeds_from_key`); required when `stochastic`.
-      chunk: elements per (lo, unit) pair.
-      bits: code width, 1..8.
-      stochastic: stochastic rounding from the counter-based hash; else nearest.
-      block_elements: elements of x per loop step.
-
-    Returns:
-      (codes uint8 [d], lo float32 [rows], unit float32 [rows]), rows = ceil(d / chunk).
+    Stochastic rounding draws element i's bits from its flat (row-major) index,
+    as the [rows, chunk] kernels do.
     """
     if stochastic and seeds is None:
         raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
-    d = flat.shape[0]
-    full = d // chunk
-    rows = _common.num_rows(d, chunk)
-    quantize_block = functools.partial(_quantize_block, bits=bits, stochastic=stochastic)
-    # Every buffer is [rows, chunk] / [rows, 1]: the element-wise loop then walks
-    # whole rows with one scale each (into a flat buffer it ran ~15% slower).
-    outputs = (
-        jnp.zeros((rows, chunk), jnp.uint8),
-        jnp.zeros((rows, 1), jnp.float32),
-        jnp.zeros((rows, 1), jnp.float32),
-    )
-
-    def put(outputs, row0, block_outputs):
-        return tuple(
-            jax.lax.dynamic_update_slice_in_dim(out, new, row0, axis=0)
-            for out, new in zip(outputs, block_outputs, strict=True)
-        )
-
-    block_rows = max(1, min(full, block_elements // chunk))
-
-    def step(i, outputs):
-        row0 = jnp.minimum(i * block_rows, full - block_rows)
-        # Sliced from the flat array, not from a [full, chunk] view of its full
-        # chunks: that view of a ragged array would be copied into the loop.
-        block = jax.lax.dynamic_slice_in_dim(flat, row0 * chunk, block_rows * chunk)
-        return put(outputs, row0, quantize_block(block.reshape(block_rows, chunk), seeds, row0))
-
-    blocks = _common.num_rows(full, block_rows)
-    if full:
-        # The first block is written outside the loop: the buffers it yields carry
-        # x's varying mesh axes under shard_map, as the loop's carry must.
-        outputs = step(0, outputs)
-    if blocks > 1:
-        outputs = jax.lax.fori_loop(1, blocks, step, outputs)
-    if full < rows:
-        # The short last chunk, edge-padded like the kernels' input (its min and max
-        # are unchanged; the padding's codes are sliced off below).
-        tail = jnp.pad(flat[full * chunk :], (0, rows * chunk - d), mode="edge")
-        outputs = put(outputs, full, quantize_block(tail.reshape(1, chunk), seeds, full))
-    codes, lo, unit = outputs
-    return codes.reshape(-1)[:d], lo.reshape(-1), unit.reshape(-1)
+    index = None
+    if stochastic:
+        index = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape)
+    return _codes(x.astype(jnp.float32), lo, inv_unit, seeds, index, bits=bits)
 
 
 def dequantize_elementwise(codes, lo, unit, *, dtype=jnp.float32):
