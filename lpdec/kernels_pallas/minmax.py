@@ -22,6 +22,15 @@ reduction producing each row's (min, max), then one element-wise loop producing
 the codes; both are written for that (`_row_min_max`, `_codes_from_levels`).
 The compressor calls the `*_elementwise` ops there, which keep the caller's
 layout (see the section that defines them for why).
+
+Reading x once by quantizing cache-sized blocks of chunks in a loop (reduce a
+block, then write its codes into the output with a dynamic-update-slice) was
+measured slower on a 2-core x86 host (8-bit, float32, 2**18-element blocks):
+9.0-12 ms against 6.5-7.7 ms for the two passes at 16M elements, 55-57 ms
+against 52 ms at 64M. XLA CPU runs a loop body's operations one after another
+and never splits an in-place dynamic-update-slice fusion across threads, so
+the codes were computed on one thread, where the two whole-array passes each
+use every core.
 """
 
 from __future__ import annotations
