@@ -93,11 +93,13 @@ class Target:
         """Rows per block of a [rows, row_length] kernel whose row blocks hold `dtypes`.
 
         A power of two near `block_elements / row_length`. On TPU a block that does
-        not cover every row is a whole number of sublane tiles of each dtype.
+        not cover every row is a whole number of row tiles of each dtype.
         """
         br = block_rows_for(rows, row_length, self.block_elements)
         if self.platform == "tpu" and br < rows:
-            br = max(br, max(_tpu_sublanes(d) for d in dtypes))
+            tile = max(_tpu_sublanes(d) for d in dtypes)
+            # Fewer rows than a tile: one block of all of them (equal to the array dim).
+            br = rows if tile >= rows else max(br, tile)
         return br
 
     def lowers(self, *blocks: Block) -> bool:
