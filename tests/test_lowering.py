@@ -123,6 +123,33 @@ def test_gpu_quantizes_a_chunk_that_is_not_a_power_of_two_with_jnp():
     assert_kernels(trace(comp.decode, payload), {"cuda": 0, "tpu": 1})
 
 
+F32, BF16, U8 = jnp.float32, jnp.bfloat16, jnp.uint8
+
+
+@pytest.mark.parametrize(
+    "platform, block, shape, dtype, lowers",
+    [
+        # Triton: every block extent a power of two.
+        ("gpu", (4, 2048), (64, 2048), F32, True),
+        ("gpu", (1, 1), (1, 1), F32, True),
+        ("gpu", (4, 1000), (4, 1000), F32, False),
+        ("gpu", (256, 3), (512, 3), U8, False),
+        # Mosaic: last two dims multiples of the (rows, 128) tile, or the whole dim.
+        ("tpu", (8, 128), (64, 128), F32, True),
+        ("tpu", (8, 128), (64, 128), BF16, False),
+        ("tpu", (16, 256), (64, 256), BF16, True),
+        ("tpu", (16, 256), (64, 256), U8, False),
+        ("tpu", (32, 256), (64, 256), U8, True),
+        ("tpu", (5, 1000), (5, 1000), U8, True),
+        ("tpu", (8, 64), (8, 128), F32, False),
+        ("tpu", (4096, 3), (8192, 3), U8, True),
+        ("cpu", (3, 5), (7, 9), U8, True),  # interpreted: anything
+    ],
+)
+def test_block_rules(platform, block, shape, dtype, lowers):
+    assert _common.Target(platform).lowers((block, shape, dtype)) == lowers
+
+
 def test_tpu_blocks_are_whole_sublane_tiles():
     """A 16384-element chunk makes 4-row blocks; TPU rounds them up to 32 rows (uint8 tiles)."""
     comp = lpdec.minmax(1, chunk_size=16384)
