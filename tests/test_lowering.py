@@ -150,7 +150,7 @@ def test_block_rules(platform, block, shape, dtype, lowers):
     assert _common.Target(platform).lowers((block, shape, dtype)) == lowers
 
 
-def test_tpu_blocks_are_whole_sublane_tiles():
+def test_tpu_blocks_are_whole_tiles():
     """A 16384-element chunk makes 4-row blocks; TPU rounds them up to 32 rows (uint8 tiles)."""
     comp = lpdec.minmax(1, chunk_size=16384)
     size = 16384 * 40 + 5

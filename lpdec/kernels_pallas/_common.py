@@ -97,7 +97,7 @@ class Target:
         """
         br = block_rows_for(rows, row_length, self.block_elements)
         if self.platform == "tpu" and br < rows:
-            tile = max(_tpu_sublanes(d) for d in dtypes)
+            tile = max(_tpu_tile_rows(d) for d in dtypes)
             # Fewer rows than a tile: one block of all of them (equal to the array dim).
             br = rows if tile >= rows else max(br, tile)
         return br
@@ -106,8 +106,8 @@ class Target:
         """Whether this platform's compiler accepts blocks of these shapes.
 
         Triton needs every block extent to be a power of two. Mosaic needs each of
-        a block's last two dims to be a multiple of the (sublanes, 128) tile of its
-        dtype or to equal the array's dim. Interpreting accepts anything, but the
+        a block's last two dims to be a multiple of its dtype's (rows, 128) tile or
+        to equal the array's dim. Interpreting accepts anything, but the
         choice must not depend on it: a test interpreting the "gpu" kernel checks
         what a GPU runs.
         """
@@ -164,13 +164,13 @@ def out_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtype
     return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
 
 
-def _tpu_sublanes(dtype) -> int:
+def _tpu_tile_rows(dtype) -> int:
     return 8 * 4 // np_dtype(dtype).itemsize
 
 
 def _tpu_tiles(block: tuple[int, ...], shape: tuple[int, ...], dtype) -> bool:
     last_two = list(zip(block, shape, strict=True))[-2:]
-    tiles = [_tpu_sublanes(dtype), _TPU_LANES][-len(last_two) :]
+    tiles = [_tpu_tile_rows(dtype), _TPU_LANES][-len(last_two) :]
     return all(b == s or b % t == 0 for (b, s), t in zip(last_two, tiles, strict=True))
 
 

@@ -257,10 +257,6 @@ def _row_spec(br, width):
     return pl.BlockSpec((br, width), lambda i: (i, 0))
 
 
-def _target(platform, interpret):
-    return _common.Target(platform, interpret)
-
-
 def quantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
     """Whether `target` runs the quantize kernel on a [rows, chunk] `dtype` array.
 
@@ -305,7 +301,7 @@ def quantize_pallas(
     )
     if platform is None:
         return _common.on_each_platform(body, x2d, seeds, interpret=interpret)
-    return body(x2d, seeds, target=_target(platform, interpret))
+    return body(x2d, seeds, target=_common.Target(platform, interpret))
 
 
 def _quantize_call(x2d, seeds, *, bits, stochastic, block_rows, target):
@@ -350,7 +346,7 @@ def dequantize_pallas(
     body = functools.partial(_dequantize_call, dtype=jnp.dtype(dtype), block_rows=block_rows)
     if platform is None:
         return _common.on_each_platform(body, codes, lo, unit, interpret=interpret)
-    return body(codes, lo, unit, target=_target(platform, interpret))
+    return body(codes, lo, unit, target=_common.Target(platform, interpret))
 
 
 def _dequantize_call(codes, lo, unit, *, dtype, block_rows, target):
@@ -387,7 +383,7 @@ def dequantize_accumulate_pallas(
     body = functools.partial(_accumulate_call, block_rows=block_rows)
     if platform is None:
         return _common.on_each_platform(body, acc, weight, codes, lo, unit, interpret=interpret)
-    return body(acc, weight, codes, lo, unit, target=_target(platform, interpret))
+    return body(acc, weight, codes, lo, unit, target=_common.Target(platform, interpret))
 
 
 def _accumulate_call(acc, weight, codes, lo, unit, *, block_rows, target):
