@@ -2,10 +2,13 @@
 
 `_KernelChecks` holds every check; `TestKernelsInterpret` runs them with the
 kernels in interpret mode (this is how CI exercises them on CPU), and on a GPU
-or TPU `TestKernelsCompiled` re-runs them compiled. The numpy references below
-are written from the semantics in docs/DESIGN.md, not from the library's code: numpy
-float32 arithmetic never fuses multiply-adds, so bit equality with it shows the
-library rounds every product exactly once, on every path.
+or TPU `TestKernelsCompiled` re-runs them compiled. `TestPlatformKernels` runs
+the GPU and TPU kernels (their block sizes, reductions and scalar memory) in
+interpret mode, so the branches only a compiled kernel takes are checked in CI.
+The numpy references below are written from the semantics in docs/DESIGN.md,
+not from the library's code: numpy float32 arithmetic never fuses multiply-adds,
+so bit equality with it shows the library rounds every product exactly once, on
+every path.
 """
 
 import jax
@@ -99,10 +102,20 @@ def same_bits(a, b):
 class _KernelChecks:
     interpret: bool
 
+    def skip_unless_compiled(self, *extents):
+        """Compiled on a GPU, a kernel gets only the blocks the dispatch sends it.
+
+        Triton blocks need power-of-two extents; elsewhere the jnp path runs.
+        """
+        on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
+        if not self.interpret and on_gpu and not all(map(_common.is_power_of_two, extents)):
+            pytest.skip("Triton takes power-of-two blocks only: the dispatch picks jnp here")
+
     @pytest.mark.parametrize("shape", SHAPES)
     @pytest.mark.parametrize("bits", [1, 3, 8])
     @pytest.mark.parametrize("stochastic", [False, True])
     def test_minmax_quantize_matches_reference(self, rng, shape, bits, stochastic):
+        self.skip_unless_compiled(shape[1])
         x = jnp.asarray(rng.standard_normal(shape) * rng.uniform(0.01, 100), jnp.float32)
         seeds = jnp.asarray(random_seeds(rng))
         kernel = minmax.quantize_pallas(
@@ -116,6 +129,7 @@ class _KernelChecks:
 
     @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
     def test_minmax_quantize_low_precision_inputs(self, rng, dtype):
+        self.skip_unless_compiled(100)
         x = jnp.asarray(rng.standard_normal((9, 100)), dtype)
         seeds = jnp.asarray(random_seeds(rng))
         kernel = minmax.quantize_pallas(x, seeds, bits=8, stochastic=True, interpret=self.interpret)
@@ -139,6 +153,7 @@ class _KernelChecks:
     @pytest.mark.parametrize("shape", SHAPES)
     @pytest.mark.parametrize("dtype", FLOAT_DTYPES)
     def test_dequantize_matches_reference(self, rng, shape, dtype):
+        self.skip_unless_compiled(shape[1])
         codes = jnp.asarray(rng.integers(0, 256, shape), jnp.uint8)
         lo = jnp.asarray(rng.standard_normal((shape[0], 1)), jnp.float32)
         unit = jnp.asarray(rng.uniform(0, 1, (shape[0], 1)), jnp.float32)
@@ -150,6 +165,7 @@ class _KernelChecks:
 
     @pytest.mark.parametrize("shape", SHAPES)
     def test_dequantize_accumulate_matches_reference(self, rng, shape):
+        self.skip_unless_compiled(shape[1])
         codes = jnp.asarray(rng.integers(0, 256, shape), jnp.uint8)
         lo = jnp.asarray(rng.standard_normal((shape[0], 1)), jnp.float32)
         unit = jnp.asarray(rng.uniform(0, 1, (shape[0], 1)), jnp.float32)
@@ -167,6 +183,7 @@ class _KernelChecks:
     @pytest.mark.parametrize("bits", [1, 2, 5, 8])
     @pytest.mark.parametrize("stochastic", [False, True])
     def test_modulo_encode_matches_reference(self, rng, shape, bits, stochastic):
+        self.skip_unless_compiled(shape[1])
         x = jnp.asarray(rng.standard_normal(shape) * 10, jnp.float32)
         seeds = jnp.asarray(random_seeds(rng))
         scale = np.float32(2**bits / rng.uniform(0.1, 5))
@@ -180,6 +197,7 @@ class _KernelChecks:
     @pytest.mark.parametrize("bits", range(1, 9))
     @pytest.mark.parametrize("groups", [1, 3, 4097])
     def test_bitpack_matches_reference(self, rng, bits, groups):
+        self.skip_unless_compiled(bits)
         codes = jnp.asarray(rng.integers(0, 2**bits, (groups, 8)), jnp.uint8)
         packed = bitpack.pack_pallas(codes, bits=bits, interpret=self.interpret)
         same_bits(packed, bitpack.pack_reference(codes, bits=bits))
@@ -219,12 +237,24 @@ if jax.default_backend() != "cpu":
 # ----------------------------------------------------------------------------
 
 
-def test_dispatch_picks_jnp_on_cpu_and_rejects_unknown():
-    expected = "xla" if jax.default_backend() == "cpu" else "pallas"
-    assert _common.resolve_implementation(None) == expected
-    assert _common.resolve_implementation("xla") == "xla"
+@pytest.mark.parametrize(
+    "implementation, expected",
+    [("xla", None), (None, None), ("pallas", _common.Target("cpu", True))],
+)
+def test_eager_dispatch_on_cpu_picks_the_default_backends_branch(implementation, expected):
+    seen = []
+
+    def body(x, *, target):
+        seen.append(target)
+        return x
+
+    _common.dispatch(implementation, body, jnp.zeros(3))
+    assert seen == [expected]
+
+
+def test_dispatch_rejects_unknown_implementation():
     with pytest.raises(ValueError, match="implementation"):
-        _common.resolve_implementation("cuda")
+        _common.dispatch("cuda", lambda x, *, target: x, jnp.zeros(3))
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
@@ -252,3 +282,125 @@ def test_hash_uniform_is_uniform_and_seed_dependent(rng):
     v = np.asarray(_common.hash_uniform(jnp.uint32(s[0, 0] ^ 1), jnp.uint32(s[0, 1]), index))
     assert abs(np.corrcoef(u, v)[0, 1]) < 0.03
     np.testing.assert_array_equal(u, np_uniform(s, (1, 1 << 16)).reshape(-1))
+
+
+# ----------------------------------------------------------------------------
+# Each platform's compiled kernel, interpreted: the branches taken only when a
+# kernel is compiled (two reductions instead of one variadic reduce, GPU-sized
+# and TPU-tiled blocks, scalars in TPU SMEM) run here against the references.
+# ----------------------------------------------------------------------------
+
+
+def special_rows(rng, rows, chunk):
+    """Random rows, then rows of each case the min/max reductions must get right."""
+    x = rng.standard_normal((rows, chunk)).astype(np.float32)
+    x[0] = np.where(rng.random(chunk) < 0.5, np.float32(-0.0), np.float32(0.0))
+    x[0, 0], x[0, -1] = -0.0, 0.0  # both signs of zero, -0 < +0 in the total order
+    x[1, 3] = np.nan
+    x[2, 1] = np.inf
+    x[3, 2] = -np.inf
+    x[4, :2] = [np.inf, -np.inf]
+    x[5] = 2.5  # constant: unit 0
+    x[6, :] = -np.abs(x[6]) - 1.0  # all negative
+    x[7, 5] = -np.float32(np.nan)  # a NaN with the sign bit set
+    return x
+
+
+# Each spans several blocks on GPU or TPU (test_blocks_split_the_rows).
+PLATFORM_SHAPES = [(8, 128), (300, 64), (40, 4096)]
+
+
+@pytest.mark.parametrize("platform", ["gpu", "tpu"])
+class TestPlatformKernels:
+    """The GPU and TPU kernels, interpreted, against the jnp and numpy references."""
+
+    @pytest.mark.parametrize("shape", PLATFORM_SHAPES)
+    @pytest.mark.parametrize("bits", [1, 8])
+    @pytest.mark.parametrize("stochastic", [False, True])
+    def test_minmax_quantize(self, rng, platform, shape, bits, stochastic):
+        x = special_rows(rng, *shape)
+        seeds = jnp.asarray(random_seeds(rng))
+        kernel = minmax.quantize_pallas(
+            jnp.asarray(x),
+            seeds,
+            bits=bits,
+            stochastic=stochastic,
+            interpret=True,
+            platform=platform,
+        )
+        reference = minmax.quantize_reference(
+            jnp.asarray(x), seeds, bits=bits, stochastic=stochastic
+        )
+        for k, r in zip(kernel, reference, strict=True):
+            same_bits(k, r)
+        # Rows 8.. hold plain random values: the numpy reference applies.
+        expected = np_minmax_quantize(x[8:], None, bits, False)
+        if not stochastic:
+            for k, e in zip(kernel, expected, strict=True):
+                same_bits(np.asarray(k)[8:], e)
+        lo, unit = np.asarray(kernel[1])[:8, 0], np.asarray(kernel[2])[:8, 0]
+        assert np.signbit(lo[0]) and lo[0] == 0  # -0 is the row's minimum
+        np.testing.assert_array_equal(np.isfinite(lo) & np.isfinite(unit), [1, 0, 0, 0, 0, 1, 1, 0])
+
+    def test_minmax_quantize_bfloat16(self, rng, platform):
+        x = jnp.asarray(special_rows(rng, 40, 256), jnp.bfloat16)
+        seeds = jnp.asarray(random_seeds(rng))
+        kernel = minmax.quantize_pallas(
+            x, seeds, bits=4, stochastic=True, interpret=True, platform=platform
+        )
+        reference = minmax.quantize_reference(x, seeds, bits=4, stochastic=True)
+        for k, r in zip(kernel, reference, strict=True):
+            same_bits(k, r)
+
+    @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+    def test_minmax_dequantize_and_accumulate(self, rng, platform, dtype):
+        shape = (40, 4096)
+        codes = jnp.asarray(rng.integers(0, 256, shape), jnp.uint8)
+        lo = rng.standard_normal((shape[0], 1)).astype(np.float32)
+        unit = rng.uniform(0, 1, (shape[0], 1)).astype(np.float32)
+        lo[:6, 0] = [-0.0, 0.0, np.nan, np.inf, -np.inf, 1.0]
+        unit[:6, 0] = [0.0, np.inf, 1.0, 0.5, 0.0, np.nan]
+        lo, unit = jnp.asarray(lo), jnp.asarray(unit)
+        kernel = minmax.dequantize_pallas(
+            codes, lo, unit, dtype=dtype, interpret=True, platform=platform
+        )
+        same_bits(kernel, minmax.dequantize_reference(codes, lo, unit, dtype=dtype))
+        acc = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+        weight = np.float32(rng.uniform(0, 1))
+        kernel = minmax.dequantize_accumulate_pallas(
+            acc, weight, codes, lo, unit, interpret=True, platform=platform
+        )
+        same_bits(kernel, minmax.dequantize_accumulate_reference(acc, weight, codes, lo, unit))
+
+    @pytest.mark.parametrize("stochastic", [False, True])
+    def test_modulo_encode(self, rng, platform, stochastic):
+        x = special_rows(rng, 80, 1024) * 10
+        seeds = jnp.asarray(random_seeds(rng))
+        scale = np.float32(2**3 / rng.uniform(0.1, 5))
+        kernel = modulo.encode_pallas(
+            jnp.asarray(x),
+            seeds,
+            scale,
+            bits=3,
+            stochastic=stochastic,
+            interpret=True,
+            platform=platform,
+        )
+        same_bits(kernel, modulo.encode_reference(x, seeds, scale, bits=3, stochastic=stochastic))
+        same_bits(kernel, np_modulo_encode(x, np.asarray(seeds), scale, 3, stochastic))
+
+    @pytest.mark.parametrize("bits", [1, 2, 4])
+    def test_bitpack(self, rng, platform, bits):
+        codes = jnp.asarray(rng.integers(0, 2**bits, (4097, 8)), jnp.uint8)
+        packed = bitpack.pack_pallas(codes, bits=bits, interpret=True, platform=platform)
+        same_bits(packed.reshape(-1), np_pack(np.asarray(codes).reshape(-1), bits))
+        unpacked = bitpack.unpack_pallas(packed, bits=bits, interpret=True, platform=platform)
+        same_bits(unpacked, codes)
+
+    def test_blocks_split_the_rows(self, platform):
+        """The shapes above span several blocks of this platform's kernels."""
+        target = _common.Target(platform)
+        assert any(target.block_rows(r, c, (jnp.uint8,)) < r for r, c in PLATFORM_SHAPES)
+        assert target.block_rows(40, 4096) < 40  # dequantize
+        assert target.block_rows(80, 1024) < 80  # modulo
+        assert target.block_rows(4097, 16, (jnp.uint8,)) < 4097  # bit packing

@@ -95,28 +95,35 @@ class MinMax(base.Compressor):
     def num_chunks(self, num_elements: int) -> int:
         return self._layout(num_elements)[0]
 
-    def _use_pallas(self, chunk: int) -> bool:
-        return _common.use_pallas(self.implementation, chunk)
-
     def encode(self, x: jax.Array, key: jax.Array | None = None) -> MinMaxPayload:
         """Quantizes `x` chunk by chunk: codes, lo and unit per chunk (module docstring)."""
         x = base.check_float_input(x, "minmax")
-        d = x.size
-        rows, chunk = self._layout(d)
-        seeds = None
+        seeds = jnp.zeros((1, 2), jnp.uint32)
         if self.needs_key:
             seeds = _common.seeds_from_key(base.check_key(key, "minmax(rounding='stochastic')"))
-        if self._use_pallas(chunk):
+        packed, lo, unit = _common.dispatch(self.implementation, self._encode, x, seeds)
+        return MinMaxPayload(packed, lo.reshape(-1), unit.reshape(-1), tuple(x.shape), x.dtype)
+
+    def _encode(self, x: jax.Array, seeds: jax.Array, *, target):
+        """(packed codes, lo, unit) as `target` computes them (`_common.dispatch`).
+
+        The kernel views x as [rows, chunk]; the jnp path keeps x's shape (see
+        `_spread`). Both give the same bits.
+        """
+        d = x.size
+        rows, chunk = self._layout(d)
+        if kernels.quantize_lowers(target, rows, chunk, x.dtype):
             flat = x.reshape(-1)
             if rows * chunk != d:
                 # Repeat the last element: the partial chunk's min and max are unchanged.
                 flat = jnp.pad(flat, (0, rows * chunk - d), mode="edge")
-            codes, lo, unit = kernels.quantize(
+            codes, lo, unit = kernels.quantize_pallas(
                 flat.reshape(rows, chunk),
                 seeds,
                 bits=self.bits,
                 stochastic=self.needs_key,
-                implementation=self.implementation,
+                interpret=target.interpret,
+                platform=target.platform,
             )
             codes = codes.reshape(-1)[:d]
         else:
@@ -129,8 +136,7 @@ class MinMax(base.Compressor):
                 bits=self.bits,
                 stochastic=self.needs_key,
             ).reshape(-1)
-        packed = bitpack.pack_bits(codes, bits=self.bits, implementation=self.implementation)
-        return MinMaxPayload(packed, lo.reshape(-1), unit.reshape(-1), tuple(x.shape), x.dtype)
+        return bitpack.pack_bits_on(codes, bits=self.bits, target=target), lo, unit
 
     def _row_scales(self, flat: jax.Array, chunk: int):
         """Per-chunk (lo, unit, 1 / unit) of a flat array, each [rows, 1].
@@ -152,16 +158,14 @@ class MinMax(base.Compressor):
             return parts[0]
         return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts, strict=True))
 
-    def _codes(self, payload: MinMaxPayload) -> jax.Array:
+    def _codes(self, payload: MinMaxPayload, target) -> jax.Array:
         d = math.prod(payload.shape)
-        return bitpack.unpack_bits(
-            payload.codes, bits=self.bits, num_elements=d, implementation=self.implementation
-        )
+        return bitpack.unpack_bits_on(payload.codes, bits=self.bits, num_elements=d, target=target)
 
-    def _codes_2d(self, payload: MinMaxPayload):
+    def _codes_2d(self, payload: MinMaxPayload, target):
         d = math.prod(payload.shape)
         rows, chunk = self._layout(d)
-        codes = self._codes(payload)
+        codes = self._codes(payload, target)
         if rows * chunk != d:
             codes = jnp.pad(codes, (0, rows * chunk - d))
         return (
@@ -171,44 +175,68 @@ class MinMax(base.Compressor):
             d,
         )
 
+    def _kernel_decodes(self, target, num_elements: int, dtype) -> bool:
+        rows, chunk = self._layout(num_elements)
+        return kernels.dequantize_lowers(target, rows, chunk, dtype)
+
     def decode(self, payload: MinMaxPayload, *, reference=None, key=None) -> jax.Array:
         """lo + code * unit per chunk, in the encoded shape and dtype."""
         del reference, key
+        return _common.dispatch(self.implementation, self._decode, payload)
+
+    def _decode(self, payload: MinMaxPayload, *, target) -> jax.Array:
         shape = payload.shape
         chunk = self._layout(math.prod(shape))[1]
-        if not self._use_pallas(chunk):
+        if not self._kernel_decodes(target, math.prod(shape), payload.dtype):
             return kernels.dequantize_elementwise(
-                self._codes(payload).reshape(shape),
+                self._codes(payload, target).reshape(shape),
                 _spread(payload.lo, chunk, shape),
                 _spread(payload.unit, chunk, shape),
                 dtype=payload.dtype,
             )
-        codes, lo, unit, d = self._codes_2d(payload)
-        x = kernels.dequantize(codes, lo, unit, implementation=self.implementation)
-        return x.reshape(-1)[:d].reshape(shape).astype(payload.dtype)
+        codes, lo, unit, d = self._codes_2d(payload, target)
+        x = kernels.dequantize_pallas(
+            codes,
+            lo,
+            unit,
+            dtype=jnp.dtype(payload.dtype),
+            interpret=target.interpret,
+            platform=target.platform,
+        )
+        return x.reshape(-1)[:d].reshape(shape)
 
     def decode_accumulate(
         self, payload: MinMaxPayload, acc: jax.Array, weight, *, reference=None, key=None
     ) -> jax.Array:
         """acc + weight * decode(payload) in float32, fused (no decoded copy is materialised)."""
         del reference, key
+        weight = jnp.asarray(weight, jnp.float32)
+        return _common.dispatch(self.implementation, self._decode_accumulate, payload, acc, weight)
+
+    def _decode_accumulate(self, payload: MinMaxPayload, acc, weight, *, target) -> jax.Array:
         shape = acc.shape
         chunk = self._layout(math.prod(shape))[1]
-        if not self._use_pallas(chunk):
+        if not self._kernel_decodes(target, math.prod(shape), jnp.float32):
             return kernels.dequantize_accumulate_elementwise(
                 acc.astype(jnp.float32),
                 weight,
-                self._codes(payload).reshape(shape),
+                self._codes(payload, target).reshape(shape),
                 _spread(payload.lo, chunk, shape),
                 _spread(payload.unit, chunk, shape),
             )
-        codes, lo, unit, d = self._codes_2d(payload)
+        codes, lo, unit, d = self._codes_2d(payload, target)
         rows, chunk = codes.shape
         flat = acc.astype(jnp.float32).reshape(-1)
         if rows * chunk != d:
             flat = jnp.pad(flat, (0, rows * chunk - d))
-        out = kernels.dequantize_accumulate(
-            flat.reshape(rows, chunk), weight, codes, lo, unit, implementation=self.implementation
+        out = kernels.dequantize_accumulate_pallas(
+            flat.reshape(rows, chunk),
+            weight,
+            codes,
+            lo,
+            unit,
+            interpret=target.interpret,
+            platform=target.platform,
         )
         return out.reshape(-1)[:d].reshape(shape)
 

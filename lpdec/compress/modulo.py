@@ -81,29 +81,31 @@ class Modulo(base.Compressor):
         x = base.check_float_input(x, "modulo")
         if isinstance(theta, (int, float)):
             _check_theta(theta)
+        seeds = jnp.zeros((1, 2), jnp.uint32)
+        if self.needs_key:
+            seeds = _common.seeds_from_key(base.check_key(key, "modulo(rounding='stochastic')"))
+        scale = jnp.float32(2**self.bits) / jnp.asarray(self.modulus(theta), jnp.float32)
+        packed = _common.dispatch(self.implementation, self._encode, x, seeds, scale)
+        nonfinite = jnp.any(~jnp.isfinite(x)).astype(jnp.uint8)
+        return ModuloPayload(packed, nonfinite, tuple(x.shape), x.dtype)
+
+    def _encode(self, x: jax.Array, seeds: jax.Array, scale: jax.Array, *, target) -> jax.Array:
+        """Packed codes as `target` computes them (`_common.dispatch`)."""
         d = x.size
         width = max(1, min(_ROW, d))
         rows = _common.num_rows(d, width)
         flat = x.reshape(-1)
         if rows * width != d:
             flat = jnp.pad(flat, (0, rows * width - d))
-        seeds = None
-        if self.needs_key:
-            seeds = _common.seeds_from_key(base.check_key(key, "modulo(rounding='stochastic')"))
-        scale = jnp.float32(2**self.bits) / jnp.asarray(self.modulus(theta), jnp.float32)
-        codes = kernels.encode(
+        codes = kernels.encode_on(
             flat.reshape(rows, width),
             seeds,
             scale,
             bits=self.bits,
             stochastic=self.needs_key,
-            implementation=self.implementation,
+            target=target,
         )
-        packed = bitpack.pack_bits(
-            codes.reshape(-1)[:d], bits=self.bits, implementation=self.implementation
-        )
-        nonfinite = jnp.any(~jnp.isfinite(x)).astype(jnp.uint8)
-        return ModuloPayload(packed, nonfinite, tuple(x.shape), x.dtype)
+        return bitpack.pack_bits_on(codes.reshape(-1)[:d], bits=self.bits, target=target)
 
     def decode(
         self, payload: ModuloPayload, reference: jax.Array | None = None, *, key=None, theta=None

@@ -4,60 +4,231 @@ Every kernel in this package has a pure-jnp reference that is the single source
 of truth and the CPU implementation. The element-wise math lives in small
 functions that both the reference and the kernel body call, so the two compute
 the same expression graph and agree bit for bit.
+
+Which implementation runs is decided per *lowering platform*, not per
+`jax.default_backend()`: `dispatch` stages every choice out with
+`jax.lax.platform_dependent`, so a program traced on a CPU-only machine and
+lowered for ("cuda",) or ("tpu",) holds the compiled kernels (docs/DESIGN.md,
+"Kernels per platform").
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+from collections.abc import Callable
+from typing import Any
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.experimental import pallas as pl
+
+# Each backend's Pallas module may move or disappear between jax releases (jax 0.11
+# deprecates Triton); without it that platform takes the jnp path.
+try:
+    from jax.experimental.pallas import triton as pallas_triton
+except ImportError:  # pragma: no cover - depends on the installed jax
+    pallas_triton = None
+try:
+    from jax.experimental.pallas import tpu as pallas_tpu
+except ImportError:  # pragma: no cover - depends on the installed jax
+    pallas_tpu = None
 
 Implementation = Literal["xla", "pallas"] | None
+Platform = Literal["cpu", "gpu", "tpu"]
 
 _IMPLEMENTATIONS = (None, "xla", "pallas")
+_PLATFORMS = ("cpu", "gpu", "tpu")
+
+# Elements per kernel block. Interpreted (CPU) and TPU blocks are large: each grid
+# step costs a loop iteration or a pipeline stage, and 2**16 float32 (256 KiB,
+# double-buffered in and out) sits well inside TPU VMEM. A Triton program keeps its
+# whole block in registers, so GPU blocks are 16x smaller (16 values per thread at
+# 8 warps).
+_BLOCK_ELEMENTS = {"cpu": 1 << 16, "gpu": 1 << 12, "tpu": 1 << 16}
+# Mosaic tiles the last two dims of a TPU block by (rows, 128 lanes), where a tile
+# holds 8 rows of 32-bit values: 8 rows of float32, 16 of bfloat16, 32 of uint8.
+_TPU_LANES = 128
+
+# (block_shape, array_shape, dtype) of one operand of a pallas_call.
+Block = tuple[tuple[int, ...], tuple[int, ...], Any]
 
 
-def resolve_implementation(implementation: Implementation) -> str:
-    """Returns "xla" or "pallas" for an `implementation` argument.
-
-    `None` picks Pallas on GPU and TPU and the fused jnp path on CPU, where Pallas
-    only runs in (slow) interpret mode.
-    """
+def check_implementation(implementation) -> None:
     if implementation not in _IMPLEMENTATIONS:
         raise ValueError(
             f"implementation must be one of None, 'xla', 'pallas'; got {implementation!r}."
         )
-    if implementation is None:
-        return "pallas" if jax.default_backend() in ("gpu", "cuda", "rocm", "tpu") else "xla"
-    return implementation
 
 
-def use_pallas(implementation: Implementation, *block_extents: int) -> bool:
-    """Whether to run the Pallas kernel for blocks with these (static) extents.
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Where a Pallas kernel runs: whose compiled-kernel parameters it uses, and how.
 
-    Triton needs power-of-two block extents; on GPU other shapes take the jnp path.
+    Attributes:
+      platform: "cpu", "gpu" (the Triton lowering) or "tpu" (Mosaic). It sets the
+        block size, the compiler parameters and any lowering-specific form of the
+        kernel body (see `minmax._row_min_max`).
+      interpret: run the kernel body on XLA one grid step at a time instead of
+        compiling it. Pallas has no CPU lowering, so "cpu" is always interpreted;
+        tests interpret the "gpu" and "tpu" kernels to check them on CPU.
     """
-    if resolve_implementation(implementation) != "pallas":
-        return False
-    return not is_gpu() or all(is_power_of_two(e) for e in block_extents)
+
+    platform: Platform
+    interpret: bool = False
+
+    def __post_init__(self):
+        if self.platform not in _PLATFORMS:
+            raise ValueError(f"platform must be one of {_PLATFORMS}; got {self.platform!r}.")
+        if self.platform == "cpu" and not self.interpret:
+            object.__setattr__(self, "interpret", True)
+
+    @property
+    def block_elements(self) -> int:
+        return _BLOCK_ELEMENTS[self.platform]
+
+    def block_rows(self, rows: int, row_length: int, dtypes=(jnp.float32,)) -> int:
+        """Rows per block of a [rows, row_length] kernel whose row blocks hold `dtypes`.
+
+        A power of two near `block_elements / row_length`. On TPU a block that does
+        not cover every row is a whole number of row tiles of each dtype.
+        """
+        br = block_rows_for(rows, row_length, self.block_elements)
+        if self.platform == "tpu" and br < rows:
+            tile = max(_tpu_tile_rows(d) for d in dtypes)
+            # Fewer rows than a tile: one block of all of them (equal to the array dim).
+            br = rows if tile >= rows else max(br, tile)
+        return br
+
+    def lowers(self, *blocks: Block) -> bool:
+        """Whether this platform's compiler accepts blocks of these shapes.
+
+        Triton needs every block extent to be a power of two. Mosaic needs each of
+        a block's last two dims to be a multiple of its dtype's (rows, 128) tile or
+        to equal the array's dim. Interpreting accepts anything, but the
+        choice must not depend on it: a test interpreting the "gpu" kernel checks
+        what a GPU runs.
+        """
+        if self.platform == "gpu":
+            return pallas_triton is not None and all(
+                is_power_of_two(e) for block, _, _ in blocks for e in block
+            )
+        if self.platform == "tpu":
+            return pallas_tpu is not None and all(_tpu_tiles(*b) for b in blocks)
+        return True
+
+    def compiler_params(self, block_elements: int):
+        """The one place that chooses each platform's lowering of lpdec's kernels.
+
+        GPU: Triton (jax 0.10 and 0.11; 0.11 deprecates it for Mosaic GPU, whose
+        `pallas_call` path is deprecated too and wants warpgroup-shaped kernels).
+        Without explicit Triton parameters jax 0.10 picks Mosaic GPU, which rejects
+        these kernels' block shapes. The kernels hold no loops, so one stage.
+        TPU: every grid step is independent ("parallel" lets a megacore split it).
+        """
+        if self.platform == "gpu" and pallas_triton is not None:
+            return pallas_triton.CompilerParams(
+                num_warps=8 if block_elements >= 4096 else 4, num_stages=1
+            )
+        if self.platform == "tpu" and pallas_tpu is not None:
+            return pallas_tpu.CompilerParams(dimension_semantics=("parallel",))
+        return None
+
+    def scalar_spec(self, shape: tuple[int, ...]):
+        """BlockSpec of a small array every grid step reads whole (seeds, a scale).
+
+        On TPU it lives in scalar memory (SMEM), where a kernel reads single values.
+        """
+        if self.platform == "tpu" and pallas_tpu is not None:
+            return pl.BlockSpec(memory_space=pallas_tpu.SMEM)
+        return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+
+    def pallas_call(self, kernel, *, block_elements: int, **kwargs):
+        """`pl.pallas_call` with this target's interpret mode and compiler parameters."""
+        return pl.pallas_call(
+            kernel,
+            interpret=self.interpret,
+            compiler_params=None if self.interpret else self.compiler_params(block_elements),
+            **kwargs,
+        )
 
 
-def needs_interpret(interpret: bool) -> bool:
-    """Pallas has no CPU lowering: on CPU a kernel always runs in interpret mode."""
-    return interpret or jax.default_backend() == "cpu"
+def out_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
+    """A kernel output's shape and dtype, varying over the mesh axes that `like` varies over.
 
-
-def compiler_params():
-    """The one place that chooses the GPU lowering of lpdec's kernels.
-
-    The kernels are written with plain `BlockSpec`s and element-wise/reduction ops,
-    which the Triton lowering (jax 0.10) and Mosaic TPU both accept. jax 0.11
-    deprecates Triton in favour of Mosaic GPU; switching means changing this
-    function, not the kernels' call sites.
+    Under `jax.shard_map(check_vma=True)` a `pallas_call` must be told how each
+    output varies; the kernels' outputs are per node, like their data input.
     """
-    return None
+    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
+
+
+def _tpu_tile_rows(dtype) -> int:
+    return 8 * 4 // np_dtype(dtype).itemsize
+
+
+def _tpu_tiles(block: tuple[int, ...], shape: tuple[int, ...], dtype) -> bool:
+    last_two = list(zip(block, shape, strict=True))[-2:]
+    tiles = [_tpu_tile_rows(dtype), _TPU_LANES][-len(last_two) :]
+    return all(b == s or b % t == 0 for (b, s), t in zip(last_two, tiles, strict=True))
+
+
+def _per_platform(body: Callable, args, *, gpu, tpu, other):
+    on_gpu = functools.partial(body, target=gpu)
+    return jax.lax.platform_dependent(
+        *args,
+        cuda=on_gpu,
+        rocm=on_gpu,
+        tpu=functools.partial(body, target=tpu),
+        default=functools.partial(body, target=other),
+    )
+
+
+def on_each_platform(body: Callable, *args, interpret: bool = False):
+    """`body(*args, target=...)` with the Pallas target of the lowering platform.
+
+    CUDA and ROCm get the "gpu" target, TPU the "tpu" one (interpreted when
+    `interpret`), and CPU and any other platform the interpreted "cpu" target.
+    """
+    return _per_platform(
+        body,
+        args,
+        gpu=Target("gpu", interpret),
+        tpu=Target("tpu", interpret),
+        other=Target("cpu", True),
+    )
+
+
+def dispatch(implementation: Implementation, body: Callable, *args, interpret: bool = False):
+    """`body(*args, target=...)` with the target `implementation` picks per lowering platform.
+
+    `body` runs the jnp path for `target=None`; for a `Target` it runs the Pallas
+    kernel, or the jnp path where `target.lowers` rejects the kernel's blocks. The
+    choice is staged out with `jax.lax.platform_dependent`: an eager call runs the
+    default backend's branch only; under `jax.jit` every branch is traced and
+    lowering keeps the lowering platform's.
+
+    Args:
+      implementation: "xla": the jnp path everywhere. "pallas": the kernel on every
+        platform, interpreted on CPU. None: jnp on CPU (and platforms Pallas cannot
+        compile for), the compiled kernel on GPU and TPU.
+      body: callable(*args, target=Target | None).
+      *args: arrays (or pytrees of arrays) passed to `body`.
+      interpret: interpret the kernel wherever one runs (tests).
+    """
+    check_implementation(implementation)
+    if implementation == "xla":
+        return body(*args, target=None)
+    if implementation == "pallas":
+        return on_each_platform(body, *args, interpret=interpret)
+    return _per_platform(
+        body,
+        args,
+        gpu=Target("gpu", interpret),
+        tpu=Target("tpu", interpret),
+        other=None,
+    )
 
 
 # ----------------------------------------------------------------------------
@@ -138,10 +309,6 @@ def is_power_of_two(n: int) -> bool:
 
 def np_dtype(dtype) -> np.dtype:
     return np.dtype(jnp.dtype(dtype))
-
-
-def is_gpu() -> bool:
-    return jax.default_backend() in ("gpu", "cuda", "rocm")
 
 
 def rounded(product: jax.Array) -> jax.Array:

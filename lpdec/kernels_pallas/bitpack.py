@@ -31,6 +31,15 @@ def _check_bits(bits: int) -> None:
         raise ValueError(f"bits must be an integer in 1..8; got {bits!r}.")
 
 
+def _or_disjoint(piece: jax.Array) -> jax.Array:
+    """uint8 bitwise or over the last axis of uint32 pieces < 256 with disjoint bits.
+
+    Disjoint bits make the or a sum. It is summed as int32: Mosaic (TPU) has no
+    reductions over unsigned integers.
+    """
+    return jnp.sum(piece.astype(jnp.int32), axis=-1, dtype=jnp.int32).astype(jnp.uint8)
+
+
 def _pack_groups(codes: jax.Array, bits: int) -> jax.Array:
     """[G, 8] codes -> [G, bits] bytes. Shared by the reference and the kernel."""
     c = (codes.astype(jnp.uint32) & jnp.uint32((1 << bits) - 1))[:, None, :]
@@ -43,8 +52,7 @@ def _pack_groups(codes: jax.Array, bits: int) -> jax.Array:
     shl = jnp.clip(s, 0, 31).astype(jnp.uint32)
     shr = jnp.clip(-s, 0, 31).astype(jnp.uint32)
     piece = jnp.where(valid, ((c >> shr) << shl) & jnp.uint32(0xFF), jnp.uint32(0))
-    # Pieces occupy disjoint bits of a byte, so their sum is their bitwise or.
-    return jnp.sum(piece, axis=2, dtype=jnp.uint32).astype(jnp.uint8)
+    return _or_disjoint(piece)
 
 
 def _unpack_groups(packed: jax.Array, bits: int) -> jax.Array:
@@ -60,7 +68,7 @@ def _unpack_groups(packed: jax.Array, bits: int) -> jax.Array:
     shr = jnp.clip(-s, 0, 31).astype(jnp.uint32)
     mask = jnp.uint32((1 << bits) - 1)
     piece = jnp.where(valid, ((p >> shr) << shl) & mask, jnp.uint32(0))
-    return jnp.sum(piece, axis=2, dtype=jnp.uint32).astype(jnp.uint8)
+    return _or_disjoint(piece)
 
 
 def pack_reference(codes: jax.Array, *, bits: int) -> jax.Array:
@@ -81,46 +89,131 @@ def _unpack_kernel(packed_ref, out_ref, *, bits):
     out_ref[...] = _unpack_groups(packed_ref[...], bits)
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "block_groups", "interpret"))
+def _group_blocks(target, groups: int, bits: int, block_groups: int | None = None):
+    """(groups per block, padded groups, the blocks) of the [G, 8] <-> [G, bits] kernels.
+
+    A group moves 8 codes in and `bits` bytes out (or back): the block size counts
+    16 elements per group.
+    """
+    bg = block_groups or target.block_rows(groups, 2 * _GROUP, (jnp.uint8,))
+    padded = _common.num_rows(groups, bg) * bg
+    blocks = [((bg, _GROUP), (padded, _GROUP), jnp.uint8), ((bg, bits), (padded, bits), jnp.uint8)]
+    return bg, padded, blocks
+
+
+def pack_lowers(target, groups: int, bits: int) -> bool:
+    """Whether `target` runs the pack/unpack kernels on `groups` groups of `bits`-bit codes.
+
+    False for the jnp path (`target` None), for no groups, and where the platform's
+    compiler rejects the blocks (`bits` not a power of two on GPU).
+    """
+    if target is None or not groups:
+        return False
+    return target.lowers(*_group_blocks(target, groups, bits)[2])
+
+
+def _group_call(kernel, grouped, *, width_in, width_out, bits, block_groups, target):
+    groups = grouped.shape[0]
+    bg, padded, _ = _group_blocks(target, groups, bits, block_groups)
+    out = target.pallas_call(
+        functools.partial(kernel, bits=bits),
+        block_elements=bg * 2 * _GROUP,
+        grid=(padded // bg,),
+        in_specs=[pl.BlockSpec((bg, width_in), lambda i: (i, 0))],
+        out_specs=pl.BlockSpec((bg, width_out), lambda i: (i, 0)),
+        out_shape=_common.out_struct((padded, width_out), jnp.uint8, grouped),
+    )(jnp.pad(grouped, ((0, padded - groups), (0, 0))))
+    return out[:groups]
+
+
+@functools.partial(jax.jit, static_argnames=("bits", "block_groups", "interpret", "platform"))
 def pack_pallas(
-    codes: jax.Array, *, bits: int, block_groups: int = 4096, interpret: bool = False
+    codes: jax.Array,
+    *,
+    bits: int,
+    block_groups: int | None = None,
+    interpret: bool = False,
+    platform: _common.Platform | None = None,
 ) -> jax.Array:
-    """Pallas kernel: [G, 8] uint8 codes -> [G, bits] uint8 bytes."""
-    groups = codes.shape[0]
-    bg = min(block_groups, _common.block_rows_for(groups, 1, block_groups))
-    padded = _common.num_rows(groups, bg) * bg
-    codes = jnp.pad(codes, ((0, padded - groups), (0, 0)))
-    out = pl.pallas_call(
-        functools.partial(_pack_kernel, bits=bits),
-        grid=(padded // bg,),
-        in_specs=[pl.BlockSpec((bg, _GROUP), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((bg, bits), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((padded, bits), jnp.uint8),
-        interpret=_common.needs_interpret(interpret),
-        compiler_params=_common.compiler_params(),
-    )(codes)
-    return out[:groups]
+    """Pallas kernel: [G, 8] uint8 codes -> [G, bits] uint8 bytes.
+
+    `platform` ("cpu", "gpu", "tpu") builds the kernel that platform compiles
+    (`_common.Target`); None takes the lowering platform's, interpreted on CPU.
+    `interpret` interprets it.
+    """
+    body = functools.partial(
+        _group_call,
+        _pack_kernel,
+        width_in=_GROUP,
+        width_out=bits,
+        bits=bits,
+        block_groups=block_groups,
+    )
+    if platform is None:
+        return _common.on_each_platform(body, codes, interpret=interpret)
+    return body(codes, target=_common.Target(platform, interpret))
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "block_groups", "interpret"))
+@functools.partial(jax.jit, static_argnames=("bits", "block_groups", "interpret", "platform"))
 def unpack_pallas(
-    packed: jax.Array, *, bits: int, block_groups: int = 4096, interpret: bool = False
+    packed: jax.Array,
+    *,
+    bits: int,
+    block_groups: int | None = None,
+    interpret: bool = False,
+    platform: _common.Platform | None = None,
 ) -> jax.Array:
-    """Pallas kernel: [G, bits] uint8 bytes -> [G, 8] uint8 codes."""
-    groups = packed.shape[0]
-    bg = min(block_groups, _common.block_rows_for(groups, 1, block_groups))
-    padded = _common.num_rows(groups, bg) * bg
-    packed = jnp.pad(packed, ((0, padded - groups), (0, 0)))
-    out = pl.pallas_call(
-        functools.partial(_unpack_kernel, bits=bits),
-        grid=(padded // bg,),
-        in_specs=[pl.BlockSpec((bg, bits), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((bg, _GROUP), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((padded, _GROUP), jnp.uint8),
-        interpret=_common.needs_interpret(interpret),
-        compiler_params=_common.compiler_params(),
-    )(packed)
-    return out[:groups]
+    """Pallas kernel: [G, bits] uint8 bytes -> [G, 8] uint8 codes (see pack_pallas)."""
+    body = functools.partial(
+        _group_call,
+        _unpack_kernel,
+        width_in=bits,
+        width_out=_GROUP,
+        bits=bits,
+        block_groups=block_groups,
+    )
+    if platform is None:
+        return _common.on_each_platform(body, packed, interpret=interpret)
+    return body(packed, target=_common.Target(platform, interpret))
+
+
+def pack_bits_on(codes: jax.Array, *, bits: int, target) -> jax.Array:
+    """The `pack_bits` that `target` runs: its kernel, or the jnp reference (`pack_lowers`)."""
+    _check_bits(bits)
+    if codes.ndim != 1:
+        raise ValueError(f"codes must be 1-D; got shape {codes.shape}.")
+    d = codes.shape[0]
+    if bits == 8:
+        return codes.astype(jnp.uint8)
+    groups = _common.num_rows(d, _GROUP)
+    grouped = jnp.pad(codes.astype(jnp.uint8), (0, groups * _GROUP - d)).reshape(groups, _GROUP)
+    if pack_lowers(target, groups, bits):
+        out = pack_pallas(grouped, bits=bits, interpret=target.interpret, platform=target.platform)
+    else:
+        out = pack_reference(grouped, bits=bits)
+    return out.reshape(-1)[: packed_size(d, bits)]
+
+
+def unpack_bits_on(packed: jax.Array, *, bits: int, num_elements: int, target) -> jax.Array:
+    """The `unpack_bits` that `target` runs: its kernel, or the jnp reference."""
+    _check_bits(bits)
+    expected = packed_size(num_elements, bits)
+    if packed.shape != (expected,):
+        raise ValueError(
+            f"packed must have shape ({expected},) for {num_elements} codes of {bits} bits; "
+            f"got {packed.shape}."
+        )
+    if bits == 8:
+        return packed
+    groups = _common.num_rows(num_elements, _GROUP)
+    grouped = jnp.pad(packed, (0, groups * bits - expected)).reshape(groups, bits)
+    if pack_lowers(target, groups, bits):
+        out = unpack_pallas(
+            grouped, bits=bits, interpret=target.interpret, platform=target.platform
+        )
+    else:
+        out = unpack_reference(grouped, bits=bits)
+    return out.reshape(-1)[:num_elements]
 
 
 def pack_bits(
@@ -135,25 +228,15 @@ def pack_bits(
     Args:
       codes: uint8[d], each value < 2**bits (higher bits are ignored).
       bits: code width, 1..8.
-      implementation: None (Pallas on GPU/TPU, jnp on CPU), "xla" or "pallas".
+      implementation: None (Pallas on GPU/TPU, jnp on CPU), "xla" or "pallas",
+        chosen per lowering platform (`_common.dispatch`).
       interpret: run the Pallas kernel in interpret mode (tests on CPU).
 
     Returns:
       uint8[ceil(d * bits / 8)].
     """
-    _check_bits(bits)
-    if codes.ndim != 1:
-        raise ValueError(f"codes must be 1-D; got shape {codes.shape}.")
-    d = codes.shape[0]
-    if bits == 8:
-        return codes.astype(jnp.uint8)
-    groups = _common.num_rows(d, _GROUP)
-    grouped = jnp.pad(codes.astype(jnp.uint8), (0, groups * _GROUP - d)).reshape(groups, _GROUP)
-    if _common.use_pallas(implementation, bits) and groups:
-        out = pack_pallas(grouped, bits=bits, interpret=interpret)
-    else:
-        out = pack_reference(grouped, bits=bits)
-    return out.reshape(-1)[: packed_size(d, bits)]
+    body = functools.partial(pack_bits_on, bits=bits)
+    return _common.dispatch(implementation, body, codes, interpret=interpret)
 
 
 def unpack_bits(
@@ -165,19 +248,5 @@ def unpack_bits(
     interpret: bool = False,
 ) -> jax.Array:
     """Inverse of `pack_bits`: uint8[ceil(d * bits / 8)] -> uint8[d] codes."""
-    _check_bits(bits)
-    expected = packed_size(num_elements, bits)
-    if packed.shape != (expected,):
-        raise ValueError(
-            f"packed must have shape ({expected},) for {num_elements} codes of {bits} bits; "
-            f"got {packed.shape}."
-        )
-    if bits == 8:
-        return packed
-    groups = _common.num_rows(num_elements, _GROUP)
-    grouped = jnp.pad(packed, (0, groups * bits - expected)).reshape(groups, bits)
-    if _common.use_pallas(implementation, bits) and groups:
-        out = unpack_pallas(grouped, bits=bits, interpret=interpret)
-    else:
-        out = unpack_reference(grouped, bits=bits)
-    return out.reshape(-1)[:num_elements]
+    body = functools.partial(unpack_bits_on, bits=bits, num_elements=num_elements)
+    return _common.dispatch(implementation, body, packed, interpret=interpret)

@@ -227,8 +227,10 @@ def _quantize_kernel(
     seeds_ref, x_ref, codes_ref, lo_ref, unit_ref, *, bits, stochastic, rows, variadic
 ):
     row0 = pl.program_id(0) * rows
+    # The seeds are passed as the ref: `_codes` reads seeds[0, 0] and seeds[0, 1] as
+    # scalar loads (Triton cannot slice a loaded array).
     codes, lo, unit = _quantize_rows(
-        x_ref[...], seeds_ref[...], row0, bits=bits, stochastic=stochastic, variadic=variadic
+        x_ref[...], seeds_ref, row0, bits=bits, stochastic=stochastic, variadic=variadic
     )
     codes_ref[...] = codes
     lo_ref[...] = lo
@@ -243,94 +245,173 @@ def _dequantize_kernel(codes_ref, lo_ref, unit_ref, out_ref):
 
 def _accumulate_kernel(weight_ref, acc_ref, codes_ref, lo_ref, unit_ref, out_ref):
     out_ref[...] = _accumulate_rows(
-        acc_ref[...], weight_ref[...], codes_ref[...], lo_ref[...], unit_ref[...]
+        acc_ref[...], weight_ref[0, 0], codes_ref[...], lo_ref[...], unit_ref[...]
     )
 
 
-def _grid(rows: int, chunk: int, block_rows: int | None):
-    br = block_rows or _common.block_rows_for(rows, chunk)
+def _row_blocks(target, rows: int, chunk: int, dtypes, block_rows: int | None = None):
+    """(rows per block, padded rows, the row blocks) of a [rows, chunk] kernel.
+
+    Each row block is a (block, array, dtype) triple for `Target.lowers`: a
+    [br, chunk] block of every dtype in `dtypes` and the [br, 1] float32 scales.
+    """
+    br = block_rows or target.block_rows(rows, chunk, (*dtypes, jnp.float32))
     padded = _common.num_rows(rows, br) * br
-    return br, padded
+    blocks = [((br, chunk), (padded, chunk), d) for d in dtypes]
+    blocks.append(((br, 1), (padded, 1), jnp.float32))
+    return br, padded, blocks
 
 
 def _row_spec(br, width):
     return pl.BlockSpec((br, width), lambda i: (i, 0))
 
 
-def _whole_spec(shape):
-    return pl.BlockSpec(shape, lambda i: (0,) * len(shape))
+def quantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
+    """Whether `target` runs the quantize kernel on a [rows, chunk] `dtype` array.
+
+    False for the jnp path (`target` None), for no rows, and where the platform's
+    compiler rejects the blocks (a chunk that is not a power of two on GPU).
+    """
+    if target is None or not rows:
+        return False
+    return target.lowers(*_row_blocks(target, rows, chunk, (dtype, jnp.uint8))[2])
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "stochastic", "block_rows", "interpret"))
+def dequantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
+    """Whether `target` runs the dequantize (-accumulate) kernel writing `dtype`."""
+    if target is None or not rows:
+        return False
+    return target.lowers(*_row_blocks(target, rows, chunk, (jnp.uint8, dtype))[2])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("bits", "stochastic", "block_rows", "interpret", "platform")
+)
 def quantize_pallas(
-    x2d, seeds, *, bits: int, stochastic: bool, block_rows: int | None = None, interpret=False
+    x2d,
+    seeds,
+    *,
+    bits: int,
+    stochastic: bool,
+    block_rows: int | None = None,
+    interpret: bool = False,
+    platform: _common.Platform | None = None,
 ):
-    """Pallas kernel of the fused per-chunk quantize (one read of x per block)."""
-    rows, chunk = x2d.shape
-    br, padded = _grid(rows, chunk, block_rows)
-    x2d = _common.pad_rows(x2d, padded)
+    """Pallas kernel of the fused per-chunk quantize (one read of x per block).
+
+    `platform` ("cpu", "gpu", "tpu") builds the kernel that platform compiles
+    (`_common.Target`); None takes the lowering platform's, interpreted on CPU.
+    `interpret` interprets it: tests run each platform's kernel on CPU this way.
+    """
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
-    interpret = _common.needs_interpret(interpret)
-    # An interpreted kernel body runs on XLA like the reference and reduces the same
-    # way; compiled kernels need reduce_min/reduce_max (same values, see _row_min_max).
-    kernel = functools.partial(
-        _quantize_kernel, bits=bits, stochastic=stochastic, rows=br, variadic=interpret
+    body = functools.partial(
+        _quantize_call, bits=bits, stochastic=stochastic, block_rows=block_rows
     )
-    codes, lo, unit = pl.pallas_call(
+    if platform is None:
+        return _common.on_each_platform(body, x2d, seeds, interpret=interpret)
+    return body(x2d, seeds, target=_common.Target(platform, interpret))
+
+
+def _quantize_call(x2d, seeds, *, bits, stochastic, block_rows, target):
+    rows, chunk = x2d.shape
+    br, padded, _ = _row_blocks(target, rows, chunk, (x2d.dtype, jnp.uint8), block_rows)
+    # The CPU kernel reduces like the reference (one variadic reduce); Triton and
+    # Mosaic know only reduce_min/reduce_max (same values, see _row_min_max).
+    kernel = functools.partial(
+        _quantize_kernel,
+        bits=bits,
+        stochastic=stochastic,
+        rows=br,
+        variadic=target.platform == "cpu",
+    )
+    codes, lo, unit = target.pallas_call(
         kernel,
+        block_elements=br * chunk,
         grid=(padded // br,),
-        in_specs=[_whole_spec((1, 2)), _row_spec(br, chunk)],
+        in_specs=[target.scalar_spec((1, 2)), _row_spec(br, chunk)],
         out_specs=[_row_spec(br, chunk), _row_spec(br, 1), _row_spec(br, 1)],
         out_shape=[
-            jax.ShapeDtypeStruct((padded, chunk), jnp.uint8),
-            jax.ShapeDtypeStruct((padded, 1), jnp.float32),
-            jax.ShapeDtypeStruct((padded, 1), jnp.float32),
+            _common.out_struct((padded, chunk), jnp.uint8, x2d),
+            _common.out_struct((padded, 1), jnp.float32, x2d),
+            _common.out_struct((padded, 1), jnp.float32, x2d),
         ],
-        interpret=interpret,
-        compiler_params=_common.compiler_params(),
-    )(seeds, x2d)
+    )(seeds, _common.pad_rows(x2d, padded))
     return codes[:rows], lo[:rows], unit[:rows]
 
 
-@functools.partial(jax.jit, static_argnames=("dtype", "block_rows", "interpret"))
-def dequantize_pallas(codes, lo, unit, *, dtype=jnp.float32, block_rows=None, interpret=False):
-    """Pallas kernel: lo + codes * unit per row."""
+@functools.partial(jax.jit, static_argnames=("dtype", "block_rows", "interpret", "platform"))
+def dequantize_pallas(
+    codes,
+    lo,
+    unit,
+    *,
+    dtype=jnp.float32,
+    block_rows=None,
+    interpret: bool = False,
+    platform: _common.Platform | None = None,
+):
+    """Pallas kernel: lo + codes * unit per row (`platform`, `interpret`: see quantize_pallas)."""
+    body = functools.partial(_dequantize_call, dtype=jnp.dtype(dtype), block_rows=block_rows)
+    if platform is None:
+        return _common.on_each_platform(body, codes, lo, unit, interpret=interpret)
+    return body(codes, lo, unit, target=_common.Target(platform, interpret))
+
+
+def _dequantize_call(codes, lo, unit, *, dtype, block_rows, target):
     rows, chunk = codes.shape
-    br, padded = _grid(rows, chunk, block_rows)
-    out = pl.pallas_call(
+    br, padded, _ = _row_blocks(target, rows, chunk, (jnp.uint8, dtype), block_rows)
+    out = target.pallas_call(
         _dequantize_kernel,
+        block_elements=br * chunk,
         grid=(padded // br,),
         in_specs=[_row_spec(br, chunk), _row_spec(br, 1), _row_spec(br, 1)],
         out_specs=_row_spec(br, chunk),
-        out_shape=jax.ShapeDtypeStruct((padded, chunk), dtype),
-        interpret=_common.needs_interpret(interpret),
-        compiler_params=_common.compiler_params(),
+        out_shape=_common.out_struct((padded, chunk), dtype, codes),
     )(_common.pad_rows(codes, padded), _common.pad_rows(lo, padded), _common.pad_rows(unit, padded))
     return out[:rows]
 
 
-@functools.partial(jax.jit, static_argnames=("block_rows", "interpret"))
-def dequantize_accumulate_pallas(acc, weight, codes, lo, unit, *, block_rows=None, interpret=False):
-    """Pallas kernel: acc + weight * (lo + codes * unit), accumulating in place."""
-    rows, chunk = codes.shape
-    br, padded = _grid(rows, chunk, block_rows)
+@functools.partial(jax.jit, static_argnames=("block_rows", "interpret", "platform"))
+def dequantize_accumulate_pallas(
+    acc,
+    weight,
+    codes,
+    lo,
+    unit,
+    *,
+    block_rows=None,
+    interpret: bool = False,
+    platform: _common.Platform | None = None,
+):
+    """Pallas kernel: acc + weight * (lo + codes * unit), accumulating in place.
+
+    `platform`, `interpret`: see quantize_pallas.
+    """
     weight = jnp.asarray(weight, jnp.float32).reshape(1, 1)
-    out = pl.pallas_call(
+    body = functools.partial(_accumulate_call, block_rows=block_rows)
+    if platform is None:
+        return _common.on_each_platform(body, acc, weight, codes, lo, unit, interpret=interpret)
+    return body(acc, weight, codes, lo, unit, target=_common.Target(platform, interpret))
+
+
+def _accumulate_call(acc, weight, codes, lo, unit, *, block_rows, target):
+    rows, chunk = codes.shape
+    br, padded, _ = _row_blocks(target, rows, chunk, (jnp.uint8, jnp.float32), block_rows)
+    out = target.pallas_call(
         _accumulate_kernel,
+        block_elements=br * chunk,
         grid=(padded // br,),
         in_specs=[
-            _whole_spec((1, 1)),
+            target.scalar_spec((1, 1)),
             _row_spec(br, chunk),
             _row_spec(br, chunk),
             _row_spec(br, 1),
             _row_spec(br, 1),
         ],
         out_specs=_row_spec(br, chunk),
-        out_shape=jax.ShapeDtypeStruct((padded, chunk), jnp.float32),
+        out_shape=_common.out_struct((padded, chunk), jnp.float32, acc),
         input_output_aliases={1: 0},
-        interpret=_common.needs_interpret(interpret),
-        compiler_params=_common.compiler_params(),
     )(
         weight,
         _common.pad_rows(acc.astype(jnp.float32), padded),
@@ -342,8 +423,43 @@ def dequantize_accumulate_pallas(acc, weight, codes, lo, unit, *, block_rows=Non
 
 
 # ----------------------------------------------------------------------------
-# Public ops with `implementation=` dispatch.
+# Public ops with `implementation=` dispatch (`_common.dispatch`).
 # ----------------------------------------------------------------------------
+
+
+def quantize_on(x2d, seeds, *, bits: int, stochastic: bool, target):
+    """The quantize `target` runs: its kernel, or the jnp reference (see quantize_lowers)."""
+    rows, chunk = x2d.shape
+    if quantize_lowers(target, rows, chunk, x2d.dtype):
+        return quantize_pallas(
+            x2d,
+            seeds,
+            bits=bits,
+            stochastic=stochastic,
+            interpret=target.interpret,
+            platform=target.platform,
+        )
+    return quantize_reference(x2d, seeds, bits=bits, stochastic=stochastic)
+
+
+def dequantize_on(codes, lo, unit, *, dtype, target):
+    """The dequantize `target` runs: its kernel, or the jnp reference."""
+    rows, chunk = codes.shape
+    if dequantize_lowers(target, rows, chunk, dtype):
+        return dequantize_pallas(
+            codes, lo, unit, dtype=dtype, interpret=target.interpret, platform=target.platform
+        )
+    return dequantize_reference(codes, lo, unit, dtype=dtype)
+
+
+def dequantize_accumulate_on(acc, weight, codes, lo, unit, *, target):
+    """The dequantize-accumulate `target` runs: its kernel, or the jnp reference."""
+    rows, chunk = codes.shape
+    if dequantize_lowers(target, rows, chunk, jnp.float32):
+        return dequantize_accumulate_pallas(
+            acc, weight, codes, lo, unit, interpret=target.interpret, platform=target.platform
+        )
+    return dequantize_accumulate_reference(acc, weight, codes, lo, unit)
 
 
 def quantize(
@@ -362,7 +478,8 @@ def quantize(
       seeds: uint32[1, 2] hash seeds (`seeds_from_key`); required when `stochastic`.
       bits: code width, 1..8.
       stochastic: stochastic rounding from the counter-based hash; else nearest.
-      implementation: None (Pallas on GPU/TPU, jnp on CPU), "xla" or "pallas".
+      implementation: None (Pallas on GPU/TPU, jnp on CPU), "xla" or "pallas",
+        chosen per lowering platform (`_common.dispatch`).
       interpret: run the Pallas kernel in interpret mode.
 
     Returns:
@@ -370,20 +487,28 @@ def quantize(
     """
     if stochastic and seeds is None:
         raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
-    if _common.use_pallas(implementation, x2d.shape[1]) and x2d.shape[0]:
-        return quantize_pallas(x2d, seeds, bits=bits, stochastic=stochastic, interpret=interpret)
-    return quantize_reference(x2d, seeds, bits=bits, stochastic=stochastic)
+    if seeds is None:
+        seeds = jnp.zeros((1, 2), jnp.uint32)
+    body = functools.partial(quantize_on, bits=bits, stochastic=stochastic)
+    return _common.dispatch(implementation, body, x2d, seeds, interpret=interpret)
 
 
 def dequantize(codes, lo, unit, *, dtype=jnp.float32, implementation=None, interpret=False):
     """lo + codes * unit per row, cast to `dtype`."""
-    if _common.use_pallas(implementation, codes.shape[1]) and codes.shape[0]:
-        return dequantize_pallas(codes, lo, unit, dtype=jnp.dtype(dtype), interpret=interpret)
-    return dequantize_reference(codes, lo, unit, dtype=dtype)
+    body = functools.partial(dequantize_on, dtype=jnp.dtype(dtype))
+    return _common.dispatch(implementation, body, codes, lo, unit, interpret=interpret)
 
 
 def dequantize_accumulate(acc, weight, codes, lo, unit, *, implementation=None, interpret=False):
     """acc + weight * (lo + codes * unit) in float32: the gossip inner loop."""
-    if _common.use_pallas(implementation, codes.shape[1]) and codes.shape[0]:
-        return dequantize_accumulate_pallas(acc, weight, codes, lo, unit, interpret=interpret)
-    return dequantize_accumulate_reference(acc, weight, codes, lo, unit)
+    weight = jnp.asarray(weight, jnp.float32)
+    return _common.dispatch(
+        implementation,
+        dequantize_accumulate_on,
+        acc,
+        weight,
+        codes,
+        lo,
+        unit,
+        interpret=interpret,
+    )

@@ -21,21 +21,33 @@ from jax.experimental import pallas as pl
 
 from lpdec.kernels_pallas import _common
 
+# Adding 2**23 to a float32 in [0, 2**23) rounds it to an integer (ties to even)
+# held in the low mantissa bits: the sum's spacing is exactly 1.
+_MAGIC = 2.0**23
+
 
 def _encode_rows(x, seeds, scale, row0, *, bits: int, stochastic: bool):
-    """[r, c] float -> uint8 codes [r, c]. Shared by the reference and the kernel."""
+    """[r, c] float -> uint8 codes [r, c]. Shared by the reference and the kernel.
+
+    `seeds` is a uint32[1, 2] array or ref and `scale` a float32 scalar or [1, 1]
+    array: the kernel reads both from refs as scalars (Triton cannot slice arrays).
+    """
     points = float(1 << bits)
+    mask = (1 << bits) - 1
     # s is x / B measured in circle steps; m = s mod 2**bits lies in [0, 2**bits].
     s = _common.rounded(x.astype(jnp.float32) * scale)
     m = s - jnp.float32(points) * jnp.floor(s * jnp.float32(1.0 / points))
     if stochastic:
         index = _common.element_index(x.shape, row0, x.shape[1])
         r = jnp.floor(m + _common.hash_uniform(seeds[0, 0], seeds[0, 1], index))
-    else:
-        r = jnp.round(m)
-    r = jnp.where(jnp.isfinite(r), r, 0.0)
-    # r is in [0, 2**bits]; the mask maps the point 2**bits back to 0 (the circle wraps).
-    return (r.astype(jnp.int32) & ((1 << bits) - 1)).astype(jnp.uint8)
+        r = jnp.where(jnp.isfinite(r), r, 0.0)
+        # r is in [0, 2**bits]; the mask maps the point 2**bits back to 0 (the circle wraps).
+        return (r.astype(jnp.int32) & mask).astype(jnp.uint8)
+    # Round half to even like jnp.round, which Triton does not lower: adding 2**23 to
+    # m in [0, 2**bits] leaves round(m) in the low mantissa bits, read with a bitcast.
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    pattern = jax.lax.bitcast_convert_type(m + jnp.float32(_MAGIC), jnp.int32)
+    return (pattern & mask).astype(jnp.uint8)
 
 
 def encode_reference(x2d, seeds, scale, *, bits: int, stochastic: bool):
@@ -47,11 +59,32 @@ def encode_reference(x2d, seeds, scale, *, bits: int, stochastic: bool):
 def _encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochastic, rows):
     row0 = pl.program_id(0) * rows
     codes_ref[...] = _encode_rows(
-        x_ref[...], seeds_ref[...], scale_ref[...], row0, bits=bits, stochastic=stochastic
+        x_ref[...], seeds_ref, scale_ref[0, 0], row0, bits=bits, stochastic=stochastic
     )
 
 
-@functools.partial(jax.jit, static_argnames=("bits", "stochastic", "block_rows", "interpret"))
+def _row_blocks(target, rows: int, width: int, dtype, block_rows: int | None = None):
+    """(rows per block, padded rows, the blocks) of the encode kernel."""
+    br = block_rows or target.block_rows(rows, width, (dtype, jnp.uint8))
+    padded = _common.num_rows(rows, br) * br
+    blocks = [((br, width), (padded, width), d) for d in (dtype, jnp.uint8)]
+    return br, padded, blocks
+
+
+def encode_lowers(target, rows: int, width: int, dtype) -> bool:
+    """Whether `target` runs the encode kernel on a [rows, width] `dtype` array.
+
+    False for the jnp path (`target` None), for no rows, and where the platform's
+    compiler rejects the blocks (a width that is not a power of two on GPU).
+    """
+    if target is None or not rows:
+        return False
+    return target.lowers(*_row_blocks(target, rows, width, dtype)[2])
+
+
+@functools.partial(
+    jax.jit, static_argnames=("bits", "stochastic", "block_rows", "interpret", "platform")
+)
 def encode_pallas(
     x2d,
     seeds,
@@ -60,29 +93,56 @@ def encode_pallas(
     bits: int,
     stochastic: bool,
     block_rows: int | None = None,
-    interpret=False,
+    interpret: bool = False,
+    platform: _common.Platform | None = None,
 ):
-    """Pallas kernel of the modulo encode."""
-    rows, width = x2d.shape
-    br = block_rows or _common.block_rows_for(rows, width)
-    padded = _common.num_rows(rows, br) * br
+    """Pallas kernel of the modulo encode.
+
+    `platform` ("cpu", "gpu", "tpu") builds the kernel that platform compiles
+    (`_common.Target`); None takes the lowering platform's, interpreted on CPU.
+    `interpret` interprets it.
+    """
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     scale = jnp.asarray(scale, jnp.float32).reshape(1, 1)
-    codes = pl.pallas_call(
+    body = functools.partial(_encode_call, bits=bits, stochastic=stochastic, block_rows=block_rows)
+    if platform is None:
+        return _common.on_each_platform(body, x2d, seeds, scale, interpret=interpret)
+    return body(x2d, seeds, scale, target=_common.Target(platform, interpret))
+
+
+def _encode_call(x2d, seeds, scale, *, bits, stochastic, block_rows, target):
+    rows, width = x2d.shape
+    br, padded, _ = _row_blocks(target, rows, width, x2d.dtype, block_rows)
+    codes = target.pallas_call(
         functools.partial(_encode_kernel, bits=bits, stochastic=stochastic, rows=br),
+        block_elements=br * width,
         grid=(padded // br,),
         in_specs=[
-            pl.BlockSpec((1, 2), lambda i: (0, 0)),
-            pl.BlockSpec((1, 1), lambda i: (0, 0)),
+            target.scalar_spec((1, 2)),
+            target.scalar_spec((1, 1)),
             pl.BlockSpec((br, width), lambda i: (i, 0)),
         ],
         out_specs=pl.BlockSpec((br, width), lambda i: (i, 0)),
-        out_shape=jax.ShapeDtypeStruct((padded, width), jnp.uint8),
-        interpret=_common.needs_interpret(interpret),
-        compiler_params=_common.compiler_params(),
+        out_shape=_common.out_struct((padded, width), jnp.uint8, x2d),
     )(seeds, scale, _common.pad_rows(x2d, padded))
     return codes[:rows]
+
+
+def encode_on(x2d, seeds, scale, *, bits: int, stochastic: bool, target):
+    """The encode `target` runs: its kernel, or the jnp reference (see encode_lowers)."""
+    rows, width = x2d.shape
+    if encode_lowers(target, rows, width, x2d.dtype):
+        return encode_pallas(
+            x2d,
+            seeds,
+            scale,
+            bits=bits,
+            stochastic=stochastic,
+            interpret=target.interpret,
+            platform=target.platform,
+        )
+    return encode_reference(x2d, seeds, scale, bits=bits, stochastic=stochastic)
 
 
 def encode(
@@ -103,13 +163,14 @@ def encode(
       scale: float32 scalar 2**bits / B, with B Moniqua's modulo range B_theta.
       bits: code width, 1..8.
       stochastic: stochastic rounding; else nearest.
-      implementation: None (Pallas on GPU/TPU, jnp on CPU), "xla" or "pallas".
+      implementation: None (Pallas on GPU/TPU, jnp on CPU), "xla" or "pallas",
+        chosen per lowering platform (`_common.dispatch`).
       interpret: run the Pallas kernel in interpret mode.
     """
     if stochastic and seeds is None:
         raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
-    if _common.use_pallas(implementation, x2d.shape[1]) and x2d.shape[0]:
-        return encode_pallas(
-            x2d, seeds, scale, bits=bits, stochastic=stochastic, interpret=interpret
-        )
-    return encode_reference(x2d, seeds, scale, bits=bits, stochastic=stochastic)
+    if seeds is None:
+        seeds = jnp.zeros((1, 2), jnp.uint32)
+    scale = jnp.asarray(scale, jnp.float32)
+    body = functools.partial(encode_on, bits=bits, stochastic=stochastic)
+    return _common.dispatch(implementation, body, x2d, seeds, scale, interpret=interpret)

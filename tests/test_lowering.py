@@ -1,0 +1,238 @@
+"""Every kernel the public API reaches lowers to a compiled kernel for CUDA and TPU.
+
+The programs are traced on this CPU-only machine and lowered with
+`lowering_platforms=("cuda",)` or `("tpu",)`: no accelerator is needed to see
+which implementation each platform gets (`lpdec.kernels_pallas._common.dispatch`).
+A compiled Pallas kernel lowers to one custom call (Triton's on CUDA, Mosaic's on
+TPU). An interpreted kernel lowers to an XLA while loop over its grid and no custom
+call, so each check also asserts that no `stablehlo.while` is left
+(`test_an_interpreted_kernel_fails_the_check` shows the check catches it). Where a
+platform's compiler cannot take a kernel's blocks, the dispatch picks the jnp
+path for that platform, and the tests below pin those choices.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from jax.experimental.pallas import triton as pallas_triton
+
+import lpdec
+from lpdec import gossip
+from lpdec.kernels_pallas import _common
+from lpdec.kernels_pallas import bitpack
+from lpdec.kernels_pallas import minmax as minmax_kernels
+
+PLATFORMS = ("cuda", "tpu")
+# jax 0.11 names the Triton custom call's target; jax 0.10 emits this one.
+_TRITON = getattr(pallas_triton, "CUSTOM_CALL_TARGET_NAME", "__gpu$xla.gpu.triton")
+CUSTOM_CALL = {"cuda": _TRITON, "tpu": "tpu_custom_call"}
+KEY = jax.random.key(0)
+
+
+def kernel_calls(traced, platform: str) -> int:
+    """Compiled kernels in `traced` lowered for `platform`; fails on an interpreted one."""
+    text = traced.lower(lowering_platforms=(platform,)).as_text()
+    assert "stablehlo.while" not in text, f"an interpreted kernel was lowered for {platform}"
+    return text.count(CUSTOM_CALL[platform])
+
+
+def trace(fn, *args):
+    return jax.jit(fn).trace(*args)
+
+
+def assert_kernels(traced, expected: dict[str, int]):
+    for platform, count in expected.items():
+        assert kernel_calls(traced, platform) == count, platform
+
+
+# The kernel block is 2**16 elements on TPU (2**12 on GPU) and a chunk 2048: the
+# first size fills whole blocks of every kernel, the second ends in a partial chunk
+# and a partial block.
+SIZES = [2048 * 64, 2048 * 40 + 37]
+
+
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("size", SIZES)
+def test_minmax_compressor_lowers_to_kernels(implementation, bits, dtype, size):
+    comp = lpdec.minmax(bits, "stochastic", implementation=implementation)
+    x = jax.ShapeDtypeStruct((size,), dtype)
+    acc = jax.ShapeDtypeStruct((size,), jnp.float32)
+    packing = int(bits < 8)  # 8-bit codes are their own bytes
+    encode = trace(lambda x: comp.encode(x, KEY), x)
+    assert_kernels(encode, {p: 1 + packing for p in PLATFORMS})  # quantize (+ pack)
+    payload = jax.eval_shape(lambda x: comp.encode(x, KEY), x)
+    decode = trace(comp.decode, payload)
+    assert_kernels(decode, {p: packing + 1 for p in PLATFORMS})  # (unpack +) dequantize
+    accumulate = trace(lambda p, a: comp.decode_accumulate(p, a, 0.5), payload, acc)
+    assert_kernels(accumulate, {p: packing + 1 for p in PLATFORMS})
+
+
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+@pytest.mark.parametrize("bits", [1, 2, 4, 8])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("size", [1024 * 128, 1024 * 80 + 37])
+def test_modulo_compressor_lowers_to_kernels(implementation, bits, dtype, size):
+    """Moniqua's quantizer: the encode kernel and bit packing; decoding only unpacks."""
+    rounding = "nearest" if bits == 1 else "stochastic"
+    comp = lpdec.modulo(bits, theta=0.5, rounding=rounding, implementation=implementation)
+    x = jax.ShapeDtypeStruct((size,), dtype)
+    packing = int(bits < 8)
+    encode = trace(lambda x: comp.encode(x, KEY), x)
+    assert_kernels(encode, {p: 1 + packing for p in PLATFORMS})
+    payload = jax.eval_shape(lambda x: comp.encode(x, KEY), x)
+    decode = trace(lambda p, y: comp.decode(p, reference=y), payload, x)
+    assert_kernels(decode, {p: packing for p in PLATFORMS})
+
+
+def test_the_cpu_lowering_keeps_the_jnp_path():
+    comp = lpdec.minmax(4)
+    x = jax.ShapeDtypeStruct((SIZES[1],), jnp.float32)
+    text = trace(comp.encode, x).lower(lowering_platforms=("cpu",)).as_text()
+    assert "custom_call" not in text and "stablehlo.while" not in text
+
+
+# ----------------------------------------------------------------------------
+# Where a platform cannot compile a kernel, its jnp path is chosen explicitly.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [3, 5, 6, 7])
+def test_gpu_packs_odd_bit_widths_with_jnp(bits):
+    """Triton blocks need power-of-two extents: a [G, bits] byte block has none."""
+    comp = lpdec.minmax(bits)
+    x = jax.ShapeDtypeStruct((SIZES[0],), jnp.float32)
+    assert not bitpack.pack_lowers(_common.Target("gpu"), SIZES[0] // 8, bits)
+    # cuda: the quantize kernel only; tpu: quantize and pack.
+    assert_kernels(trace(comp.encode, x), {"cuda": 1, "tpu": 2})
+    payload = jax.eval_shape(comp.encode, x)
+    assert_kernels(trace(comp.decode, payload), {"cuda": 1, "tpu": 2})
+
+
+def test_gpu_quantizes_a_chunk_that_is_not_a_power_of_two_with_jnp():
+    """A 1000-element leaf is one 1000-element chunk: jnp on GPU, the kernel on TPU."""
+    comp = lpdec.minmax(8)
+    x = jax.ShapeDtypeStruct((1000,), jnp.float32)
+    assert not minmax_kernels.quantize_lowers(_common.Target("gpu"), 1, 1000, jnp.float32)
+    assert minmax_kernels.quantize_lowers(_common.Target("tpu"), 1, 1000, jnp.float32)
+    assert_kernels(trace(comp.encode, x), {"cuda": 0, "tpu": 1})
+    payload = jax.eval_shape(comp.encode, x)
+    assert_kernels(trace(comp.decode, payload), {"cuda": 0, "tpu": 1})
+
+
+F32, BF16, U8 = jnp.float32, jnp.bfloat16, jnp.uint8
+
+
+@pytest.mark.parametrize(
+    "platform, block, shape, dtype, lowers",
+    [
+        # Triton: every block extent a power of two.
+        ("gpu", (4, 2048), (64, 2048), F32, True),
+        ("gpu", (1, 1), (1, 1), F32, True),
+        ("gpu", (4, 1000), (4, 1000), F32, False),
+        ("gpu", (256, 3), (512, 3), U8, False),
+        # Mosaic: last two dims multiples of the (rows, 128) tile, or the whole dim.
+        ("tpu", (8, 128), (64, 128), F32, True),
+        ("tpu", (8, 128), (64, 128), BF16, False),
+        ("tpu", (16, 256), (64, 256), BF16, True),
+        ("tpu", (16, 256), (64, 256), U8, False),
+        ("tpu", (32, 256), (64, 256), U8, True),
+        ("tpu", (5, 1000), (5, 1000), U8, True),
+        ("tpu", (8, 64), (8, 128), F32, False),
+        ("tpu", (4096, 3), (8192, 3), U8, True),
+        ("cpu", (3, 5), (7, 9), U8, True),  # interpreted: anything
+    ],
+)
+def test_block_rules(platform, block, shape, dtype, lowers):
+    assert _common.Target(platform).lowers((block, shape, dtype)) == lowers
+
+
+def test_tpu_blocks_are_whole_tiles():
+    """A 16384-element chunk makes 4-row blocks; TPU rounds them up to 32 rows (uint8 tiles)."""
+    comp = lpdec.minmax(1, chunk_size=16384)
+    size = 16384 * 40 + 5
+    assert _common.Target("tpu").block_rows(41, 16384, (jnp.uint8,)) == 32
+    x = jax.ShapeDtypeStruct((size,), jnp.float32)
+    assert_kernels(trace(comp.encode, x), {"cuda": 2, "tpu": 2})
+
+
+def test_without_pallas_triton_the_gpu_takes_jnp(monkeypatch):
+    """A jax without the Triton lowering (it is deprecated from 0.11) still lowers for cuda."""
+    monkeypatch.setattr(_common, "pallas_triton", None)
+    comp = lpdec.minmax(4)
+    x = jax.ShapeDtypeStruct((SIZES[0],), jnp.float32)
+    assert_kernels(trace(comp.encode, x), {"cuda": 0, "tpu": 2})
+
+
+def test_an_interpreted_kernel_fails_the_check():
+    """Interpreting (what the old default-backend dispatch did on CPU) is caught."""
+    x = jax.ShapeDtypeStruct((64, 2048), jnp.float32)
+    traced = trace(
+        lambda x: minmax_kernels.quantize(
+            x, bits=8, stochastic=False, implementation="pallas", interpret=True
+        ),
+        x,
+    )
+    for platform in PLATFORMS:
+        with pytest.raises(AssertionError, match="interpreted kernel"):
+            kernel_calls(traced, platform)
+        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        assert CUSTOM_CALL[platform] not in text
+
+
+# ----------------------------------------------------------------------------
+# One full CHOCO step, as the library runs it.
+# ----------------------------------------------------------------------------
+
+N = 8
+
+
+def choco_step(implementation):
+    comp = lpdec.minmax(4, "stochastic", implementation=implementation)
+    tx = lpdec.choco(lpdec.ring(N), comp, gamma=0.5, axis_name="nodes")
+
+    def step(params, grads):
+        state = tx.init(params)
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    return step
+
+
+def choco_params():
+    return {
+        "w": jax.ShapeDtypeStruct((N, 2048 * 3 + 100), jnp.float32),
+        "b": jax.ShapeDtypeStruct((N, 64), jnp.bfloat16),
+    }
+
+
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+def test_choco_step_under_vmap_lowers_to_kernels(implementation):
+    step = jax.vmap(choco_step(implementation), axis_name="nodes")
+    traced = trace(step, choco_params(), choco_params())
+    for platform in PLATFORMS:
+        assert kernel_calls(traced, platform) > 0
+    assert "custom_call" not in traced.lower(lowering_platforms=("cpu",)).as_text()
+
+
+def test_choco_step_under_shard_map_lowers_to_kernels():
+    mesh = jax.make_mesh((N,), ("nodes",))
+    spec = jax.P("nodes")
+    step = choco_step(None)
+
+    def program(params, grads):
+        first = lambda tree: jax.tree.map(lambda x: x[0], tree)  # noqa: E731
+        out = gossip.to_varying(step(first(params), first(grads)), "nodes")
+        return jax.tree.map(lambda x: x[None], out)
+
+    sharded = jax.shard_map(program, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+    sharding = jax.NamedSharding(mesh, spec)
+    params = jax.tree.map(
+        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), choco_params()
+    )
+    traced = trace(sharded, params, params)
+    counts = {platform: kernel_calls(traced, platform) for platform in PLATFORMS}
+    assert all(np.array(list(counts.values())) > 0), counts
