@@ -2,6 +2,7 @@
 
     python bench/step_time.py            # full run, writes its section of BENCHMARKS.md
     python bench/step_time.py --quick    # a smoke run (few repetitions, small model)
+    python bench/step_time.py --only CHOCO,DCD   # those rows and D-PSGD; prints, writes nothing
 
 One step is `tx.update` + `optax.apply_updates` for a ~1M-parameter model on
 every node (8 nodes, one per simulated CPU device, inside `jax.shard_map`),
@@ -42,6 +43,7 @@ from bench import _sections  # noqa: E402
 
 AXIS = "nodes"
 SECTION = "bench/step_time.py"
+BASELINE = "D-PSGD (fp32)"
 
 
 def model_shapes(scale: float = 1.0) -> dict:
@@ -254,6 +256,11 @@ def main() -> None:
     parser.add_argument(
         "--output", default=os.path.join(os.path.dirname(__file__), "..", "BENCHMARKS.md")
     )
+    parser.add_argument(
+        "--only",
+        help="comma-separated substrings of algorithm names: time those rows and D-PSGD (fp32),"
+        " print the table and leave BENCHMARKS.md alone",
+    )
     parser.add_argument("--devices", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--scale", type=float, default=1.0, help=argparse.SUPPRESS)
     parser.add_argument("--names", help=argparse.SUPPRESS)
@@ -276,8 +283,17 @@ def main() -> None:
     d = sum(int(np.prod(s)) for v in shapes.values() for s in v.values())
     print(f"jax {jax.__version__}, {len(jax.devices())} x {jax.devices()[0].platform}, d = {d}")
 
+    selected = algorithms(n)
+    if args.only:
+        wanted = [w.strip() for w in args.only.split(",") if w.strip()]
+        selected = {
+            k: v for k, v in selected.items() if k == BASELINE or any(w in k for w in wanted)
+        }
+        if len(selected) == 1:
+            parser.error(f"--only: no algorithm name contains any of {wanted}")
+
     entries = {}
-    for name, (place, algo) in algorithms(n).items():
+    for name, (place, algo) in selected.items():
         params, grads, state, run_fn, traffic, state_bytes = build(
             make_chain(place, algo), n, shapes, args.steps
         )
@@ -302,8 +318,16 @@ def main() -> None:
             e["times"].append((time.perf_counter() - start) / args.steps)
         print(f"round {r + 1}/{rounds} done")
 
-    base = float(np.median(entries["D-PSGD (fp32)"]["times"]))
-    scaling_names = ["D-PSGD (fp32)", "CHOCO 8-bit", "DCD 8-bit", "Moniqua 1-bit (slack 0.5)"]
+    base = float(np.median(entries[BASELINE]["times"]))
+    if args.only:
+        for name, e in entries.items():
+            t = float(np.median(e["times"]))
+            spread = ", ".join(
+                f"{x / b:.2f}" for x, b in zip(e["times"], entries[BASELINE]["times"], strict=True)
+            )
+            print(f"{name}: {t * 1e3:.2f} ms/step, {t / base:.2f}x D-PSGD (per round: {spread})")
+        return
+    scaling_names = [BASELINE, "CHOCO 8-bit", "DCD 8-bit", "Moniqua 1-bit (slack 0.5)"]
     scaling = scaling_table(scale, scaling_names)
     rows = []
     for name, e in entries.items():
