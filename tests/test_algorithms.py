@@ -254,3 +254,12 @@ def test_centralized_transforms_never_all_reduce_quantized_data(name):
         }, traffic
     else:
         assert traffic.ops() == {"all-reduce"}, traffic
+
+
+@pytest.mark.parametrize("name", ALL)
+def test_integer_parameters_are_refused_at_init(name):
+    """Gossip of integer models stalls silently (each mixed step rounds back): refused."""
+    tx = chain(name, optax.sgd(0.1))
+    params = {"b": np.zeros((N, 2), np.float32), "w": np.zeros((N, 4), np.int32)}
+    with pytest.raises(TypeError, match=r"parameters must be floating point; \['w'\] \(int32\)"):
+        jax.vmap(tx.init, axis_name=harness.AXIS)(params)

@@ -72,6 +72,25 @@ def require_params(params: PyTree | None, name: str) -> PyTree:
     return params
 
 
+def check_float_params(params: PyTree, name: str) -> None:
+    """Refuses parameter leaves that are not floating point, naming them.
+
+    Mixing integer models stalls silently: every averaged step rounds back to
+    the node's own integers.
+    """
+    bad = [
+        f"{jax.tree_util.keystr(path) or 'params'} ({x.dtype})"
+        for path, x in jax.tree.leaves_with_path(params)
+        if not jnp.issubdtype(x.dtype, jnp.floating)
+    ]
+    if bad:
+        raise TypeError(
+            f"{name}: parameters must be floating point; {', '.join(bad[:5])}"
+            f"{' ...' if len(bad) > 5 else ''} are not. Cast them (e.g. to float32) or keep "
+            "integer values out of the parameters the optimizer updates."
+        )
+
+
 def key_from_seed(seed: int) -> jax.Array:
     """A raw uint32[2] key (plain array leaves checkpoint and shard like any state)."""
     return jax.random.key_data(jax.random.key(seed))

@@ -243,6 +243,7 @@ def choco(
     _common.check_compressor(compressor, "choco", "lpdec.minmax(8)")
 
     def init_fn(params):
+        _common.check_float_params(params, "choco")
         return init(params, topology=topology, replicas=replicas, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):

@@ -425,6 +425,7 @@ def compressed_mean(
         raise TypeError(f"compressed_mean: error_feedback must be a bool; got {error_feedback!r}.")
 
     def init_fn(params):
+        _common.check_float_params(params, "compressed_mean")
         return init(
             params,
             seed=seed,

@@ -217,6 +217,7 @@ def d2(
     compressor = Identity() if comp is None else comp
 
     def init_fn(params):
+        _common.check_float_params(params, "d2")
         return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):

@@ -252,6 +252,7 @@ def dcd(
         )
 
     def init_fn(params):
+        _common.check_float_params(params, "dcd")
         return init(params, topology=topology, replicas=replicas, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):

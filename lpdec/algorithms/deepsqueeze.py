@@ -165,6 +165,7 @@ def deepsqueeze(
     _common.check_compressor(compressor, "deepsqueeze", "lpdec.top_k(0.1)")
 
     def init_fn(params):
+        _common.check_float_params(params, "deepsqueeze")
         return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):

@@ -255,6 +255,7 @@ def diloco(
     options = dict(inner=inner, outer=outer, overlap=overlap, axis_name=axis_name)
 
     def init_fn(params):
+        _common.check_float_params(params, "diloco")
         return init(params, **options)
 
     def update_fn(updates, state, params=None, **extra_args):

@@ -96,6 +96,7 @@ def dpsgd(
     _common.check_topology(topology, "dpsgd", require="row_stochastic")
 
     def init_fn(params):
+        _common.check_float_params(params, "dpsgd")
         return init(params, topology=topology, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):

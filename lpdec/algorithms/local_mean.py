@@ -92,6 +92,7 @@ def local_mean(*, axis_name: gossip.AxisName) -> optax.GradientTransformationExt
         )
 
     def init_fn(params):
+        _common.check_float_params(params, "local_mean")
         return init(params, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):

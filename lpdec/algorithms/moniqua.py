@@ -359,6 +359,7 @@ def moniqua(
     compressor = Modulo(bits, theta if static_theta else 1.0, rounding)
 
     def init_fn(params):
+        _common.check_float_params(params, "moniqua")
         return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):

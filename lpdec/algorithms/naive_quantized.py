@@ -140,6 +140,7 @@ def naive_quantized(
         )
 
     def init_fn(params):
+        _common.check_float_params(params, "naive_quantized")
         return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):

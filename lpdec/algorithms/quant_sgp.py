@@ -224,6 +224,7 @@ def quant_sgp(
     _common.check_compressor(compressor, "quant_sgp", "lpdec.minmax(8)")
 
     def init_fn(params):
+        _common.check_float_params(params, "quant_sgp")
         return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):

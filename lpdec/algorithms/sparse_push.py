@@ -258,6 +258,7 @@ def sparse_push(
     _common.check_compressor(compressor, "sparse_push", "lpdec.top_k(0.1)")
 
     def init_fn(params):
+        _common.check_float_params(params, "sparse_push")
         return init(params, topology=topology, seed=seed, axis_name=axis_name)
 
     def update_fn(updates, state, params=None, **extra_args):
