@@ -3,8 +3,12 @@
 - `setup`: config -> `Experiment`, once; the checks of the config's values.
 - `registry`: what the configs choose by name, one table per kind.
 - `steps`: the per-node programs (train chunk, init, evaluation).
-- `checkpoint`: orbax checkpoints of the train state and the data position.
-- `metrics`: metrics.csv, TensorBoard, the stdout line, the progress bar, summary.json.
+- `checkpoint`: orbax checkpoints of the train state and the data position, each with a
+  checksum and a config fingerprint checked on restore (damaged steps set aside).
+- `metrics`: metrics.csv, TensorBoard, the stdout line, the progress bar, summary.json,
+  and the divergence check.
+- `workdir`: the workdir's checks and its lock (one run per workdir).
+- `processes`: a multi-process start: argument checks, the handshake, the shared workdir.
 
 `train.py` and the tests import it from the repository root.
 """
