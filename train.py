@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import math
 import os
 import sys
 import time
@@ -107,11 +108,15 @@ def _train(config, exp: setup.Experiment, workdir: str, started: float) -> dict[
     manager = checkpoint.manager(workdir)
     state, meta = checkpoint.restore_latest(manager, state, config)
     step = 0
-    divergence = metrics_lib.DivergenceMonitor(config.divergence_factor, config.divergence_patience)
+    # The yardstick of a diverged loss: the cross-entropy of a uniform guess.
+    divergence = metrics_lib.DivergenceMonitor(
+        config.divergence_factor,
+        config.divergence_patience,
+        reference=math.log(dataset.num_classes),
+    )
     if meta is not None:
         step = int(meta["step"])
         batcher.restore(meta["batcher"])
-        divergence.reference = meta.get("loss_reference")
         logging.info("resumed from step %d of %s", step, workdir)
     resumed_from = step
     params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
@@ -184,11 +189,7 @@ def _train(config, exp: setup.Experiment, workdir: str, started: float) -> dict[
             or step == halt_at
         ):
             state = {"params": params, "opt_state": opt_state, "model_state": model_state}
-            meta = {
-                "step": step,
-                "batcher": batcher.state(),
-                "loss_reference": divergence.reference,
-            }
+            meta = {"step": step, "batcher": batcher.state()}
             checkpoint.save(manager, step, state, meta, config)
         if step == halt_at:
             logging.info(

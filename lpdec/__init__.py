@@ -30,10 +30,10 @@ from lpdec.algorithms.diloco import DiLoCoState
 from lpdec.algorithms.diloco import diloco
 from lpdec.algorithms.dpsgd import DPSGDState
 from lpdec.algorithms.dpsgd import dpsgd
-from lpdec.algorithms.finite import LocalIfFiniteState
-from lpdec.algorithms.finite import chain
-from lpdec.algorithms.finite import local_apply_if_finite
 from lpdec.algorithms.health import Health
+from lpdec.algorithms.local_apply_if_finite import LocalIfFiniteState
+from lpdec.algorithms.local_apply_if_finite import chain
+from lpdec.algorithms.local_apply_if_finite import local_apply_if_finite
 from lpdec.algorithms.local_mean import LocalMeanState
 from lpdec.algorithms.local_mean import local_mean
 from lpdec.algorithms.moniqua import MoniquaState
@@ -92,11 +92,11 @@ __all__ = [
     "ShardOverState",
     "SparsePushState",
     "Topology",
+    "chain",
     "choco",
     "complete",
     "compress",
     "compressed_mean",
-    "chain",
     "d2",
     "data",
     "dcd",

@@ -145,10 +145,12 @@ def write_summary(workdir: str, summary: dict[str, Any]) -> None:
 class DivergenceMonitor:
     """Says when a run has diverged, from the mean train loss of each log interval.
 
-    An interval is bad when its loss is NaN/Inf or above `factor` times the first
-    interval's loss (about the untrained model's). `patience` bad intervals in a row
-    end the run; a good one resets the count, so one bad step (a NaN gradient
-    that lpdec's guards drop) does not. `factor=0` never stops a run.
+    An interval is bad when its loss is NaN/Inf or above `factor` times
+    `reference`: train.py passes ln(num_classes), the cross-entropy of a uniform
+    guess (an absolute yardstick: a run can already have diverged in its first
+    interval); None takes the first finite interval's loss. `patience` bad
+    intervals in a row end the run; a good one resets the count, so one bad step
+    (a NaN gradient that lpdec's guards drop) does not. `factor=0` never stops a run.
     """
 
     def __init__(self, factor: float, patience: int, reference: float | None = None):
