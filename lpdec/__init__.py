@@ -33,6 +33,7 @@ from lpdec.algorithms.dpsgd import dpsgd
 from lpdec.algorithms.health import Health
 from lpdec.algorithms.local_apply_if_finite import LocalIfFiniteState
 from lpdec.algorithms.local_apply_if_finite import chain
+from lpdec.algorithms.local_apply_if_finite import check_chain
 from lpdec.algorithms.local_apply_if_finite import local_apply_if_finite
 from lpdec.algorithms.local_mean import LocalMeanState
 from lpdec.algorithms.local_mean import local_mean
@@ -93,6 +94,7 @@ __all__ = [
     "SparsePushState",
     "Topology",
     "chain",
+    "check_chain",
     "choco",
     "complete",
     "compress",

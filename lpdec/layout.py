@@ -54,6 +54,7 @@ import numpy as np
 import optax
 
 from lpdec import gossip
+from lpdec.algorithms import local_apply_if_finite
 
 PyTree = Any
 
@@ -199,6 +200,7 @@ def init_nodes(
     layout: NodeLayout,
     *,
     stacked: bool = False,
+    check_chain: bool = True,
 ) -> tuple[PyTree, PyTree]:
     """Per-node parameters and optimizer state of every node, built under the node axis.
 
@@ -216,6 +218,9 @@ def init_nodes(
         with a leading axis of n = ``layout.num_nodes``.
       layout: where the nodes live (`make_layout`).
       stacked: whether `params` already holds one model per node.
+      check_chain: run `lpdec.check_chain` on the state: a one-line
+        ValueError for a gossip algorithm before a stateful local optimizer
+        or a per-node guard around a transform that communicates.
 
     Returns:
       ``(params, opt_state)``: global arrays with a leading node axis n, sharded
@@ -242,6 +247,8 @@ def init_nodes(
         params = jax.tree.map(lambda x: _broadcast_to_nodes(x, n), params)
     params = jax.tree.map(lambda x: _place(layout, x), params)
     opt_state = jax.jit(layout.map(tx.init, (True,)))(params)
+    if check_chain:
+        local_apply_if_finite.check_chain(opt_state)
     return params, opt_state
 
 

@@ -38,3 +38,20 @@ def test_every_algorithm_module_exports_its_factory():
 def test_all_is_sorted_and_complete():
     assert lpdec.__all__ == sorted(lpdec.__all__)
     assert all(hasattr(lpdec, name) for name in lpdec.__all__)
+
+
+def test_every_state_class_has_a_place_in_the_chain_check():
+    """lpdec.check_chain reads the order from the states: a new algorithm's state must be
+    classified there (gossip last, mean first, whole optimizer) or be local."""
+    from lpdec.algorithms import local_apply_if_finite as chain_lib  # noqa: PLC0415
+
+    local = {"Health", "LocalIfFiniteState", "QGMomentumState", "DelayState", "ShardOverState"}
+    classified = chain_lib.GOSSIP_STATES + chain_lib.MEAN_STATES + chain_lib.WHOLE_STATES
+    for module in algorithm_modules():
+        for name, obj in vars(module).items():
+            if (
+                inspect.isclass(obj)
+                and obj.__module__ == module.__name__
+                and hasattr(obj, "_fields")
+            ):
+                assert name in local or issubclass(obj, classified), name
