@@ -37,6 +37,8 @@ from lpdec.algorithms.local_apply_if_finite import check_chain
 from lpdec.algorithms.local_apply_if_finite import local_apply_if_finite
 from lpdec.algorithms.local_mean import LocalMeanState
 from lpdec.algorithms.local_mean import local_mean
+from lpdec.algorithms.master_weights import MasterWeightsState
+from lpdec.algorithms.master_weights import master_weights
 from lpdec.algorithms.moniqua import MoniquaState
 from lpdec.algorithms.moniqua import moniqua
 from lpdec.algorithms.naive_quantized import NaiveQuantizedState
@@ -85,6 +87,7 @@ __all__ = [
     "Health",
     "LocalIfFiniteState",
     "LocalMeanState",
+    "MasterWeightsState",
     "MoniquaState",
     "NaiveQuantizedState",
     "NodeLayout",
@@ -116,6 +119,7 @@ __all__ = [
     "local_apply_if_finite",
     "local_mean",
     "make_layout",
+    "master_weights",
     "metrics",
     "minmax",
     "models",

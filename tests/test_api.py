@@ -45,7 +45,14 @@ def test_every_state_class_has_a_place_in_the_chain_check():
     classified there (gossip last, mean first, whole optimizer) or be local."""
     from lpdec.algorithms import local_apply_if_finite as chain_lib  # noqa: PLC0415
 
-    local = {"Health", "LocalIfFiniteState", "QGMomentumState", "DelayState", "ShardOverState"}
+    local = {
+        "Health",
+        "LocalIfFiniteState",
+        "QGMomentumState",
+        "DelayState",
+        "ShardOverState",
+        "MasterWeightsState",
+    }
     classified = chain_lib.GOSSIP_STATES + chain_lib.MEAN_STATES + chain_lib.WHOLE_STATES
     for module in algorithm_modules():
         for name, obj in vars(module).items():

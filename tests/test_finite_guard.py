@@ -187,8 +187,10 @@ def test_a_per_node_guard_around_communication_is_refused(guard, communicating):
             optax.chain(lpdec.local_mean(axis_name="nodes"), optax.sgd(0.7, momentum=0.9)),
             local_steps=4,
         ),
+        # A stateless transform after gossip (a projection) is allowed.
+        lambda: optax.chain(optax.adam(1e-3), _gossip(), optax.keep_params_nonnegative()),
     ],
-    ids=["mean-first", "delay-moniqua", "qgm", "injected", "diloco"],
+    ids=["mean-first", "delay-moniqua", "qgm", "injected", "diloco", "projection-after-gossip"],
 )
 def test_the_documented_orders_start(tx):
     _init(tx())

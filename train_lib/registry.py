@@ -394,6 +394,11 @@ def make_chain(
     their gradients in full precision, take the same local step, and run the
     algorithm between the machines on 1/k of the model each (`lpdec.shard_over`).
     """
+    # Low-precision parameters train on a float32 master copy (the chain itself for float32).
+    return lpdec.master_weights(_chain(config, local, built))
+
+
+def _chain(config, local, built):
     if ALGORITHMS[config.algorithm].position == "whole":
         outer = build(config, "exchange", EXCHANGES, built)
         return build(config, "algorithm", ALGORITHMS, built, local, outer)

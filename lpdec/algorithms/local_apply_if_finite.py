@@ -46,6 +46,7 @@ from lpdec.algorithms import diloco
 from lpdec.algorithms import dpsgd
 from lpdec.algorithms import health as health_lib
 from lpdec.algorithms import local_mean
+from lpdec.algorithms import master_weights
 from lpdec.algorithms import moniqua
 from lpdec.algorithms import naive_quantized
 from lpdec.algorithms import quant_sgp
@@ -122,21 +123,24 @@ def local_apply_if_finite(
 def chain(
     local: optax.GradientTransformation, *algorithms: optax.GradientTransformation
 ) -> optax.GradientTransformationExtraArgs:
-    """The local optimizer, guarded, then lpdec's algorithm(s): the order they need.
+    """The local optimizer, guarded, then lpdec's algorithm(s), on a float32 model.
 
     `optax.chain(lpdec.choco(...), optax.adam(...))` (gossip first) is accepted by
     optax but gossips raw gradients and lets Adam rescale the consensus step:
     consensus was 253x worse in a test. Here the local optimizer comes first and
-    is wrapped in `local_apply_if_finite`.
+    is wrapped in `local_apply_if_finite`. Low-precision (e.g. bfloat16)
+    parameters get a float32 master copy (`master_weights`): without it gossip
+    moves below a bfloat16 unit in the last place are lost and consensus stalls.
 
     Args:
       local: the local optimizer (must not communicate).
       *algorithms: lpdec transforms applied to its update, e.g. `lpdec.choco(...)`.
 
     Returns:
-      `optax.chain(local_apply_if_finite(local), *algorithms)`.
+      `master_weights(optax.chain(local_apply_if_finite(local), *algorithms))`;
+      with float32 parameters that is the chain itself, state included.
     """
-    return optax.chain(local_apply_if_finite(local), *algorithms)
+    return master_weights.master_weights(optax.chain(local_apply_if_finite(local), *algorithms))
 
 
 # The states of the transforms that gossip the model: they come after the local
