@@ -41,6 +41,7 @@ from lpdec.algorithms.master_weights import MasterWeightsState
 from lpdec.algorithms.master_weights import master_weights
 from lpdec.algorithms.moniqua import MoniquaState
 from lpdec.algorithms.moniqua import moniqua
+from lpdec.algorithms.moniqua import suggest_theta
 from lpdec.algorithms.naive_quantized import NaiveQuantizedState
 from lpdec.algorithms.naive_quantized import naive_quantized
 from lpdec.algorithms.qg_momentum import QGMomentumState
@@ -136,6 +137,7 @@ __all__ = [
     "ring",
     "shard_over",
     "sparse_push",
+    "suggest_theta",
     "testing",
     "top_k",
     "topology",

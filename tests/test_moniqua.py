@@ -18,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 
+import lpdec
 from lpdec import metrics
 from lpdec import testing as harness
 from lpdec import topology
@@ -608,3 +609,73 @@ def test_missing_params_raise(tx):
     params = {"w": jnp.zeros((N, 3))}
     with pytest.raises(ValueError, match="parameters"):
         jax.vmap(lambda p: tx.update(p, tx.init(p)), axis_name="nodes")(params)
+
+
+# ---------------------------------------------------------------------------
+# 6. θ warnings in Health, and suggest_theta.
+# ---------------------------------------------------------------------------
+
+
+def _ring_neighbours_beyond(x, limit):
+    """numpy: for each node, how many ring neighbours differ from it by more than `limit`."""
+    gaps = [np.abs(x - np.roll(x, shift, axis=0)).max(axis=1) for shift in (1, -1)]
+    return sum((g > limit).astype(int) for g in gaps)
+
+
+def _one_moniqua_step(x, theta):
+    tx = moniqua.moniqua(RING, 8, theta)
+    zero = {"w": jnp.zeros((N, 1, x.shape[1]), jnp.float32)}
+    _, states, _ = harness.run(tx, {"w": jnp.asarray(x)}, 1, updates=zero, mode="vmap")
+    return np.asarray(states.health.theta_warnings[:, 0])
+
+
+def test_theta_warnings_count_neighbours_further_than_half_theta(rng):
+    theta, d = 1.0, 12
+    # Node offsets along the ring: neighbour gaps of 0.1 or 0.7 theta (never near 0.5,
+    # so Lemma 2's decode error, delta B < 0.004 theta at 8 bits, cannot move a count).
+    offsets = np.array([0.0, 0.1, 0.8, 0.7, 0.8, 0.1, 0.0, 0.1]) * theta
+    x = (rng.uniform(-3, 3, (1, d)) + offsets[:, None] * np.ones((N, d))).astype(np.float32)
+    got = _one_moniqua_step(x, theta)
+    expected = _ring_neighbours_beyond(x.astype(np.float64), theta / 2)
+    print("warnings per node:", got, "expected:", expected)
+    np.testing.assert_array_equal(got, expected)
+    assert expected.sum() > 0 and (expected == 0).any()
+
+
+def test_theta_warnings_stay_zero_with_a_margin_and_fire_when_theta_is_too_small():
+    rng = np.random.default_rng(7)
+    d, steps, lr = 16, 30, 0.05
+    x0 = rng.uniform(-1.0, 1.0, (N, d)).astype(np.float32)
+    b = jnp.asarray(rng.uniform(-1.0, 1.0, (N, d)), jnp.float32)
+
+    def grad_fn(p, node, t):
+        return {"w": p["w"] - b[node]}
+
+    def warnings(theta):
+        tx = optax.chain(optax.sgd(lr), moniqua.moniqua(RING, 8, theta))
+        _, states, _ = harness.run(tx, {"w": jnp.asarray(x0)}, steps, grad_fn=grad_fn, mode="vmap")
+        return int(np.asarray(states[1].health.theta_warnings[:, -1]).sum())
+
+    # Models stay in [-1, 1], neighbours within 2: theta = 5 keeps a 2x margin throughout.
+    assert warnings(5.0) == 0
+    # theta = 0.25 is below the disagreement (the decodes wrap, see above): it shows.
+    assert warnings(0.25) > N
+
+
+def test_suggest_theta_is_twice_the_widest_neighbour_gap_and_silences_the_warnings(rng):
+    d = 12
+    x = rng.normal(0, 1, (N, d)).astype(np.float32)
+    x64 = x.astype(np.float64)
+    widest = max(np.abs(x64[i] - x64[(i + 1) % N]).max() for i in range(N))  # ring edges
+    theta = lpdec.suggest_theta({"w": x}, RING)
+    np.testing.assert_allclose(theta, 2 * widest, rtol=1e-12)
+    assert _one_moniqua_step(x, theta * 1.001).sum() == 0
+    assert _one_moniqua_step(x, 0.9 * theta).sum() > 0
+    # Time-varying topologies: the edges of every round count.
+    pairs = lpdec.one_peer_exponential(N)
+    widest_all = max(np.abs(x[i] - x[j]).max() for r in pairs.rounds for i, j in r.edges if i != j)
+    np.testing.assert_allclose(lpdec.suggest_theta({"w": x}, pairs), 2 * widest_all)
+    with pytest.raises(ValueError, match="margin"):
+        lpdec.suggest_theta({"w": x}, RING, margin=1.0)
+    with pytest.raises(ValueError, match="leading node axis of 8"):
+        lpdec.suggest_theta({"w": x[:4]}, RING)

@@ -128,7 +128,7 @@ def step(
     def sender_key(sender):
         return _common.node_key(state.key, state.count, sender)
 
-    correction, skipped = moniqua.consensus_step(
+    correction, skipped, _ = moniqua.consensus_step(
         compressor, received, half_hat, reference=half, sender_key=sender_key
     )
     new = jax.tree.map(jnp.add, half, correction)

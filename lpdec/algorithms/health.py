@@ -5,7 +5,9 @@ step that round) and counted in `Health.nonfinite_updates`; a received payload
 that is not finite is not used and is counted in `Health.nonfinite_received`.
 One failing node cannot poison its neighbours. Every algorithm state that
 communicates has a `health` field; `totals` sums the counters of a whole
-optimizer state (any chain, any nesting).
+optimizer state (any chain, any nesting). Moniqua also counts, in
+`Health.theta_warnings`, neighbour models that decoded further than θ/2 from
+the receiver's own: its θ is then close to too small (see `lpdec.moniqua`).
 """
 
 from __future__ import annotations
@@ -28,16 +30,21 @@ class Health(NamedTuple):
         NaN/Inf and was dropped on this node.
       nonfinite_received: shape=(), dtype=int32; neighbour payloads that held
         NaN/Inf and were not used.
+      theta_warnings: shape=(), dtype=int32; Moniqua only (zero elsewhere):
+        neighbour payloads with an element that decoded further than θ/2 from
+        this node's model, i.e. θ had less than a 2x margin over the distance
+        between the two models (or the decode wrapped: θ was too small).
     """
 
     nonfinite_updates: jax.Array
     nonfinite_received: jax.Array
+    theta_warnings: jax.Array
 
 
 def init(axis_name: gossip.AxisName) -> Health:
     """Zero counters, varying over `axis_name` (they differ between nodes after a step)."""
     zero = gossip.to_varying(jnp.zeros((), jnp.int32), axis_name)
-    return Health(zero, zero)
+    return Health(zero, zero, zero)
 
 
 def count_update(health: Health, ok: jax.Array) -> Health:
@@ -52,6 +59,11 @@ def count_received(health: Health, skipped: jax.Array) -> Health:
     return health._replace(nonfinite_received=health.nonfinite_received + skipped)
 
 
+def count_theta_warnings(health: Health, warnings: jax.Array) -> Health:
+    """Adds `warnings` neighbour payloads that decoded further than θ/2 away (Moniqua)."""
+    return health._replace(theta_warnings=health.theta_warnings + warnings)
+
+
 def totals(opt_state: Any) -> Health:
     """Every `Health` found in `opt_state`, summed over nodes and transforms (numpy int64).
 
@@ -64,6 +76,7 @@ def totals(opt_state: Any) -> Health:
         for h in jax.tree.leaves(opt_state, is_leaf=lambda x: isinstance(x, Health))
         if isinstance(h, Health)
     ]
-    updates = sum((np.sum(np.asarray(h.nonfinite_updates), dtype=np.int64) for h in found), 0)
-    received = sum((np.sum(np.asarray(h.nonfinite_received), dtype=np.int64) for h in found), 0)
-    return Health(np.int64(updates), np.int64(received))
+    sums = [np.int64(0)] * len(Health._fields)
+    for h in found:
+        sums = [t + np.sum(np.asarray(x), dtype=np.int64) for t, x in zip(sums, h, strict=True)]
+    return Health(*(np.int64(t) for t in sums))

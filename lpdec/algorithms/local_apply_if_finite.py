@@ -104,7 +104,7 @@ def local_apply_if_finite(
         # a per-node select makes it vary, and lax.scan needs the same type in and out.
         axes = _varying_axes(params)
         zero = jnp.zeros((), jnp.int32)
-        state = LocalIfFiniteState(inner.init(params), health_lib.Health(zero, zero))
+        state = LocalIfFiniteState(inner.init(params), health_lib.Health(zero, zero, zero))
         return gossip.to_varying(state, axes) if axes else state
 
     def update_fn(updates, state, params=None, **extra_args):

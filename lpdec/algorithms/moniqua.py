@@ -46,6 +46,19 @@ needs `slack` < 1 (Theorem 3). With one bit and nearest rounding
 same code cell (2θ wide) do not pull each other, so 1-bit Moniqua keeps
 neighbours within θ but does not bring them closer than that.
 
+Choosing θ. Theorem 2 takes :math:`\theta_k = 2 \alpha_k G_\infty C_\alpha
+\log(16 n) / (1 - \rho)` (step size :math:`\alpha_k`, :math:`G_\infty` a bound on
+the gradients' largest entry, ρ the second-largest eigenvalue modulus of W,
+:math:`C_\alpha = 1` for a constant step): proportional to the step size, and
+loose. In practice measure the neighbours' largest elementwise distance in a
+short run (D-PSGD, or Moniqua with a generous θ) and take twice it:
+`suggest_theta(stacked_params, topology)`. While the run goes, every node
+counts in `Health.theta_warnings` the neighbour payloads with an element that
+decoded further than θ/2 from its own model: none while θ keeps a 2x margin
+over the distances; they appear as the models drift towards θ, before a
+decode wraps (a wrap needs a distance beyond θ). Blind spot: two models that
+jump more than 1.5θ apart in one step decode within θ/2 again, wrapped.
+
 AD-PSGD (seed 003, section 5) is simulated, not run asynchronously, by
 ``optax.chain(local_optimizer, lpdec.delay(tau), moniqua(random_matching(n, seed), ...))``:
 each step every node averages with one random peer (a fresh random pairwise
@@ -140,7 +153,8 @@ def consensus_step(
     reference: PyTree,
     theta: jax.Array | None = None,
     sender_key: Callable[[jax.Array], jax.Array] | None = None,
-) -> tuple[PyTree, jax.Array]:
+    warn_beyond: jax.Array | float | None = None,
+) -> tuple[PyTree, jax.Array, jax.Array]:
     r"""sum_j W_ij (x^_j - x^_i): the consensus step of Moniqua (and of D² with compression).
 
     Each neighbour's payload is decoded against `reference` (the receiver's
@@ -157,16 +171,19 @@ def consensus_step(
       theta: a traced θ for the modulo compressor (None: its own constant).
       sender_key: maps a sender's index to the key it encoded with, for
         compressors whose decoders need it (random-k).
+      warn_beyond: count the finite payloads with an element decoded further
+        than this from `reference` (None: count nothing).
 
     Returns:
-      (the float32 sum, number of non-finite payloads not used, int32 scalar).
+      (the float32 sum, number of non-finite payloads not used, number of
+      payloads beyond `warn_beyond`; both int32 scalars).
     """
     own, treedef = jax.tree.flatten(x_hat)
     refs = treedef.flatten_up_to(reference)
     n = len(own)
     kwargs = _leaf_kwargs(theta)
     acc = [jnp.zeros_like(x) for x in own]
-    skipped = jnp.int32(0)
+    skipped = beyond = jnp.int32(0)
     for payload, weight, sender in zip(
         received.payloads, received.weights, received.senders, strict=True
     ):
@@ -181,7 +198,17 @@ def consensus_step(
             for a, y, x in zip(acc, decoded, own, strict=True)
         ]
         skipped = skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
-    return treedef.unflatten(acc), skipped
+        if warn_beyond is not None:
+            far = jnp.any(
+                jnp.stack(
+                    [
+                        jnp.any(jnp.abs(y - r) > warn_beyond)
+                        for y, r in zip(decoded, refs, strict=True)
+                    ]
+                )
+            )
+            beyond = beyond + (ok & far).astype(jnp.int32)
+    return treedef.unflatten(acc), skipped, beyond
 
 
 def step(
@@ -234,16 +261,20 @@ def step(
         is_leaf=compress_base.is_payload,
     )
 
+    half_theta = 0.5 * (compressor.theta if theta_t is None else theta_t)
+
     def combine(round_):
         received = gossip.exchange(payload, round_, axis_name=axis_name)
-        return consensus_step(compressor, received, x_hat, reference=x, theta=theta_t)
+        return consensus_step(
+            compressor, received, x_hat, reference=x, theta=theta_t, warn_beyond=half_theta
+        )
 
-    correction, skipped = gossip.in_round(mixing, state.count, combine)
+    correction, skipped, warnings = gossip.in_round(mixing, state.count, combine)
     # x_i^+ = x_i + sum_j W'_ij (x^_{j|i} - x^_{i|i}) + u_i.
     new = jax.tree.map(
         lambda xi, c, u: xi + alpha * c + u.astype(jnp.float32), x, correction, updates
     )
-    health = health_lib.count_received(health, skipped)
+    health = health_lib.count_theta_warnings(health_lib.count_received(health, skipped), warnings)
     return _common.as_updates(new, params), MoniquaState(state.count + 1, state.key, health)
 
 
@@ -377,3 +408,35 @@ def moniqua(
         )
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def suggest_theta(params: PyTree, topology: Topology, *, margin: float = 2.0) -> float:
+    """θ for `moniqua` from observed models: `margin` x the neighbours' largest distance.
+
+    Args:
+      params: per-node models, every leaf with a leading node axis of n (e.g. the
+        parameters of a short D-PSGD run, or of Moniqua run with a generous θ).
+      topology: the topology Moniqua will use; distances are taken over its
+        edges (every round of a time-varying one).
+      margin: > 1; 2 keeps the observed distances at θ/2, where
+        `Health.theta_warnings` starts counting.
+
+    Returns:
+      margin * max over edges (i, j) and elements of |x_i - x_j|, a Python float.
+    """
+    if not isinstance(margin, (int, float)) or isinstance(margin, bool) or not margin > 1:
+        raise ValueError(f"suggest_theta: margin must be a number > 1; got {margin!r}")
+    n = topology.num_nodes
+    leaves = [np.asarray(x, np.float64) for x in jax.tree.leaves(params)]
+    for x in leaves:
+        if x.ndim < 1 or x.shape[0] != n:
+            raise ValueError(
+                f"suggest_theta: every leaf needs a leading node axis of {n} (the topology's "
+                f"nodes); got shape {x.shape}"
+            )
+    pairs = {pair for r in topology.rounds for pair in r.edges if pair[0] != pair[1]}
+    if not pairs or not leaves:
+        raise ValueError("suggest_theta: needs a topology with edges and at least one array")
+    src, dst = (np.array(side) for side in zip(*sorted(pairs), strict=True))
+    widest = max(float(np.abs(x[src] - x[dst]).max()) for x in leaves)
+    return margin * widest
