@@ -669,6 +669,7 @@ def test_suggest_theta_is_twice_the_widest_neighbour_gap_and_silences_the_warnin
     widest = max(np.abs(x64[i] - x64[(i + 1) % N]).max() for i in range(N))  # ring edges
     theta = lpdec.suggest_theta({"w": x}, RING)
     np.testing.assert_allclose(theta, 2 * widest, rtol=1e-12)
+    np.testing.assert_allclose(lpdec.suggest_theta({"w": x}, RING, margin=3.0), 3 * widest)
     assert _one_moniqua_step(x, theta * 1.001).sum() == 0
     assert _one_moniqua_step(x, 0.9 * theta).sum() > 0
     # Time-varying topologies: the edges of every round count.
