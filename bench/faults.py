@@ -1,0 +1,531 @@
+"""Fault injection: break training runs on purpose and count what survives.
+
+    python -m bench.faults                    # every fault, --repeats 3: BENCHMARKS.md
+    python -m bench.faults --quick --output /tmp/faults.md   # one try of the quick faults
+    python -m bench.faults --only kill9,nan   # some faults
+
+Each fault is tried `--repeats` times with random parameters (the step at which
+a process is killed, which bytes are damaged, which node gets a NaN, ...) drawn
+from `--seed`. A run-level fault drives `train.py` in subprocesses on a small
+config (synthetic data, an MLP, 8 nodes, 8-bit CHOCO, 60 steps, a checkpoint
+every 10) and compares the final parameters with those of an uninterrupted
+run of the same config: "survived" means the run ended bit-identical to it (or,
+where no run can go on, that it refused with a one-line error and exit status
+2, loading nothing). A library-level fault runs an optax chain with
+`lpdec.testing.run` and compares with the same chain without the fault.
+
+The table (what was tried, how many times, what survived, what was lost) goes
+into a section of `--output` (BENCHMARKS.md by default). Every subprocess is
+bounded by `--timeout` and killed with its process group on the way out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+
+import numpy as np
+
+from bench import _sections
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MARKER = "faults"
+STEPS, EVERY = 60, 10
+TRAIN_FLAGS = (
+    f"--config={ROOT / 'configs' / 'default.py'}",
+    "--config.dataset=synthetic",
+    "--config.num_samples=1200",
+    "--config.model=mlp",
+    "--config.precision=int8",
+    "--config.algorithm=choco",
+    f"--config.num_steps={STEPS}",
+    f"--config.log_every={EVERY}",
+    f"--config.checkpoint_every={EVERY}",
+    "--config.learning_rate=0.05",
+    "--config.save_final_params=True",
+)
+
+
+@dataclasses.dataclass
+class Trial:
+    """One try of a fault: whether nothing was lost, and what happened."""
+
+    survived: bool
+    note: str
+
+
+@dataclasses.dataclass
+class Context:
+    """What the faults share: a scratch directory, limits, and the reference run."""
+
+    root: pathlib.Path
+    timeout: float
+    _straight: pathlib.Path | None = None
+
+    def scratch(self, name: str) -> pathlib.Path:
+        return pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.root))
+
+    def straight(self) -> pathlib.Path:
+        """The workdir of the uninterrupted run (trained once, on first use)."""
+        if self._straight is None:
+            workdir = self.root / "straight"
+            proc = train(workdir, timeout=self.timeout)
+            if proc.returncode != 0:
+                raise RuntimeError(f"the reference run failed:\n{proc.stderr[-2000:]}")
+            self._straight = workdir
+        return self._straight
+
+
+# ---------------------------------------------------------------------------
+# Running train.py.
+# ---------------------------------------------------------------------------
+
+
+def _env(devices: int = 8) -> dict:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = str(ROOT)
+    return env
+
+
+def _command(workdir: pathlib.Path, extra: tuple[str, ...] = ()) -> list[str]:
+    return [sys.executable, str(ROOT / "train.py"), f"--workdir={workdir}", *TRAIN_FLAGS, *extra]
+
+
+def train(workdir: pathlib.Path, *extra: str, timeout: float) -> subprocess.CompletedProcess:
+    """train.py to the end (or its error), bounded by `timeout` seconds."""
+    proc = subprocess.Popen(
+        _command(workdir, extra),
+        env=_env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        _, stderr = proc.communicate()
+        return subprocess.CompletedProcess(proc.args, -9, "", f"timed out after {timeout} s")
+    return subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+
+
+def start(workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
+    """train.py in the background, in its own process group."""
+    return subprocess.Popen(
+        _command(workdir, extra),
+        env=_env(),
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
+def wait_for_checkpoint(workdir: pathlib.Path, step: int, proc, timeout: float) -> bool:
+    """Waits until checkpoint `step` (or a later one) is written; False if the run ended."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if any(s >= step for s in checkpoint_steps(workdir)):
+            return True
+        time.sleep(0.02)
+    return False
+
+
+def checkpoint_steps(workdir: pathlib.Path) -> list[int]:
+    directory = workdir / "checkpoints"
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def final_params(workdir: pathlib.Path) -> dict[str, np.ndarray] | None:
+    path = workdir / "final_params.npz"
+    if not path.exists():
+        return None
+    with np.load(path) as f:
+        return {k: f[k] for k in f.files}
+
+
+def identical(a: pathlib.Path, b: pathlib.Path) -> bool:
+    pa, pb = final_params(a), final_params(b)
+    return (
+        pa is not None
+        and pb is not None
+        and pa.keys() == pb.keys()
+        and all(np.array_equal(pa[k], pb[k]) for k in pa)
+    )
+
+
+def summary(workdir: pathlib.Path) -> dict:
+    path = workdir / "summary.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _one_error_line(stderr: str) -> str | None:
+    """The `error: ...` line train.py prints for a refused run, if it is the only one."""
+    lines = [line for line in stderr.strip().splitlines() if line.startswith("error:")]
+    return lines[0] if len(lines) == 1 else None
+
+
+# ---------------------------------------------------------------------------
+# Run-level faults.
+# ---------------------------------------------------------------------------
+
+
+def kill9(ctx: Context, rng: np.random.Generator) -> Trial:
+    """kill -9 at a random step after a checkpoint; the rerun must end identical."""
+    workdir = ctx.scratch("kill9")
+    after = int(rng.integers(1, STEPS // EVERY)) * EVERY
+    proc = start(workdir)
+    try:
+        if not wait_for_checkpoint(workdir, after, proc, ctx.timeout):
+            return Trial(False, f"run ended before checkpoint {after}")
+        time.sleep(float(rng.uniform(0.0, 0.5)))
+    finally:
+        _kill_group(proc)
+        proc.wait()
+    if final_params(workdir) is not None:
+        return Trial(True, "finished before the kill (not a fault)")
+    rerun = train(workdir, timeout=ctx.timeout)
+    resumed = summary(workdir).get("resumed_from_step")
+    same = rerun.returncode == 0 and identical(workdir, ctx.straight())
+    return Trial(same, f"killed after checkpoint {after}, resumed from {resumed}")
+
+
+def _array_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+    """The files holding the state's array bytes (orbax's `d/` data files)."""
+    return sorted(
+        p for p in (step_dir / "state").rglob("*") if p.is_file() and p.parent.name == "d"
+    )
+
+
+def _any_files(step_dir: pathlib.Path) -> list[pathlib.Path]:
+    """Every file of a checkpoint: arrays, orbax's metadata and manifests, lpdec's meta."""
+    return sorted(p for p in step_dir.rglob("*") if p.is_file())
+
+
+def _flip(path: pathlib.Path, rng) -> None:
+    data = bytearray(path.read_bytes())
+    for i in rng.integers(0, len(data), int(rng.integers(1, 64))):
+        data[i] ^= 1 << int(rng.integers(0, 8))
+    path.write_bytes(bytes(data))
+
+
+DAMAGES: dict[str, Callable[[pathlib.Path, np.random.Generator], None]] = {
+    "flipped bits": _flip,
+    "random bytes": lambda f, rng: f.write_bytes(rng.bytes(f.stat().st_size)),
+    "truncated": lambda f, rng: f.write_bytes(
+        f.read_bytes()[: int(rng.integers(0, f.stat().st_size))]
+    ),
+    "deleted": lambda f, rng: f.unlink(),
+}
+
+
+def _damaged_copy(ctx: Context, name: str, rng, damage: str, files) -> pathlib.Path:
+    """A copy of the finished reference run with `damage` done to `files(copy)`."""
+    workdir = ctx.scratch(name)
+    shutil.copytree(ctx.straight(), workdir, dirs_exist_ok=True)
+    (workdir / "final_params.npz").unlink()
+    (workdir / "summary.json").unlink()
+    for path in files(workdir):
+        DAMAGES[damage](path, rng)
+    return workdir
+
+
+def damaged_checkpoint(ctx: Context, rng: np.random.Generator) -> Trial:
+    """One file of the latest checkpoint damaged (any file: arrays, orbax's metadata,
+    lpdec's meta): the rerun ends identical, from that step if the damage did not touch
+    what it reads (the checksum says so), else from the one before."""
+    damage = list(DAMAGES)[int(rng.integers(0, len(DAMAGES)))]
+    latest = checkpoint_steps(ctx.straight())[-1]
+    candidates = _any_files(ctx.straight() / "checkpoints" / str(latest))
+    victim = candidates[int(rng.integers(0, len(candidates)))].relative_to(ctx.straight())
+    workdir = _damaged_copy(ctx, "damaged", rng, damage, lambda w: [w / victim])
+    rerun = train(workdir, timeout=ctx.timeout)
+    resumed = summary(workdir).get("resumed_from_step")
+    set_aside = (workdir / "checkpoints" / f"{latest}.damaged").is_dir()
+    same = rerun.returncode == 0 and identical(workdir, ctx.straight())
+    what = "set aside" if set_aside else "not needed on restore"
+    tail = "" if rerun.returncode == 0 else f", exit {rerun.returncode}: {rerun.stderr[-300:]}"
+    name = str(victim.relative_to(pathlib.Path("checkpoints")))
+    return Trial(same, f"{damage} in {name}: {what}, resumed from {resumed}{tail}")
+
+
+def no_intact_checkpoint(ctx: Context, rng: np.random.Generator) -> Trial:
+    """Every checkpoint's array files damaged: one error line, exit status 2, nothing loaded."""
+    damage = list(DAMAGES)[int(rng.integers(0, len(DAMAGES)))]
+
+    def every_array_file(workdir):
+        return [
+            f
+            for s in checkpoint_steps(workdir)
+            for f in _array_files(workdir / "checkpoints" / str(s))
+        ]
+
+    workdir = _damaged_copy(ctx, "all-damaged", rng, damage, every_array_file)
+    rerun = train(workdir, timeout=ctx.timeout)
+    line = _one_error_line(rerun.stderr)
+    ok = rerun.returncode == 2 and line is not None and final_params(workdir) is None
+    return Trial(ok, f"{damage}: exit {rerun.returncode}, {line or 'no one-line error'}")
+
+
+def second_run(ctx: Context, rng: np.random.Generator) -> Trial:
+    """A second train.py in a workdir in use: refused in one line; the first ends identical.
+
+    The second starts 0-3 s after the first (the small run is over in about 20 s, and a
+    second that starts later may find it finished: then there is nothing to refuse).
+    """
+    workdir = ctx.scratch("second")
+    first = start(workdir)
+    delay = float(rng.uniform(0.0, 3.0))
+    try:
+        time.sleep(delay)
+        second = train(workdir, timeout=ctx.timeout)
+        overlapped = first.poll() is None
+        _, stderr = first.communicate(timeout=ctx.timeout)
+    finally:
+        _kill_group(first)
+        first.wait()
+    line = _one_error_line(second.stderr)
+    ok = (
+        overlapped
+        and second.returncode == 2
+        and line is not None
+        and first.returncode == 0
+        and identical(workdir, ctx.straight())
+    )
+    what = f"exit {second.returncode}, {line}" if overlapped else "the first had finished"
+    return Trial(ok, f"second started {delay:.1f} s after the first: {what}")
+
+
+# ---------------------------------------------------------------------------
+# Library-level faults.
+# ---------------------------------------------------------------------------
+
+
+def nan_steps(ctx: Context, rng: np.random.Generator) -> Trial:
+    """NaN gradients on random nodes at random steps: the run ends where a clean one does."""
+    del ctx
+    import jax.numpy as jnp  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+
+    import lpdec  # noqa: PLC0415
+    from lpdec import testing as harness  # noqa: PLC0415
+
+    n, d, steps = 8, 16, 150
+    b = rng.uniform(-1, 1, (n, d)).astype(np.float32)
+    hits = int(rng.integers(1, 4))
+    bad_nodes = jnp.asarray(rng.integers(0, n, hits))
+    bad_steps = jnp.asarray(rng.integers(0, steps // 2, hits))
+
+    def grad_fn(nan):
+        def fn(params, node, step):
+            g = params["w"] - jnp.asarray(b)[node]
+            poisoned = nan & jnp.any((bad_nodes == node) & (bad_steps == step))
+            return {"w": jnp.where(poisoned, jnp.nan, g)}
+
+        return fn
+
+    def final(nan):
+        tx = lpdec.chain(
+            optax.sgd(0.05, momentum=0.9),
+            lpdec.choco(lpdec.ring(n), lpdec.minmax(8), gamma=0.5),
+        )
+        x0 = {"w": np.zeros((n, d), np.float32)}
+        params, _, _ = harness.run(tx, x0, steps, grad_fn=grad_fn(nan), mode="vmap")
+        return np.asarray(params["w"][:, -1])
+
+    apart = float(np.abs(final(True) - final(False)).max())
+    where = ", ".join(
+        f"node {int(a)} step {int(s)}" for a, s in zip(bad_nodes, bad_steps, strict=True)
+    )
+    # The clean run's nodes sit ~0.3 from the optimum of their average; 2e-3 is noise.
+    return Trial(apart < 2e-3, f"NaN at {where}: {apart:.1e} from the clean run")
+
+
+def byzantine(ctx: Context, rng: np.random.Generator) -> Trial:
+    """One random node of 8 on a ring sends a bad model every step (its model x -10 of the
+    others' mean, or noise 10x their scale): ClippedGossip's honest nodes end within 3
+    points of a clean run's accuracy; plain D-PSGD's, for comparison, do not."""
+    del ctx
+    import jax  # noqa: PLC0415
+    import jax.numpy as jnp  # noqa: PLC0415
+    import optax  # noqa: PLC0415
+
+    import lpdec  # noqa: PLC0415
+
+    n, classes, features, examples, steps = 8, 4, 20, 60, 150
+    bad = int(rng.integers(0, n))
+    kind = ("sign flip", "noise")[int(rng.integers(0, 2))]
+    centers = rng.standard_normal((classes, features))
+
+    def sample(m):
+        y = rng.integers(0, classes, m)
+        return (centers[y] + 2.5 * rng.standard_normal((m, features))).astype(np.float32), y
+
+    data = [sample(examples) for _ in range(n)]
+    xs, ys = (
+        jnp.asarray(np.stack([x for x, _ in data])),
+        jnp.asarray(np.stack([y for _, y in data])),
+    )
+    test_x, test_y = sample(2000)
+
+    def loss(p, x, y):
+        logp = jax.nn.log_softmax(x @ p["w"] + p["b"])
+        return -jnp.mean(jnp.take_along_axis(logp, y[:, None], axis=1))
+
+    grads = jax.vmap(jax.grad(loss))
+
+    def attack(params, step):
+        others = jax.tree.map(lambda x: (jnp.sum(x, 0) - x[bad]) / (n - 1), params)
+        if kind == "sign flip":
+            claim = jax.tree.map(lambda m: -10.0 * m, others)
+        else:
+            scale = jnp.sqrt(sum(jnp.mean(m**2) for m in jax.tree.leaves(others)) / 2)
+            keys = jax.random.split(jax.random.fold_in(jax.random.key(bad), step), 2)
+            claim = {
+                k: 10.0 * scale * jax.random.normal(key, m.shape)
+                for key, (k, m) in zip(keys, sorted(others.items()), strict=True)
+            }
+        return jax.tree.map(lambda x, c: x.at[bad].set(c), params, claim)
+
+    def accuracy(algorithm, attacked):
+        tx = optax.chain(optax.sgd(0.5), algorithm)
+
+        @jax.jit
+        def final(params):
+            def body(carry, step):
+                p, s = carry
+                p = attack(p, step) if attacked else p
+                u, s = jax.vmap(tx.update, axis_name="nodes")(grads(p, xs, ys), s, p)
+                return (optax.apply_updates(p, u), s), None
+
+            state = jax.vmap(tx.init, axis_name="nodes")(params)
+            return jax.lax.scan(body, (params, state), jnp.arange(steps))[0][0]
+
+        p = final({"b": jnp.zeros((n, classes)), "w": jnp.zeros((n, features, classes))})
+        honest = [i for i in range(n) if i != bad]
+        w, b = np.asarray(p["w"])[honest].mean(0), np.asarray(p["b"])[honest].mean(0)
+        return float(np.mean(np.argmax(test_x @ w + b, axis=1) == test_y))
+
+    ring = lpdec.ring(n)
+    clean = accuracy(lpdec.dpsgd(ring), attacked=False)
+    plain = accuracy(lpdec.dpsgd(ring), attacked=True)
+    clipped = accuracy(lpdec.clipped_gossip(ring), attacked=True)
+    return Trial(
+        clipped >= clean - 0.03,
+        f"node {bad}, {kind}: honest accuracy clean {clean:.3f}, clipped {clipped:.3f} "
+        f"(plain D-PSGD {plain:.3f})",
+    )
+
+
+FAULTS: dict[str, tuple[str, Callable[[Context, np.random.Generator], Trial]]] = {
+    "kill9": ("kill -9 of train.py at a random step", kill9),
+    "damaged": ("latest checkpoint damaged (bits, bytes, truncated, deleted)", damaged_checkpoint),
+    "no_intact": ("every checkpoint damaged", no_intact_checkpoint),
+    "second_run": ("a second train.py in the same workdir", second_run),
+    "nan": ("NaN gradients on 1-3 nodes for one step each (library)", nan_steps),
+    "byzantine": ("one Byzantine node of 8, ClippedGossip (library)", byzantine),
+}
+QUICK = ("damaged", "second_run", "nan")
+
+
+def run(names, repeats: int, seed: int, timeout: float) -> list[dict]:
+    """Tries each fault `repeats` times; one row per fault."""
+    rng = np.random.default_rng(seed)
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="lpdec-faults-") as tmp:
+        ctx = Context(pathlib.Path(tmp), timeout)
+        for name in names:
+            what, fn = FAULTS[name]
+            trials, started = [], time.monotonic()
+            for _ in range(repeats):
+                try:
+                    trials.append(fn(ctx, rng))
+                except Exception as error:  # a crash of the harness is a lost trial
+                    trials.append(Trial(False, f"{type(error).__name__}: {error}"))
+                trials[-1].note = trials[-1].note.replace(str(ctx.root), "$TMP")
+                print(f"{name}: {trials[-1]}", flush=True)
+            rows.append(
+                {
+                    "fault": name,
+                    "what": what,
+                    "tried": len(trials),
+                    "survived": sum(t.survived for t in trials),
+                    "notes": [t.note for t in trials],
+                    "lost": [t.note for t in trials if not t.survived],
+                    "seconds": time.monotonic() - started,
+                }
+            )
+    return rows
+
+
+def table(rows: list[dict], command: str) -> str:
+    lines = [
+        "## Fault injection (`bench/faults.py`)",
+        "",
+        f"`{command}` — {_sections.versions()}. Run-level faults drive `train.py`",
+        f"(synthetic data, MLP, 8 nodes, 8-bit CHOCO, {STEPS} steps, a checkpoint every "
+        f"{EVERY}); survived = the run ended bit-identical to an uninterrupted one, or refused "
+        "with one `error:` line and exit status 2 where it cannot go on.",
+        "",
+        "| fault | tried | survived | lost | what happened (each try) |",
+        "|---|---|---|---|---|",
+    ]
+    for row in rows:
+        lost = "nothing" if not row["lost"] else "; ".join(row["lost"])
+        notes = "; ".join(row["notes"])
+        lines.append(f"| {row['what']} | {row['tried']} | {row['survived']} | {lost} | {notes} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--only", default="", help="comma-separated faults: " + ",".join(FAULTS))
+    parser.add_argument("--quick", action="store_true", help="one try of " + ",".join(QUICK))
+    parser.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
+    parser.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
+    parser.add_argument("--json", default="", help="also write the rows here")
+    args = parser.parse_args(argv)
+    names = [n for n in args.only.split(",") if n] or (list(QUICK) if args.quick else list(FAULTS))
+    unknown = sorted(set(names) - set(FAULTS))
+    if unknown:
+        parser.error(f"unknown faults {unknown}; known: {', '.join(FAULTS)}")
+    repeats = 1 if args.quick else args.repeats
+    rows = run(names, repeats, args.seed, args.timeout)
+    command = "python -m bench.faults " + " ".join(argv if argv is not None else sys.argv[1:])
+    _sections.replace_section(
+        args.output, MARKER, table(rows, command.strip()), header=_sections.BENCHMARKS_HEADER
+    )
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(rows, indent=1))
+    lost = sum(r["tried"] - r["survived"] for r in rows)
+    print(f"{sum(r['tried'] for r in rows)} tries, {lost} lost")
+    return 1 if lost else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
