@@ -493,9 +493,14 @@ def table(rows: list[dict], command: str) -> str:
         "| fault | tried | survived | lost | what happened (each try) |",
         "|---|---|---|---|---|",
     ]
+
+    def short(note: str) -> str:
+        note = note.replace("|", "/")
+        return note if len(note) <= 160 else note[:157] + "..."
+
     for row in rows:
-        lost = "nothing" if not row["lost"] else "; ".join(row["lost"])
-        notes = "; ".join(row["notes"])
+        lost = "nothing" if not row["lost"] else "; ".join(short(n) for n in row["lost"])
+        notes = "; ".join(short(n) for n in row["notes"])
         lines.append(f"| {row['what']} | {row['tried']} | {row['survived']} | {lost} | {notes} |")
     return "\n".join(lines)
 
