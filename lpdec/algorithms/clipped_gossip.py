@@ -32,7 +32,8 @@ one neighbour (one Byzantine neighbour tolerated); on a ring every node then
 clips its farther neighbour to the nearer one's distance, attacked or not.
 Weights that differ by less than 1e-6 count as equal, so a boundary that
 falls between two neighbours in exact arithmetic (1 - 1/3 - 1/3 - 1/3 = 0 on
-a ring) is not moved by float rounding.
+a ring) is not moved by float rounding, and a neighbour within a relative
+1e-5 of the radius counts as inside it (not clipped, not counted).
 
 With a compressor, each node keeps a public copy :math:`\hat x_i` of its
 model, sends :math:`q_i = Q(x_i^{t+1/2} - \hat x_i)` and keeps one replica of
@@ -91,6 +92,9 @@ from lpdec.topology import Topology
 ADAPTIVE = "adaptive"
 # Weights closer than this count as equal in the adaptive rule (float32 sums of 1/3s).
 WEIGHT_TOLERANCE = 1e-6
+# A neighbour within this relative distance of the radius counts as inside it: on a
+# ring the adaptive radius IS the nearer neighbour's distance, up to float rounding.
+RADIUS_TOLERANCE = 1e-5
 
 
 class ClippedGossipState(NamedTuple):
@@ -188,7 +192,7 @@ def _clipped_sum(own, neighbours, weights, self_weight, radius, byzantine_weight
         tau = adaptive_radius(distances, weights, self_weight, jnp.float32(delta))
     else:
         tau = _common.at_step(radius, count)
-    clip = distances > tau
+    clip = distances > tau * (1.0 + RADIUS_TOLERANCE)
     scale = jnp.where(clip, tau / jnp.where(clip, distances, 1.0), 1.0)
     coefficients = jnp.where(usable, weights * scale, 0.0)
 
