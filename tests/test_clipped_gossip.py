@@ -295,8 +295,13 @@ CLASSES, FEATURES, EXAMPLES = 4, 20, 60
 
 
 def classification_problem():
-    """4 Gaussian blobs in 20-D with noise 2.5 x their spread (clean accuracy ~71%), 60
-    training examples per node, 2000 test examples; a fixed seed keeps the margins."""
+    """4 Gaussian blobs in 20-D with noise 2.5 x their spread, 60 training examples per
+    node, 2000 test examples; a fixed seed keeps the margins.
+
+    Measured (2026-11-23): clean D-PSGD 80.8% (honest average model) / 78.6% (mean of the
+    honest nodes' own models); D-PSGD attacked: own 46.6% (sign flip), 33.5% (random);
+    ClippedGossip attacked, fp32 and 8-bit: average 78.9-80.5%, own 77.4-78.0%.
+    """
     rng = np.random.default_rng(1411)
     centers = rng.standard_normal((CLASSES, FEATURES))
 
