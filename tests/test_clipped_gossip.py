@@ -382,3 +382,18 @@ def test_one_byzantine_node_breaks_plain_gossip_but_not_clipped_gossip():
             label = (name, wire, avg, own, clean_avg, clean_own)
             assert avg > clean_avg - 0.03, label
             assert own > clean_own - 0.03, label
+
+
+def test_inject_hyperparams_gives_the_plain_transform(rng):
+    """radius, byzantine_weight and gamma as injected (traced) hyperparameters."""
+    x0 = random_params(rng)
+    grads = {k: v.swapaxes(0, 1) / LR for k, v in random_updates(rng, 5).items()}
+    kwargs = dict(byzantine_weight=0.3, gamma=0.8)
+    runs = [
+        harness.run(optax.chain(optax.sgd(LR), tx), x0, 5, updates=grads, mode="vmap")[0]
+        for tx in (
+            lpdec.clipped_gossip(lpdec.ring(N), **kwargs),
+            optax.inject_hyperparams(lpdec.clipped_gossip)(lpdec.ring(N), **kwargs),
+        )
+    ]
+    np.testing.assert_array_equal(flat(runs[0]), flat(runs[1]))

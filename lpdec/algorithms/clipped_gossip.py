@@ -2,7 +2,7 @@ r"""ClippedGossip: Byzantine-robust gossip by self-centred clipping.
 
 Each node takes its local step, then moves toward every neighbour by at most a
 radius :math:`\tau_i` around its own model, so a neighbour that sends garbage
-(a finite adversarial model) moves it by at most :math:`W_{ij} \tau_i` a step:
+(a finite adversarial model) moves it by at most :math:`\gamma W_{ij} \tau_i` a step:
 
 .. math::
 
@@ -52,10 +52,16 @@ with the distances of the radius rule taken between public copies too. Why
 then carry the same compression lag, so a distance measures how far the
 models disagree and not node i's own quantization residual (which for top-k
 can exceed the disagreement and would push every neighbour over the radius
-alike); and with no neighbour clipped the step is exactly CHOCO-SGD, whose
-convergence under compression (with :math:`\gamma < 1`) is known, while the
-other choice is naive quantized gossip. With the identity compressor,
-:math:`\hat x_j = x_j^{t+1/2}` and the rule above is the paper's. Without a
+alike); with no neighbour clipped the step is exactly CHOCO-SGD, whose
+convergence under compression (with :math:`\gamma < 1`) is known; and
+:math:`\sum_{ij} W_{ij} (\hat x_j - \hat x_i) = 0` for a doubly stochastic
+W, so unclipped gossip keeps the nodes' average, while
+:math:`\sum_{ij} W_{ij} (\hat x_j - x_i^{t+1/2})` is minus the sum of the
+nodes' lags and would drift it. A Byzantine node sets its replicas at its
+neighbours to anything, but what a replica adds to its holder's step is
+clipped like any neighbour's difference. With the
+identity compressor, :math:`\hat x_j = x_j^{t+1/2}` (to float32 rounding) and
+the rule above is the paper's. Without a
 compressor (``compressor=None``) the float32 models :math:`x_j^{t+1/2}`
 themselves travel and no copies are kept.
 
@@ -81,6 +87,7 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from lpdec import gossip
@@ -188,8 +195,11 @@ def _clipped_sum(own, neighbours, weights, self_weight, radius, byzantine_weight
     # A message that is not usable stands for the node's own model: distance 0.
     distances = jnp.where(usable, jnp.sqrt(jnp.where(usable, squared, 0.0)), 0.0)
     if isinstance(radius, str):
-        delta = jnp.max(weights) if byzantine_weight is None else byzantine_weight
-        tau = adaptive_radius(distances, weights, self_weight, jnp.float32(delta))
+        if byzantine_weight is None:
+            delta = jnp.max(weights)
+        else:
+            delta = _common.at_step(byzantine_weight, count)
+        tau = adaptive_radius(distances, weights, self_weight, delta)
     else:
         tau = _common.at_step(radius, count)
     clip = distances > tau * (1.0 + RADIUS_TOLERANCE)
@@ -213,7 +223,7 @@ def step(
     topology: Topology,
     compressor: compress_base.Compressor | None = None,
     radius: str | _common.Scalar = ADAPTIVE,
-    byzantine_weight: float | None = None,
+    byzantine_weight: _common.Scalar | None = None,
     gamma: _common.Scalar = 1.0,
     axis_name: gossip.AxisName = "nodes",
 ) -> tuple[optax.Updates, ClippedGossipState]:
@@ -296,14 +306,24 @@ def _check_radius(radius, byzantine_weight):
                 f"{name}: byzantine_weight only sets the adaptive radius; drop it or use "
                 f"radius='adaptive' (got radius={radius!r})."
             )
-    if byzantine_weight is None:
+    if byzantine_weight is None or callable(byzantine_weight):
         return
-    if isinstance(byzantine_weight, bool) or not isinstance(byzantine_weight, (int, float)):
+    if isinstance(byzantine_weight, bool) or not isinstance(
+        byzantine_weight, (int, float, np.ndarray, jax.Array)
+    ):
         raise ValueError(
-            f"{name}: byzantine_weight must be a number in (0, 1) or None; "
-            f"got {byzantine_weight!r}."
+            f"{name}: byzantine_weight must be a number in (0, 1), a scalar array, a schedule "
+            f"(count -> weight) or None; got {byzantine_weight!r}."
         )
-    if not 0.0 < byzantine_weight < 1.0:
+    if np.ndim(byzantine_weight) != 0:
+        raise ValueError(
+            f"{name}: byzantine_weight must be a scalar; got shape {np.shape(byzantine_weight)}."
+        )
+    try:
+        value = float(byzantine_weight)
+    except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+        return  # traced (optax.inject_hyperparams): taken as it is
+    if not 0.0 < value < 1.0:
         raise ValueError(f"{name}: byzantine_weight must be in (0, 1); got {byzantine_weight!r}.")
 
 
@@ -312,7 +332,7 @@ def clipped_gossip(
     compressor: compress_base.Compressor | None = None,
     *,
     radius: str | _common.Scalar = ADAPTIVE,
-    byzantine_weight: float | None = None,
+    byzantine_weight: _common.Scalar | None = None,
     gamma: _common.Scalar = 1.0,
     axis_name: gossip.AxisName = "nodes",
     seed: int = 0,
@@ -344,7 +364,8 @@ def clipped_gossip(
         fixed tau > 0: a number, a scalar array or a schedule ``count ->
         tau``; ``float("inf")`` turns clipping off.
       byzantine_weight: delta_i, the weight a node may give to Byzantine
-        neighbours, in (0, 1); None: the largest weight the node gives to one
+        neighbours, in (0, 1): a number, a scalar array or a schedule
+        ``count -> delta``; None: the largest weight the node gives to one
         neighbour. Only with ``radius="adaptive"``.
       gamma: consensus step size in (0, 1]; a number, a scalar array or a
         schedule ``count -> gamma``.
