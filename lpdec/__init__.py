@@ -16,6 +16,8 @@ from lpdec import wire
 from lpdec.algorithms.choco import ChocoPerPeerState
 from lpdec.algorithms.choco import ChocoState
 from lpdec.algorithms.choco import choco
+from lpdec.algorithms.clipped_gossip import ClippedGossipState
+from lpdec.algorithms.clipped_gossip import clipped_gossip
 from lpdec.algorithms.compressed_mean import CompressedMeanState
 from lpdec.algorithms.compressed_mean import compressed_mean
 from lpdec.algorithms.d2 import D2State
@@ -77,6 +79,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ChocoPerPeerState",
     "ChocoState",
+    "ClippedGossipState",
     "CompressedMeanState",
     "Compressor",
     "D2State",
@@ -100,6 +103,7 @@ __all__ = [
     "chain",
     "check_chain",
     "choco",
+    "clipped_gossip",
     "complete",
     "compress",
     "compressed_mean",

@@ -259,6 +259,18 @@ def _d2(c, b: Built) -> optax.GradientTransformation:
     return lpdec.d2(b.topology, axis_name=b.axis_name, comp=comp, seed=c.seed)
 
 
+def _clipped_gossip(c, b: Built) -> optax.GradientTransformation:
+    if b.local_axis is not None:
+        raise ConfigError(
+            "config.algorithm='clipped_gossip' clips each neighbour's whole model; "
+            "config.hierarchical=True would split the model over a machine's workers: "
+            "set hierarchical=False."
+        )
+    # The identity compressor means the float32 models travel, with no public copies.
+    comp = None if isinstance(b.compressor, lpdec.compress.Identity) else b.compressor
+    return lpdec.clipped_gossip(b.topology, comp, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed)
+
+
 # ----------------------------------------------------------------------------
 # Local steps with an outer optimizer (`lpdec.diloco`): the exchanges of its
 # pseudo-gradients, `build(view, built)` -> the outer chain (exchange and outer step).
@@ -331,6 +343,8 @@ ALGORITHMS = {
         ),
         ("gamma", "seed"),
     ),
+    # Byzantine-robust: each neighbour's model difference clipped to the adaptive radius.
+    "clipped_gossip": AlgorithmEntry(_clipped_gossip, ("gamma", "seed")),
     "d2": AlgorithmEntry(_d2, ("seed",)),
     "dcd": AlgorithmEntry(
         lambda c, b: lpdec.dcd(b.topology, b.compressor, axis_name=b.axis_name, seed=c.seed),
