@@ -448,7 +448,7 @@ FAULTS: dict[str, tuple[str, Callable[[Context, np.random.Generator], Trial]]] =
     "nan": ("NaN gradients on 1-3 nodes for one step each (library)", nan_steps),
     "byzantine": ("one Byzantine node of 8, ClippedGossip (library)", byzantine),
 }
-QUICK = ("damaged", "second_run", "nan")
+QUICK = ("damaged", "second_run", "nan", "byzantine")
 
 
 def run(names, repeats: int, seed: int, timeout: float) -> list[dict]:

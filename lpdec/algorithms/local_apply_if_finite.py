@@ -38,6 +38,7 @@ import optax
 from lpdec import gossip
 from lpdec.algorithms import _common
 from lpdec.algorithms import choco
+from lpdec.algorithms import clipped_gossip
 from lpdec.algorithms import compressed_mean
 from lpdec.algorithms import d2
 from lpdec.algorithms import dcd
@@ -148,6 +149,7 @@ def chain(
 GOSSIP_STATES = (
     choco.ChocoState,
     choco.ChocoPerPeerState,
+    clipped_gossip.ClippedGossipState,
     d2.D2State,
     dcd.DCDState,
     deepsqueeze.DeepSqueezeState,
