@@ -28,6 +28,7 @@ import os
 import pathlib
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -75,6 +76,15 @@ class Context:
     def scratch(self, name: str) -> pathlib.Path:
         return pathlib.Path(tempfile.mkdtemp(prefix=f"{name}-", dir=self.root))
 
+    def straight_two(self) -> pathlib.Path:
+        """The uninterrupted run as 2 processes x 4 devices (trained once, on first use)."""
+        workdir = self.root / "straight-2x4"
+        if not workdir.exists():
+            results = finish(start_processes(workdir), self.timeout)
+            if any(code != 0 for code, _ in results):
+                raise RuntimeError(f"the 2x4 reference run failed:\n{results[0][1][-2000:]}")
+        return workdir
+
     def straight(self) -> pathlib.Path:
         """The workdir of the uninterrupted run (trained once, on first use)."""
         if self._straight is None:
@@ -104,35 +114,67 @@ def _command(workdir: pathlib.Path, extra: tuple[str, ...] = ()) -> list[str]:
 
 def train(workdir: pathlib.Path, *extra: str, timeout: float) -> subprocess.CompletedProcess:
     """train.py to the end (or its error), bounded by `timeout` seconds."""
-    proc = subprocess.Popen(
-        _command(workdir, extra),
-        env=_env(),
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
-    try:
-        _, stderr = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        _, stderr = proc.communicate()
-        return subprocess.CompletedProcess(proc.args, -9, "", f"timed out after {timeout} s")
-    return subprocess.CompletedProcess(proc.args, proc.returncode, "", stderr)
+    workdir.parent.mkdir(parents=True, exist_ok=True)
+    log = workdir.with_name(f"{workdir.name}-{time.monotonic_ns()}.log")
+    ((code, stderr),) = finish([_popen(_command(workdir, extra), 8, log)], timeout)
+    return subprocess.CompletedProcess([], code, "", stderr)
+
+
+def _popen(command: list[str], devices: int, log: pathlib.Path) -> subprocess.Popen:
+    """A process in its own process group, stderr to `log` (never an unread pipe that
+    fills and blocks a chatty process)."""
+    with open(log, "w") as err:
+        proc = subprocess.Popen(
+            command,
+            env=_env(devices),
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=err,
+            start_new_session=True,
+        )
+    proc.log = log
+    return proc
+
+
+def stderr_of(proc: subprocess.Popen) -> str:
+    return proc.log.read_text(errors="replace")
 
 
 def start(workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
-    """train.py in the background, in its own process group."""
-    return subprocess.Popen(
-        _command(workdir, extra),
-        env=_env(),
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        start_new_session=True,
-    )
+    """train.py in the background; its stderr goes to `<workdir>.log`."""
+    return _popen(_command(workdir, extra), 8, workdir.with_suffix(".log"))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def start_processes(workdir: pathlib.Path, count: int = 2) -> list[subprocess.Popen]:
+    """`count` train.py processes of 8 / count CPU devices each on loopback, one job."""
+    address = f"127.0.0.1:{_free_port()}"
+    flags = [(f"--num_processes={count}", f"--process_id={i}") for i in range(count)]
+    return [
+        _popen(
+            _command(workdir, (*flags[i], f"--coordinator_address={address}")),
+            8 // count,
+            workdir.with_name(f"{workdir.name}-p{i}.log"),
+        )
+        for i in range(count)
+    ]
+
+
+def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str]]:
+    """(exit status, stderr) of each process; any still running after `timeout` is killed."""
+    deadline = time.monotonic() + timeout
+    for proc in procs:
+        try:
+            proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            _kill_group(proc)
+            proc.wait()
+    return [(proc.returncode, stderr_of(proc)) for proc in procs]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -303,7 +345,7 @@ def second_run(ctx: Context, rng: np.random.Generator) -> Trial:
         time.sleep(delay)
         second = train(workdir, timeout=ctx.timeout)
         overlapped = first.poll() is None
-        _, stderr = first.communicate(timeout=ctx.timeout)
+        first.wait(timeout=ctx.timeout)
     finally:
         _kill_group(first)
         first.wait()
@@ -317,6 +359,80 @@ def second_run(ctx: Context, rng: np.random.Generator) -> Trial:
     )
     what = f"exit {second.returncode}, {line}" if overlapped else "the first had finished"
     return Trial(ok, f"second started {delay:.1f} s after the first: {what}")
+
+
+def sigterm(ctx: Context, rng: np.random.Generator) -> Trial:
+    """SIGTERM (or SIGINT) at a random step: exit 128 + signal within seconds, and the
+    rerun ends identical."""
+    workdir = ctx.scratch("signal")
+    signum = (signal.SIGTERM, signal.SIGINT)[int(rng.integers(0, 2))]
+    after = int(rng.integers(1, STEPS // EVERY - 1)) * EVERY
+    proc = start(workdir)
+    try:
+        if not wait_for_checkpoint(workdir, after, proc, ctx.timeout):
+            return Trial(False, f"run ended before checkpoint {after}")
+        time.sleep(float(rng.uniform(0.0, 0.5)))
+        sent = time.monotonic()
+        proc.send_signal(signum)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            return Trial(False, f"{signum.name} after checkpoint {after}: still running at 60 s")
+        took = time.monotonic() - sent
+    finally:
+        _kill_group(proc)
+        proc.wait()
+    code = proc.returncode
+    if code == 0:
+        return Trial(True, f"{signum.name} after checkpoint {after}: the run had finished")
+    interrupted = summary(workdir).get("interrupted")
+    rerun = train(workdir, timeout=ctx.timeout)
+    same = rerun.returncode == 0 and identical(workdir, ctx.straight())
+    ok = code == 128 + signum and took <= 15 and same
+    return Trial(
+        ok,
+        f"{signum.name} after checkpoint {after}: exit {code} in {took:.1f} s "
+        f"(summary: interrupted={interrupted}), rerun from "
+        f"{summary(workdir).get('resumed_from_step')}",
+    )
+
+
+def lost_process(ctx: Context, rng: np.random.Generator) -> Trial:
+    """kill -9 of one process of a 2 x 4 run at a random step: the other exits 4 within
+    30 s naming it, and rerunning both ends identical to an uninterrupted 2 x 4 run."""
+    reference = ctx.straight_two()
+    workdir = ctx.scratch("lost")
+    victim = int(rng.integers(0, 2))
+    after = int(rng.integers(1, STEPS // EVERY - 1)) * EVERY
+    procs = start_processes(workdir)
+    try:
+        if not wait_for_checkpoint(workdir, after, procs[0], ctx.timeout):
+            return Trial(False, f"run ended before checkpoint {after}")
+        time.sleep(float(rng.uniform(0.0, 0.5)))
+        killed = time.monotonic()
+        _kill_group(procs[victim])
+        survivor = procs[1 - victim]
+        try:
+            survivor.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            return Trial(False, f"process {victim} killed: process {1 - victim} still up at 60 s")
+        took = time.monotonic() - killed
+        code, stderr = survivor.returncode, stderr_of(survivor)
+    finally:
+        for proc in procs:
+            _kill_group(proc)
+            proc.wait()
+    if code == 0:
+        return Trial(True, f"process {victim} killed after checkpoint {after}: run had finished")
+    line = _one_error_line(stderr) or ""
+    results = finish(start_processes(workdir), ctx.timeout)
+    same = all(c == 0 for c, _ in results) and identical(workdir, reference)
+    ok = code == 4 and took <= 30 and f"process {victim}" in line and same
+    return Trial(
+        ok,
+        f"process {victim} killed after checkpoint {after}: the other exited {code} in "
+        f"{took:.1f} s ({line[:70]}...); rerun from {summary(workdir).get('resumed_from_step')}",
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -445,6 +561,8 @@ FAULTS: dict[str, tuple[str, Callable[[Context, np.random.Generator], Trial]]] =
     "damaged": ("latest checkpoint damaged (bits, bytes, truncated, deleted)", damaged_checkpoint),
     "no_intact": ("every checkpoint damaged", no_intact_checkpoint),
     "second_run": ("a second train.py in the same workdir", second_run),
+    "signal": ("SIGTERM or SIGINT to train.py at a random step", sigterm),
+    "lost_process": ("kill -9 of one process of a 2 x 4 run at a random step", lost_process),
     "nan": ("NaN gradients on 1-3 nodes for one step each (library)", nan_steps),
     "byzantine": ("one Byzantine node of 8, ClippedGossip (library)", byzantine),
 }
