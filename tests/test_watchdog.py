@@ -149,3 +149,16 @@ def test_sigterm_ends_a_run_stuck_in_a_collective_after_the_stop_timeout(tmp_pat
     assert status == 128 + signal.SIGTERM, procs[0].log.read_text()[-3000:]
     assert "still running 3 s after SIGTERM" in _last_line(procs[0])
     assert seconds < 20
+
+
+def test_a_frozen_process_is_lost_after_the_heartbeat_timeout(tmp_path, launch):
+    """SIGSTOP keeps process 1's connections open but silences it, as a machine that
+    drops off the network would."""
+    workdir = tmp_path / "w"
+    procs = _start_two(launch, workdir, ["--heartbeat_timeout=8"])
+    _wait_for_steps(workdir, procs)
+    os.kill(procs[1].pid, signal.SIGSTOP)
+    status, seconds = _wait(procs[0], within=30)
+    assert status == train.EXIT_PEER_LOST, procs[0].log.read_text()[-3000:]
+    assert "error: process 1 of 2 was lost (no heartbeat for 8 s)" in _last_line(procs[0])
+    assert seconds > 5  # 8 s from its last heartbeat, sent up to a second before the stop
