@@ -24,6 +24,7 @@ import difflib
 import importlib.util
 import math
 import os
+import signal
 import sys
 import time
 from typing import Any
@@ -42,6 +43,7 @@ from train_lib import metrics as metrics_lib
 from train_lib import processes
 from train_lib import setup
 from train_lib import steps
+from train_lib import watchdog
 from train_lib import workdir as workdir_lib
 from train_lib.registry import RunError
 
@@ -60,17 +62,37 @@ flags.DEFINE_string(
 flags.DEFINE_integer(
     "peer_timeout", 300, "Multi-host: seconds to wait for every process to connect, then exit 2."
 )
+flags.DEFINE_integer(
+    "heartbeat_timeout",
+    60,
+    "Multi-host: seconds without a heartbeat after which a connected process counts as lost "
+    "(a killed process is noticed at once), then exit 4.",
+)
+flags.DEFINE_float(
+    "stop_timeout",
+    10,
+    "Seconds after SIGTERM/SIGINT by which the run exits even if it has not reached a step "
+    "boundary (a checkpoint still being written is then abandoned).",
+)
 
 
-def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[str, Any]:
+def train_and_evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str,
+    *,
+    stop: watchdog.StopSignals | None = None,
+) -> dict[str, Any]:
     """Trains `config` and writes metrics, checkpoints and summary.json into `workdir`.
 
     Resumes from the newest intact checkpoint in `workdir` if there is one (see
-    `train_lib.checkpoint`), and holds the workdir's lock while it runs.
+    `train_lib.checkpoint`), and holds the workdir's lock while it runs. With
+    `stop`, a signal it caught ends the run at the next step boundary, with a
+    checkpoint of that step.
 
     Returns:
       The summary (also written to `workdir/summary.json`); `summary["diverged"]`
-      says whether the run stopped because its loss diverged.
+      says whether the run stopped because its loss diverged, `summary["interrupted"]`
+      names the signal that stopped it.
 
     Raises:
       RunError: a bad config, workdir or checkpoint, in one line.
@@ -80,10 +102,12 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict[
     workdir = workdir_lib.prepare(workdir)
     processes.check_shared_workdir(workdir)
     with workdir_lib.Lock(workdir, jax.process_index()):
-        return _train(config, exp, workdir, started)
+        return _train(config, exp, workdir, started, stop)
 
 
-def _train(config, exp: setup.Experiment, workdir: str, started: float) -> dict[str, Any]:
+def _train(
+    config, exp: setup.Experiment, workdir: str, started: float, stop: watchdog.StopSignals | None
+) -> dict[str, Any]:
     layout, dataset, n = exp.layout, exp.dataset, config.num_nodes
     batcher = lpdec.data.NodeBatcher(
         dataset.x_train,
@@ -136,7 +160,7 @@ def _train(config, exp: setup.Experiment, workdir: str, started: float) -> dict[
     wire_bytes, wire_source, collectives, bytes_by_axis = None, None, None, {}
     halt_at = step + config.halt_after_steps if config.halt_after_steps else None
     metrics: dict[str, Any] = {}
-    stopped = None
+    stopped = diverged = interrupted = None
     while step < exp.total_steps:
         length = min(config.log_every, exp.total_steps - step)
         xs, ys = zip(*(batcher.next() for _ in range(length)), strict=True)
@@ -178,19 +202,28 @@ def _train(config, exp: setup.Experiment, workdir: str, started: float) -> dict[
             "nonfinite_received": nonfinite[1],
         }
         writer.write(metrics)
-        stopped = divergence.update(step, metrics["train_loss"])
-        if stopped:
+        stopped = diverged = divergence.update(step, metrics["train_loss"])
+        if diverged:
             # No checkpoint of a diverged state: a resumed run starts from the last good one.
-            logging.error("stopping: %s", stopped)
+            logging.error("stopping: %s", diverged)
             break
+        interrupted = stop.agreed() if stop is not None else None
         if (
             (config.checkpoint_every and step % config.checkpoint_every == 0)
             or step == exp.total_steps
             or step == halt_at
+            or interrupted
         ):
             state = {"params": params, "opt_state": opt_state, "model_state": model_state}
             meta = {"step": step, "batcher": batcher.state()}
             checkpoint.save(manager, step, state, meta, config)
+        if interrupted:
+            stopped = (
+                f"interrupted: {interrupted.name} to process {interrupted.process} "
+                f"at step {step}, saved as a checkpoint; rerun the same command to resume"
+            )
+            logging.warning("stopping: %s", stopped)
+            break
         if step == halt_at:
             logging.info(
                 "halting after %d steps (config.halt_after_steps)", config.halt_after_steps
@@ -204,7 +237,8 @@ def _train(config, exp: setup.Experiment, workdir: str, started: float) -> dict[
         "steps": step,
         "total_steps": exp.total_steps,
         "halted": step < exp.total_steps and not stopped,
-        "diverged": bool(stopped),
+        "diverged": bool(diverged),
+        "interrupted": interrupted.name if interrupted else None,
         "stopped": stopped,
         "resumed_from_step": resumed_from,
         "wall_time_s": time.time() - started,
@@ -218,7 +252,7 @@ def _train(config, exp: setup.Experiment, workdir: str, started: float) -> dict[
         "config": config.to_dict(),
     }
     metrics_lib.write_summary(workdir, summary)
-    if config.save_final_params:
+    if config.save_final_params and not interrupted:
         checkpoint.export_params(workdir, params)
     return summary
 
@@ -228,20 +262,25 @@ def main(argv):
         raise app.UsageError("Too many command-line arguments.")
     # Orbax logs every checkpoint step at INFO through absl; keep lpdec's lines readable.
     logging.get_absl_handler().addFilter(lambda record: "orbax" not in record.pathname)
+    peers = None
     try:
         processes.check_args(FLAGS.coordinator_address, FLAGS.num_processes, FLAGS.process_id)
         if FLAGS.coordinator_address:
-            processes.start(
+            peers = processes.start(
                 FLAGS.coordinator_address,
                 FLAGS.num_processes,
                 FLAGS.process_id,
                 {f"config.{k}": v for k, v in checkpoint.flatten_config(FLAGS.config).items()},
                 bind=FLAGS.coordinator_bind_address,
                 timeout_s=FLAGS.peer_timeout,
+                heartbeat_timeout_s=FLAGS.heartbeat_timeout,
+                peer_lost_status=EXIT_PEER_LOST,
             )
     except RunError as error:
         sys.stderr.write(f"error: {error}\n")
         sys.exit(EXIT_BAD_INPUT)
+    # After jax.distributed.initialize, whose preemption service takes SIGTERM.
+    stop = watchdog.StopSignals(FLAGS.stop_timeout, peers).install()
     logging.info(
         "process %d of %d; %d local / %d global devices: %s",
         jax.process_index(),
@@ -251,18 +290,27 @@ def main(argv):
         jax.devices()[0].platform,
     )
     try:
-        summary = train_and_evaluate(FLAGS.config, FLAGS.workdir)
+        summary = train_and_evaluate(FLAGS.config, FLAGS.workdir, stop=stop)
     except RunError as error:
+        if peers is not None:
+            peers.leave(error=str(error))
         sys.stderr.write(f"error: {error}\n")
         sys.exit(EXIT_BAD_INPUT)
+    if peers is not None:
+        peers.leave()
     if summary["diverged"]:
         sys.stderr.write(f"error: {summary['stopped']}\n")
         sys.exit(EXIT_DIVERGED)
+    if summary["interrupted"]:
+        sys.stderr.write(f"{summary['stopped']}\n")
+        sys.exit(128 + signal.Signals[summary["interrupted"]])
 
 
 # Exit statuses besides 0 (done, or halted by config.halt_after_steps).
 EXIT_BAD_INPUT = 2  # a bad flag, config, workdir or checkpoint: one `error:` line on stderr
 EXIT_DIVERGED = 3  # the loss diverged; summary.json says where
+EXIT_PEER_LOST = 4  # another process of the run was lost: one `error:` line names it
+# SIGTERM/SIGINT: 128 + the signal's number (143, 130), as the shell reports a death by it.
 
 
 def parse_flags(argv: list[str]) -> list[str]:

@@ -9,6 +9,9 @@
   and the divergence check.
 - `workdir`: the workdir's checks and its lock (one run per workdir).
 - `processes`: a multi-process start: argument checks, the handshake, the shared workdir.
+- `watchdog`: the end of a run that cannot end by itself: a lost process (over the
+  handshake's connections, kept open) and SIGTERM/SIGINT (a stop at a step boundary that
+  every process agrees on, bounded by a timeout).
 
 `train.py` and the tests import it from the repository root.
 """

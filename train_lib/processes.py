@@ -8,8 +8,10 @@ same `--process_id` twice) start and then hang in their first collective.
 `start` checks the arguments, says what it waits for, runs a handshake on the
 coordinator's port that names whatever differs, binds the coordinator to the
 address the peers dial (loopback stays loopback) unless told otherwise, and
-gives up after `--peer_timeout`. `check_shared_workdir` refuses per-machine
-workdirs, on which orbax's multi-process checkpoints would wait for ever.
+gives up after `--peer_timeout`; the handshake's connections then stay open
+for `watchdog.PeerWatch`, which ends the run when a process is lost.
+`check_shared_workdir` refuses per-machine workdirs, on which orbax's
+multi-process checkpoints would wait for ever.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import jax.experimental.multihost_utils
 import numpy as np
 from absl import logging
 
+from train_lib import watchdog
 from train_lib.registry import RunError
 
 
@@ -114,9 +117,15 @@ def _host_port(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def _serve_handshake(num_processes: int, fields: dict, bind: str, deadline: float) -> None:
-    """Process 0: wait for every other process's hello, check them, answer all."""
+def _serve_handshake(
+    num_processes: int, fields: dict, bind: str, deadline: float
+) -> dict[int, socket.socket]:
+    """Process 0: wait for every other process's hello, check them, answer all.
+
+    Returns the open connection to every other process, by process index.
+    """
     conns: list[socket.socket] = []
+    by_process: dict[int, socket.socket] = {}
     seen: dict[int, dict] = {0: fields}
     problems: list[str] = []
     with socket.create_server(_host_port(bind)) as server:
@@ -148,6 +157,7 @@ def _serve_handshake(num_processes: int, fields: dict, bind: str, deadline: floa
                 problems.append(f"two processes were started with --process_id={pid}")
             else:
                 seen[pid] = hello.get("fields", {})
+                by_process[pid] = conn
         if not problems:
             differing = _differences(seen)
             if differing:
@@ -158,19 +168,24 @@ def _serve_handshake(num_processes: int, fields: dict, bind: str, deadline: floa
                 )
         error = "; ".join(problems)
         for conn in conns:
-            with conn:
-                try:
-                    _send(conn, {"error": error} if error else {"ok": True})
-                except OSError:
-                    pass
+            try:
+                _send(conn, {"error": error} if error else {"ok": True})
+            except OSError:
+                pass
+            if error:
+                conn.close()
     if error:
         raise ProcessError(f"{error}. Start every process with the same config and flags.")
+    return by_process
 
 
 def _join_handshake(
     coordinator_address: str, num_processes: int, process_id: int, fields: dict, deadline: float
-) -> None:
-    """Processes 1..: say hello to process 0 and wait for its verdict."""
+) -> socket.socket:
+    """Processes 1..: say hello to process 0 and wait for its verdict.
+
+    Returns the open connection to process 0.
+    """
     while True:
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -185,22 +200,23 @@ def _join_handshake(
         except OSError:
             time.sleep(0.2)
             continue
-        with conn:
-            conn.settimeout(max(1.0, deadline - time.monotonic()))
-            hello = {"process_id": process_id, "num_processes": num_processes, "fields": fields}
-            try:
-                _send(conn, hello)
-                verdict = _receive(conn)
-            except (TimeoutError, ConnectionError, ValueError, OSError) as error:
-                raise ProcessError(
-                    f"process {process_id}: the handshake with process 0 at "
-                    f"{coordinator_address} failed ({error})."
-                ) from None
+        conn.settimeout(max(1.0, deadline - time.monotonic()))
+        hello = {"process_id": process_id, "num_processes": num_processes, "fields": fields}
+        try:
+            _send(conn, hello)
+            verdict = _receive(conn)
+        except (TimeoutError, ConnectionError, ValueError, OSError) as error:
+            conn.close()
+            raise ProcessError(
+                f"process {process_id}: the handshake with process 0 at "
+                f"{coordinator_address} failed ({error})."
+            ) from None
         if "error" in verdict:
+            conn.close()
             raise ProcessError(
                 f"{verdict['error']}. Start every process with the same config and flags."
             )
-        return
+        return conn
 
 
 def start(
@@ -211,7 +227,9 @@ def start(
     *,
     bind: str | None = None,
     timeout_s: int = 300,
-) -> None:
+    heartbeat_timeout_s: int = 60,
+    peer_lost_status: int,
+) -> watchdog.PeerWatch:
     """Checks the processes fit together, then starts jax.distributed.
 
     Before jax's coordinator starts (a peer it waits for in vain aborts the
@@ -220,6 +238,11 @@ def start(
     and `fields` (the config). A missing peer, a duplicate or out-of-range id, a
     different process count or a different config ends every process with one
     line naming what differs; then the port is handed to jax's coordinator.
+
+    The handshake's connections stay open for the run: the returned
+    `watchdog.PeerWatch` ends this process with `peer_lost_status` when another
+    process is lost (its connection closes, or it is silent for
+    `heartbeat_timeout_s`). Call its `leave()` when this process ends.
     """
     check_args(coordinator_address, num_processes, process_id)
     bind = bind_address(coordinator_address, bind)
@@ -233,13 +256,24 @@ def start(
     deadline = time.monotonic() + timeout_s
     if process_id == 0:
         try:
-            _serve_handshake(num_processes, fields, bind, deadline)
+            connections = _serve_handshake(num_processes, fields, bind, deadline)
         except OSError:
             # The port is taken: most likely by another process started as process 0,
             # whose handshake then names the duplicate id to everyone.
-            _join_handshake(coordinator_address, num_processes, process_id, fields, deadline)
+            connections = {
+                0: _join_handshake(coordinator_address, num_processes, process_id, fields, deadline)
+            }
     else:
-        _join_handshake(coordinator_address, num_processes, process_id, fields, deadline)
+        connections = {
+            0: _join_handshake(coordinator_address, num_processes, process_id, fields, deadline)
+        }
+    peers = watchdog.PeerWatch(
+        process_id,
+        num_processes,
+        connections,
+        exit_status=peer_lost_status,
+        silence_s=heartbeat_timeout_s,
+    )
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
@@ -247,7 +281,11 @@ def start(
         process_id=process_id,
         initialization_timeout=max(30, int(deadline - time.monotonic())),
         coordinator_bind_address=bind if process_id == 0 else None,
+        # jax aborts a process whose peer misses this many seconds of heartbeats;
+        # the watch above must speak first, with its one line and exit status.
+        heartbeat_timeout_seconds=max(100, heartbeat_timeout_s + 30),
     )
+    return peers
 
 
 def _gather_strings(text: str) -> list[str]:
