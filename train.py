@@ -186,7 +186,7 @@ def _train(
         avg_correct = programs["shard_correct"](avg_params, avg_state, shard_x, shard_y)
         local_correct = programs["local_correct"](params, model_state, local_x, local_y)
         avg_correct, local_correct = metrics_lib.to_host((avg_correct, local_correct))
-        nonfinite = metrics_lib.nonfinite_counts(opt_state)
+        health = metrics_lib.health_counts(opt_state)
         metrics = {
             "step": step,
             "epoch": step / exp.steps_per_epoch,
@@ -198,8 +198,9 @@ def _train(
             "wire_bytes_per_step": float(wire_bytes),
             "step_time_s": step_time,
             "learning_rate": float(exp.schedule(step - 1)),
-            "nonfinite_updates": nonfinite[0],
-            "nonfinite_received": nonfinite[1],
+            "nonfinite_updates": health[0],
+            "nonfinite_received": health[1],
+            "theta_warnings": health[2],
         }
         writer.write(metrics)
         stopped = diverged = divergence.update(step, metrics["train_loss"])

@@ -451,3 +451,15 @@ def test_hierarchical_chain_averages_each_machines_gradients_first(rng):
     got = step(params, opt_state, {"w": layout.put(grads)})["w"]
     expected = step(params, opt_state, {"w": layout.put(means)})["w"]
     np.testing.assert_array_equal(np.asarray(got), np.asarray(expected))
+
+
+def test_moniqua_theta_warnings_reach_the_metrics(tmp_path):
+    """A θ far below the models' spread shows in metrics.csv and summary.json; a generous
+    one shows nothing (Health.theta_warnings, issue 14 point 10)."""
+    common = dict(algorithm="moniqua", compressor="modulo", num_steps=20, checkpoint_every=0)
+    tight = train.train_and_evaluate(tiny_config(theta=1e-3, **common), str(tmp_path / "tight"))
+    loose = train.train_and_evaluate(tiny_config(theta=100.0, **common), str(tmp_path / "loose"))
+    assert tight["final"]["theta_warnings"] > 0
+    assert loose["final"]["theta_warnings"] == 0
+    with open(tmp_path / "tight" / "metrics.csv") as f:
+        assert int(list(csv.DictReader(f))[-1]["theta_warnings"]) > 0

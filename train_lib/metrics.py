@@ -35,6 +35,7 @@ METRIC_FIELDS = (
     "learning_rate",
     "nonfinite_updates",
     "nonfinite_received",
+    "theta_warnings",
 )
 
 
@@ -45,14 +46,14 @@ def to_host(tree):
     return jax.tree.map(np.asarray, tree)
 
 
-def nonfinite_counts(opt_state) -> tuple[int, int]:
-    """Every node's non-finite updates and received payloads, summed over the
-    `lpdec.Health` counters found in the optimizer state."""
+def health_counts(opt_state) -> tuple[int, int, int]:
+    """Every node's `lpdec.Health` counters summed over the optimizer state: non-finite
+    updates, non-finite received payloads, Moniqua's θ warnings."""
     is_health = lambda x: isinstance(x, lpdec.Health)  # noqa: E731
     found = to_host([h for h in jax.tree.leaves(opt_state, is_leaf=is_health) if is_health(h)])
-    updates = sum(int(np.sum(h.nonfinite_updates)) for h in found)
-    received = sum(int(np.sum(h.nonfinite_received)) for h in found)
-    return updates, received
+    if not found:
+        return 0, 0, 0
+    return tuple(int(sum(np.sum(x) for x in field)) for field in zip(*found, strict=True))
 
 
 def wire_bytes(
