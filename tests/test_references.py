@@ -51,6 +51,16 @@ def leaf_keys(key, step, *, num_nodes, num_leaves):
     return jax.vmap(lambda i: jax.random.split(node_key(key, step, i), num_leaves))(nodes)
 
 
+@functools.partial(jax.jit, static_argnums=(1, 2))
+def _random_positions(key, d, k):
+    return jax.random.choice(key, d, (k,), replace=False)
+
+
+@jax.jit
+def _seeds(key):
+    return jax.random.bits(key, (1, 2), jnp.uint32)
+
+
 def np_round_trip(comp, x, key=None):
     """decode(encode(x, key)) of one float32 array, computed in numpy."""
     x = np.asarray(x, np.float32)
@@ -63,7 +73,7 @@ def np_round_trip(comp, x, key=None):
         rows = -(-d // chunk)
         padded = np.pad(flat, (0, rows * chunk - d), mode="edge").reshape(rows, chunk)
         stochastic = comp.rounding == "stochastic"
-        seeds = np.asarray(jax.random.bits(key, (1, 2), jnp.uint32)) if stochastic else None
+        seeds = np.asarray(_seeds(key)) if stochastic else None
         codes, lo, unit = np_minmax_quantize(padded, seeds, comp.bits, stochastic)
         return np_dequantize(codes, lo, unit).reshape(-1)[:d].reshape(x.shape)
     k = min(d, max(1, round(comp.ratio * d)))
@@ -73,7 +83,7 @@ def np_round_trip(comp, x, key=None):
         kept = np.argsort(-magnitude, kind="stable")[:k]
         out[kept] = flat[kept]
     elif isinstance(comp, compress.RandomK):
-        kept = np.asarray(jax.random.choice(key, d, (k,), replace=False))
+        kept = np.asarray(_random_positions(key, d, k))
         out[kept] = flat[kept] if np.isfinite(flat).all() else np.nan
     else:
         raise NotImplementedError(comp)
