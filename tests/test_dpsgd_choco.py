@@ -172,7 +172,7 @@ def test_choco_per_peer_replicas_equal_owners_public_copies_bit_for_bit(rng, mod
     params_sum, states_sum, _ = harness.run(
         tx_sum, {"w": x0}, steps, updates={"w": grads}, mode=mode
     )
-    w = topology.mixing_matrix()
+    w = ring_w(N)
     x_hat_sum = (
         np.asarray(params_sum["w"], np.float64)[:, -1] - np.asarray(states_sum[1].lag["w"])[:, -1]
     )
