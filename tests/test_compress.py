@@ -226,13 +226,19 @@ def test_modulo_matches_numpy_from_the_formula(rng, bits, rounding):
     the float32 decode matches to a few float32 ulps of |y| + B. The dense Moniqua
     references reuse this compressor, so it is pinned here.
     """
+    delta = 2.0 ** -(bits + 1) if rounding == "nearest" else 2.0**-bits
+
+    def modulus(theta):
+        exact = 2 * theta / (1 - 2 * delta)
+        _, exponent = math.frexp(exact)  # exact = m 2**exponent, 1/2 <= m < 1
+        return math.ceil(exact * 2.0 ** (16 - exponent)) * 2.0 ** (exponent - 16)
+
+    # Many thetas: a B rounded to 15 bits agrees with the 16-bit one half the time.
+    for theta in rng.uniform(0.05, 2.0, 20):
+        assert lpdec.modulo(bits, float(theta), rounding).modulus() == modulus(theta), theta
     d, theta = 3001, float(rng.uniform(0.05, 2.0))
     comp = lpdec.modulo(bits=bits, theta=theta, rounding=rounding)
-    delta = 2.0 ** -(bits + 1) if rounding == "nearest" else 2.0**-bits
-    exact = 2 * theta / (1 - 2 * delta)
-    _, exponent = math.frexp(exact)  # exact = m 2**exponent, 1/2 <= m < 1
-    big_b = math.ceil(exact * 2.0 ** (16 - exponent)) * 2.0 ** (exponent - 16)
-    assert comp.modulus() == big_b
+    big_b = modulus(theta)
     y = (rng.standard_normal(d) * 3).astype(np.float32)
     x = (y + theta * rng.uniform(-0.9, 0.9, d)).astype(np.float32)
     key = jax.random.key(int(rng.integers(1 << 30)))
