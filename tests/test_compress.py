@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from test_kernels import np_dequantize
 from test_kernels import np_minmax_quantize
+from test_kernels import np_modulo_encode
 
 import lpdec
 from lpdec import compress
@@ -213,6 +214,45 @@ def test_modulo_recovery_bound_lemma_2(rng, bits, rounding):
     err = np.abs(np.asarray(x_hat, np.float64) - x)
     tol = 8 * EPS32 * (np.abs(x) + np.abs(y) + big_b)
     assert (err <= comp.delta * big_b + tol).all(), float((err - comp.delta * big_b).max())
+
+
+@pytest.mark.parametrize("bits,rounding", [(1, "nearest"), (3, "nearest"), (8, "stochastic")])
+def test_modulo_matches_numpy_from_the_formula(rng, bits, rounding):
+    """The modulo compressor against numpy: B, the codes and the decode, from the formulas.
+
+    B = 2 theta / (1 - 2 delta) rounded up to 16 significant bits (exactly); the codes
+    are test_kernels' float32 numpy encode with scale 2**bits / B (bit for bit); the
+    decode is x_hat = y + ((q B / 2**bits - y + B / 2) mod B) - B / 2 in float64, which
+    the float32 decode matches to a few float32 ulps of |y| + B. The dense Moniqua
+    references reuse this compressor, so it is pinned here.
+    """
+    delta = 2.0 ** -(bits + 1) if rounding == "nearest" else 2.0**-bits
+
+    def modulus(theta):
+        exact = 2 * theta / (1 - 2 * delta)
+        _, exponent = math.frexp(exact)  # exact = m 2**exponent, 1/2 <= m < 1
+        return math.ceil(exact * 2.0 ** (16 - exponent)) * 2.0 ** (exponent - 16)
+
+    # Many thetas: a B rounded to 15 bits agrees with the 16-bit one half the time.
+    for theta in rng.uniform(0.05, 2.0, 20):
+        assert lpdec.modulo(bits, float(theta), rounding).modulus() == modulus(theta), theta
+    d, theta = 3001, float(rng.uniform(0.05, 2.0))
+    comp = lpdec.modulo(bits=bits, theta=theta, rounding=rounding)
+    big_b = modulus(theta)
+    y = (rng.standard_normal(d) * 3).astype(np.float32)
+    x = (y + theta * rng.uniform(-0.9, 0.9, d)).astype(np.float32)
+    key = jax.random.key(int(rng.integers(1 << 30)))
+    payload = comp.encode(jnp.asarray(x), key)
+    codes = np.asarray(bitpack.unpack_bits(payload.codes, bits=bits, num_elements=d))
+    seeds = np.asarray(jax.random.bits(key, (1, 2), jnp.uint32))
+    scale = np.float32(2**bits) / np.float32(big_b)
+    expected = np_modulo_encode(x.reshape(1, -1), seeds, scale, bits, rounding == "stochastic")
+    np.testing.assert_array_equal(codes, expected.reshape(-1))
+    r = codes * (big_b / 2**bits) - y.astype(np.float64)
+    x_hat = y + np.mod(r + big_b / 2, big_b) - big_b / 2
+    got = np.asarray(comp.decode(payload, reference=jnp.asarray(y)), np.float64)
+    np.testing.assert_allclose(got, x_hat, rtol=0, atol=4 * EPS32 * (np.abs(y).max() + big_b))
+    assert np.abs(x_hat - x).max() > 0.1 * delta * big_b  # the codes are coarse
 
 
 def test_modulo_fails_beyond_its_range(rng):

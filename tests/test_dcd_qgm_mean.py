@@ -13,11 +13,13 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_references import base_key
+from test_references import leaf_keys
+from test_references import np_round_trip
 
 import lpdec
 from lpdec import gossip
 from lpdec import testing as harness
-from lpdec.algorithms import _common
 from lpdec.algorithms.compressed_mean import compressed_mean
 from lpdec.algorithms.dcd import dcd
 from lpdec.algorithms.dpsgd import dpsgd
@@ -69,12 +71,15 @@ def _before(params0, state0, ps, ss, t):
 @pytest.mark.parametrize("mode", harness.MODES)
 @pytest.mark.parametrize("name", list(DCD_COMPRESSORS))
 def test_dcd_each_step_matches_dense_reference(mode, name, rng):
+    """Q(z) is recomputed in numpy (`np_round_trip`) with each node's key derived from
+    the seed (0, the default) and the step counted here (`leaf_keys`): neither lpdec's
+    compressors, nor its key derivation, nor the state's step count drive it. W is
+    ring(8)'s, checked against its definition in test_topology.py."""
     comp, topo, steps = DCD_COMPRESSORS[name], ring(N), 20
     w = topo.mixing_matrix()
     params0 = _model(rng)
     updates = _updates(rng, params0, steps)
     ps, ss, state0 = harness.run(dcd(topo, comp), params0, steps, updates=updates, mode=mode)
-    quantize = jax.jit(lambda z, k: comp.decode(comp.encode(z, k), key=k))
     u_all = [np.asarray(x) for x in jax.tree.leaves(updates)]
     for t in range(steps):
         params, state = _before(params0, state0, ps, ss, t)
@@ -83,10 +88,10 @@ def test_dcd_each_step_matches_dense_reference(mode, name, rng):
         x_next = [np.asarray(p)[:, t] for p in jax.tree.leaves(ps)]
         s_next = [np.asarray(p)[:, t] for p in jax.tree.leaves(ss.neighbors)]
         q = [np.zeros_like(leaf) for leaf in x]
+        np.testing.assert_array_equal(state.count, np.full(N, t))
+        keys = leaf_keys(base_key(0), t, num_nodes=N, num_leaves=len(x))
         for i in range(N):
-            key = _common.node_key(np.asarray(state.key)[i], np.asarray(state.count)[i], i)
-            leaf_keys = jax.random.split(key, len(x))
-            for k, leaf_key in enumerate(leaf_keys):
+            for k, leaf_key in enumerate(keys[i]):
                 # z_i = r_i + u_i in float32 (r_i: the state's consensus residual).
                 z = s[k][i] + u_all[k][i, t]
                 # The same z from the DCD rule with the explicit W, in float64.
@@ -96,7 +101,7 @@ def test_dcd_each_step_matches_dense_reference(mode, name, rng):
                     - x[k][i].astype(np.float64)
                 )
                 np.testing.assert_allclose(z, z64, rtol=0, atol=2e-5)
-                q[k][i] = np.asarray(quantize(jnp.asarray(z), leaf_key))
+                q[k][i] = np_round_trip(comp, z, leaf_key)
                 # The move x^+ = x + Q(z) with Q(z) = decode(encode(z, key)), bit for bit.
                 np.testing.assert_array_equal(x_next[k][i], x[k][i] + q[k][i])
         for k in range(len(x)):
@@ -441,8 +446,7 @@ def test_hierarchical_compressed_mean_matches_numpy_simulation(mode, rng):
     g[1] *= 3
     tx = compressed_mean(comp, axis_name="nodes", local_axis="local")
     means, state = _run_mean(tx, {"g": g}, mode=mode, axes=("nodes", "local"))
-    quantize_jit = jax.jit(lambda v: comp.decode(comp.encode(v)))
-    expected = _np_two_level_mean(g, lambda v: np.asarray(quantize_jit(v)), nodes, local)
+    expected = _np_two_level_mean(g, lambda v: np_round_trip(comp, v), nodes, local)
     got = np.asarray(means["g"])[:, :, 0]
     np.testing.assert_allclose(got, np.broadcast_to(expected, got.shape), rtol=0, atol=1e-6)
     # Quantization mattered: the exact mean is further away than the tolerance.

@@ -109,6 +109,7 @@ def test_diloco_matches_numpy_simulation(problem, mode, overlap, exchange):
     h, steps = 3, 13  # 4 exchanges and one step into the fifth round
     tx = _tx(h, exchange, overlap)
     ps, _, _ = testing.run(tx, {"w": x0}, steps, grad_fn=_grad_fn(a, b), mode=mode)
+    # ring(8)'s W is checked against its definition in test_topology.py.
     w = np.asarray(lpdec.ring(N).mixing_matrix(0), np.float64)
     ref = _reference(
         a,
@@ -137,6 +138,8 @@ def test_diloco_gossips_with_a_new_random_peer_every_round(problem):
     ps, _, _ = testing.run(tx, {"w": x0}, 12, grad_fn=_grad_fn(a, b), mode="shard_map")
 
     def w(round_):
+        # Random matchings are checked to be symmetric, doubly stochastic perfect
+        # matchings with the ppermute schedules they describe in test_topology.py.
         return np.asarray(topology.mixing_matrix(round_), np.float64)
 
     ref = _reference(a, b, x0, 12, 2, exchange="gossip", w=w)

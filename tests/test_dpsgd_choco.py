@@ -5,10 +5,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_references import base_key
+from test_references import leaf_keys
+from test_references import np_round_trip
 
 import lpdec
 from lpdec import testing as harness
-from lpdec.algorithms import _common
 
 N, D, T, LR = 8, 37, 20, 0.1
 
@@ -23,6 +25,37 @@ def sgd_updates(grads):
     """The local optimizer's updates, fed to the algorithm directly so that x + u is one
     float32 add the test can repeat exactly (inside a chain XLA may fuse -lr * g + x)."""
     return grads * np.float32(-LR)
+
+
+def ring_w(n):
+    """Ring mixing matrix written out: each node averages itself and its two neighbours."""
+    w = np.zeros((n, n))
+    for i in range(n):
+        for j in (i - 1, i, i + 1):
+            w[i, j % n] = 1 / 3
+    return w
+
+
+def torus_2x4_w():
+    """torus(2, 4) written out: node r * 4 + c averages itself, its row neighbours c +- 1
+    and the node in the other row (up and down coincide): 4 weights of 1/4."""
+    w = np.zeros((8, 8))
+    for r in range(2):
+        for c in range(4):
+            me = r * 4 + c
+            for j in (me, r * 4 + (c + 1) % 4, r * 4 + (c - 1) % 4, (1 - r) * 4 + c):
+                w[me, j] = 1 / 4
+    return w
+
+
+WRITTEN_OUT = {"ring(8)": ring_w(8), "torus(2, 4)": torus_2x4_w()}
+
+
+def mixing(topology, t):
+    """W at step t: written out here for the ring and the torus. The other topologies'
+    `mixing_matrix` is checked against matrices built from their definitions in
+    test_topology.py (and against their ppermute schedules there)."""
+    return WRITTEN_OUT.get(repr(topology), topology.mixing_matrix(t))
 
 
 TOPOLOGIES = [
@@ -42,7 +75,7 @@ def test_dpsgd_matches_dense_simulation(rng, mode, topology):
     params, _, _ = harness.run(tx, {"w": x0}, T, updates={"w": grads}, mode=mode)
     x = x0.astype(np.float64)
     for t in range(T):
-        x = topology.mixing_matrix(t) @ x - LR * grads[:, t]
+        x = mixing(topology, t) @ x - LR * grads[:, t]
         np.testing.assert_allclose(np.asarray(params["w"])[:, t], x, atol=2e-5, rtol=0)
 
 
@@ -53,7 +86,7 @@ def test_dpsgd_with_more_nodes_than_devices(rng):
     tx = optax.chain(optax.sgd(LR), lpdec.dpsgd(topology, axis_name=harness.NESTED_AXIS))
     params, _, _ = harness.run(tx, {"w": x0}, T, updates={"w": grads}, mode="nested")
     x = x0.astype(np.float64)
-    w = topology.mixing_matrix()
+    w = ring_w(16)
     for t in range(T):
         x = w @ x - LR * grads[:, t]
     np.testing.assert_allclose(np.asarray(params["w"])[:, -1], x, atol=2e-5, rtol=0)
@@ -74,25 +107,25 @@ def test_choco_each_step_matches_dense_update(rng, mode, compressor):
     """From the state after step t, step t+1 in numpy: q bit for bit, the rest in float64.
 
     The sum mode keeps e = x - x^ and c = sum_j W_ij (x^_j - x^_i); the paper's x^ is
-    rebuilt as the running sum of the q's, and c and e are checked against it.
+    rebuilt as the running sum of the q's, and c and e are checked against it. q is
+    recomputed in numpy (`np_round_trip`) with keys derived from the seed and the step
+    counted here (`leaf_keys`), not with the library's compressor or `node_key`.
     """
     topology, gamma = lpdec.ring(N), 0.6
-    w = topology.mixing_matrix()
+    w = ring_w(N)
     x0, grads = problem(rng)
     updates = sgd_updates(grads)
     tx = lpdec.choco(topology, compressor, gamma=gamma, seed=4)
     params, states, state0 = harness.run(tx, {"w": x0}, T, updates={"w": updates}, mode=mode)
-    key = np.asarray(state0.key)[0]
     x_prev, lag_prev = x0.astype(np.float64), np.asarray(state0.lag["w"])
     consensus_prev = np.zeros((N, D))
     x_hat = np.zeros((N, D))  # the paper's public copies, float64
     for t in range(T):
         q = np.zeros((N, D))
+        keys = leaf_keys(base_key(4), t, num_nodes=N, num_leaves=1)
         for i in range(N):
-            # The node's x~ - x^ = e + u (one float32 add), encoded with its key: same bits.
-            leaf_key = jax.random.split(_common.node_key(key, t, i), 1)[0]
-            payload = compressor.encode(jnp.asarray(lag_prev[i] + updates[i, t]), leaf_key)
-            q[i] = np.asarray(compressor.decode(payload, key=leaf_key))
+            # The node's x~ - x^ = e + u (one float32 add), compressed with its key: same bits.
+            q[i] = np_round_trip(compressor, lag_prev[i] + updates[i, t], keys[i, 0])
         x_hat = x_hat + q
         consensus = np.asarray(states.consensus["w"])[:, t]
         np.testing.assert_allclose(consensus, consensus_prev + (w - np.eye(N)) @ q, atol=1e-5)
@@ -110,7 +143,7 @@ def test_choco_free_running_matches_float64_simulation(rng, mode):
     x0, grads = problem(rng)
     tx = optax.chain(optax.sgd(LR), lpdec.choco(topology, lpdec.identity(), gamma=gamma))
     params, _, _ = harness.run(tx, {"w": x0}, T, updates={"w": grads}, mode=mode)
-    w = topology.mixing_matrix()
+    w = torus_2x4_w()
     x = x0.astype(np.float64)
     x_hat = np.zeros_like(x)
     for t in range(T):
@@ -139,7 +172,7 @@ def test_choco_per_peer_replicas_equal_owners_public_copies_bit_for_bit(rng, mod
     params_sum, states_sum, _ = harness.run(
         tx_sum, {"w": x0}, steps, updates={"w": grads}, mode=mode
     )
-    w = topology.mixing_matrix()
+    w = ring_w(N)
     x_hat_sum = (
         np.asarray(params_sum["w"], np.float64)[:, -1] - np.asarray(states_sum[1].lag["w"])[:, -1]
     )

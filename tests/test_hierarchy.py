@@ -167,6 +167,7 @@ def _choco_machines_np(x0, grads, workers, quantize, *, lr=0.125, gamma=0.5):
     slice to the model flattened and padded to a multiple of the workers by repeating
     its last element."""
     machines, d = x0.shape
+    # ring(M)'s W is checked against its definition in test_topology.py.
     w = np.asarray(lpdec.ring(machines).mixing_matrix(0), np.float32)
     size = -(-d // workers)
     x, x_hat = x0.astype(np.float32), np.zeros_like(x0, np.float32)

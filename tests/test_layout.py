@@ -44,6 +44,7 @@ def test_dcd_started_by_init_nodes_follows_the_dense_recursion(rng, num_nodes, n
     assert params["w"].sharding == layout.node_sharding
     assert all(leaf.shape[0] == num_nodes for leaf in jax.tree.leaves(opt_state))
     step = jax.jit(layout.map(_step(tx), (True, True, True)))
+    # exponential(n)'s W is checked against its definition in test_topology.py.
     w = np.asarray(topo.mixing_matrix(0), np.float64)
     expected = x0.astype(np.float64)
     for t in range(T):

@@ -1,10 +1,20 @@
 """Moniqua, D², naive quantized gossip and the gradient delay (seed 003) against numpy references.
 
 The references are written from the seed's equations with explicit dense W
-(float64 for the mixing arithmetic). Where they need quantized messages they
-call the same compressor with the same per-node, per-leaf keys as the
-algorithms (`_common.node_key`, split per leaf like `_common.encode`), so the
-comparison is exact up to float32 rounding.
+(float64 for the mixing arithmetic; `Topology.mixing_matrix` of ring, random
+matching and one-peer exponential, which test_topology.py checks against their
+definitions). Where they need quantized messages they call the same compressor
+with the same per-node, per-leaf keys as the algorithms, so the comparison is
+exact up to float32 rounding. The compressor is reused because the references
+need the sender's exact codes: stochastic rounding needs the sender's random
+bits, codes re-derived in float64 would move where a value sits on a float32
+rounding tie (one code step, far above the tolerance), and a bit-exact float32
+re-derivation is what test_kernels.py's numpy encode already is. The
+compressors are pinned independently instead: `modulo` against numpy from its
+formulas in test_compress.py (test_modulo_matches_numpy_from_the_formula) and
+test_kernels.py, `minmax` against numpy in test_compress.py. The keys are not
+the library's: `test_references.node_key` derives them from the documented
+fold_in chain, which test_references.py pins `_common.node_key` to.
 """
 
 import dataclasses
@@ -17,12 +27,12 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from test_references import node_key
 
 import lpdec
 from lpdec import metrics
 from lpdec import testing as harness
 from lpdec import topology
-from lpdec.algorithms import _common
 from lpdec.algorithms import choco
 from lpdec.algorithms import d2
 from lpdec.algorithms import delay
@@ -45,12 +55,17 @@ ATOL = 3e-6  # float32 arithmetic of the implementation vs float64 references, v
 
 @functools.partial(jax.jit, static_argnames="comp")
 def _decode_all(comp, x, key, t, theta):
-    """x_hat[name][i, j] = decode(q_j, reference=x_i): node j's encode of x_j at step t."""
-    names = sorted(x)  # jax.tree.flatten order of a dict, which `_common.encode` splits keys in
+    """x_hat[name][i, j] = decode(q_j, reference=x_i): node j's encode of x_j at step t.
+
+    `key` is the shared key, t the step counted by the caller; node j's key for leaf
+    k is split from `test_references.node_key(key, t, j)`. The compressor is lpdec's
+    (see the module docstring for why, and which tests pin it).
+    """
+    names = sorted(x)  # jax.tree.flatten order of a dict: one key per leaf in this order
     kwargs = {} if theta is None else {"theta": theta}
 
     def encode(j):
-        keys = jax.random.split(_common.node_key(key, t, j), len(names))
+        keys = jax.random.split(node_key(key, t, j), len(names))
         return [comp.encode(x[name][j], k, **kwargs) for name, k in zip(names, keys, strict=True)]
 
     payloads = jax.vmap(encode)(jnp.arange(N))

@@ -1,7 +1,9 @@
 """Deep-Squeeze, Sparse-Push and Quant-SGP against float64 numpy references.
 
 Every check recomputes what the algorithm should have done from the explicit
-mixing matrix (`Topology.mixing_matrix`), never from lpdec's gossip code:
+mixing matrix (`Topology.mixing_matrix` of the matrices written out below, and of
+`one_peer_exponential`, which test_topology.py checks against its definition),
+never from lpdec's gossip code:
 step by step from the implementation's own state (so compression need not be
 re-simulated), free-running without compression, through invariants (the mass
 sum_i x_i and sum_i w_i that push-sum must keep), and against D-PSGD on a
@@ -21,10 +23,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_references import base_key
+from test_references import leaf_keys
+from test_references import np_round_trip
 
 import lpdec
 from lpdec import topology
-from lpdec.algorithms import _common
 from lpdec.algorithms import deepsqueeze
 from lpdec.algorithms import dpsgd
 from lpdec.algorithms import quant_sgp
@@ -218,26 +222,21 @@ def state_at(params0, state0, ps, ss, t):
     return jax.tree.map(lambda x: x[:, t], ps), jax.tree.map(lambda x: x[:, t], ss)
 
 
-@functools.partial(jax.jit, static_argnums=0)
-def round_trip(compressor, tree, key, count):
-    """decode(encode(leaf)) on every node with the key the algorithm must use.
+def round_trip(compressor, tree, step):
+    """decode(encode(leaf)) on every node with the key the algorithm must use, in numpy.
 
-    Re-derives the keys independently: node i's key at step `count` is
-    `_common.node_key(key, count, i)`, split into one key per leaf in
-    `jax.tree.leaves` order.
+    The keys are re-derived from the seed (3, see `make`) and the step counted by the
+    test (`test_references.leaf_keys`), and C is computed by `np_round_trip`: neither
+    lpdec's key derivation nor its compressors are reused.
     """
-
-    def one(node_tree, node):
-        leaves, treedef = jax.tree.flatten(node_tree)
-        keys = jax.random.split(_common.node_key(key, count, node), len(leaves))
-        return treedef.unflatten(
-            [
-                compressor.decode(compressor.encode(x, k), key=k)
-                for x, k in zip(leaves, keys, strict=True)
-            ]
-        )
-
-    return jax.vmap(one)(tree, jnp.arange(N))
+    leaves, treedef = jax.tree.flatten(tree)
+    keys = leaf_keys(base_key(3), step, num_nodes=N, num_leaves=len(leaves))
+    return treedef.unflatten(
+        [
+            np.stack([np_round_trip(compressor, leaf[i], keys[i, k]) for i in range(N)])
+            for k, leaf in enumerate(leaves)
+        ]
+    )
 
 
 def compressed_field(name, params, state, u, compressor, count):
@@ -245,11 +244,11 @@ def compressed_field(name, params, state, u, compressor, count):
     add = functools.partial(jax.tree.map, lambda a, b: np.float32(a) + np.float32(b))
     if name == "quant_sgp":
         diff = jax.tree.map(lambda x, h: x - h, add(state.x, u), state.x_hat)
-        q = round_trip(compressor, diff, state.key[0], count)
+        q = round_trip(compressor, diff, count)
         return "x_hat", add(state.x_hat, q)
     base = params if name == "deepsqueeze" else state.x
     v = add(add(base, u), state.error)
-    c = round_trip(compressor, v, state.key[0], count)
+    c = round_trip(compressor, v, count)
     return "error", jax.tree.map(lambda a, b: np.float32(a) - np.float32(b), v, c)
 
 
