@@ -2,15 +2,18 @@
 (issue 14, point 6): a config or --num_processes that differs, the same --process_id
 twice, an id out of range, a peer that never comes, per-machine workdirs, config.devices."""
 
+import csv
 import pathlib
 import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 from test_train import TINY_FLAGS
 from test_train import _env
 from test_train import _free_port
+from test_train import final_params
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -156,3 +159,74 @@ def test_the_coordinator_binds_to_the_address_peers_dial(address, override, expe
 def test_bad_multi_process_flags_are_one_line(args, message):
     with pytest.raises(processes.ProcessError, match=message):
         processes.check_args(*args)
+
+
+# XLA:CPU gives each process an intra-op thread pool of max(NPROC, else the schedulable
+# cores; the process's devices) threads, and Eigen's matmuls and convolutions choose from
+# that size how to block and split their sums: 2 processes of 4 forced devices (4 threads
+# each on a small machine) round differently from 1 process of 8 (8 threads). NPROC=8 in
+# both gives every process 8 threads, as on a machine of 8 or more cores.
+SAME_THREADS = {"NPROC": "8"}
+
+
+@pytest.mark.parametrize("config", ["quickstart", "default", "link_mlp"])
+def test_two_processes_of_four_devices_match_one_of_eight_bit_for_bit(tmp_path, config):
+    """A shipped config (its model, precision, algorithm and compressor; 4 steps in 2
+    logged chunks) ends with the same parameters and logs the same metrics, bit for bit,
+    whether 8 nodes run in 1 process of 8 devices or in 2 processes of 4."""
+    flags = [
+        f"--config={ROOT / 'configs' / f'{config}.py'}",
+        "--config.num_steps=4",
+        "--config.log_every=2",
+        "--config.checkpoint_every=0",
+        "--config.save_final_params=True",
+    ]
+    train = [sys.executable, str(ROOT / "train.py")]
+    subprocess.run(
+        train + flags + [f"--workdir={tmp_path / 'single'}"],
+        env={**_env(8), **SAME_THREADS},
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+    address = f"127.0.0.1:{_free_port()}"
+    procs = [
+        subprocess.Popen(
+            train
+            + flags
+            + [
+                f"--workdir={tmp_path / 'multi'}",
+                f"--coordinator_address={address}",
+                "--num_processes=2",
+                f"--process_id={i}",
+            ],
+            env={**_env(4), **SAME_THREADS},
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+            text=True,
+        )
+        for i in range(2)
+    ]
+    try:
+        errors = [p.communicate(timeout=600)[1] for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
+
+    single, multi = (final_params(tmp_path / w) for w in ("single", "multi"))
+    assert sorted(single) == sorted(multi)
+    for name in single:
+        np.testing.assert_array_equal(multi[name], single[name], err_msg=name)
+    # Every logged value but the step time, e.g. the consensus distance and the
+    # node-averaged model's test accuracy, which reduce over all nodes.
+    rows = []
+    for workdir in ("single", "multi"):
+        with open(tmp_path / workdir / "metrics.csv") as f:
+            rows.append(list(csv.DictReader(f)))
+    assert len(rows[0]) == 2
+    for a, b in zip(*rows, strict=True):
+        del a["step_time_s"], b["step_time_s"]
+        assert a == b

@@ -80,8 +80,8 @@ def make_programs(
     local_correct = jax.jit(layout.map(correct, (True, True, False, False)))
     # The averaged model evaluates a 1/n shard of the test set on every node.
     shard_correct = jax.jit(layout.map(correct, (False, False, True, True)))
-    average = jax.jit(lpdec.metrics.average_model, out_shardings=layout.replicated)
-    consensus = jax.jit(lpdec.metrics.consensus_distance, out_shardings=layout.replicated)
+    average = jax.jit(_on_every_device(lpdec.metrics.average_model, layout))
+    consensus = jax.jit(_on_every_device(lpdec.metrics.consensus_distance, layout))
     return dict(
         train_chunk=train_chunk,
         init=init,
@@ -90,3 +90,20 @@ def make_programs(
         average=average,
         consensus=consensus,
     )
+
+
+def _on_every_device(reduce: Callable, layout: NodeLayout) -> Callable:
+    """`reduce` of all nodes' values, computed whole on every device.
+
+    The nodes' arrays are first gathered onto every device (an exact copy), so the
+    sums inside `reduce` run in one order whatever the layout. Split over the
+    devices, they would end in an all-reduce whose order is the collective's own
+    (gloo's across processes), and 2 processes x 4 devices would log other last
+    bits than 1 x 8 from the same parameters.
+    """
+
+    def gathered(tree):
+        tree = jax.lax.with_sharding_constraint(tree, layout.replicated)
+        return jax.lax.with_sharding_constraint(reduce(tree), layout.replicated)
+
+    return gathered
