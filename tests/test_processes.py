@@ -134,6 +134,14 @@ def test_config_devices_below_the_device_count_is_refused_in_a_multi_process_run
     assert "config.devices=2 in a run of 2 processes" in lasts[0], lasts
 
 
+def test_fewer_nodes_than_devices_is_refused_in_a_multi_process_run(tmp_path):
+    """One node over 2 processes (quickstart_central's num_nodes): process 1 would hold no
+    node; both stop with one line instead of a crash on one and a hang on the other."""
+    codes, lasts, _ = _start(tmp_path, [f + ["--config.num_nodes=1"] for f in TWO])
+    assert codes == [2, 2], lasts
+    assert "config.num_nodes=1 is below the 8 devices" in lasts[0], lasts
+
+
 @pytest.mark.parametrize(
     "address,override,expected",
     [

@@ -185,6 +185,12 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             f"config.devices={config.devices} in a run of {jax.process_count()} processes: "
             f"every process's devices take part ({devices} in all); leave config.devices at 0."
         )
+    if jax.process_count() > 1 and config.num_nodes < devices:
+        _fail(
+            f"config.num_nodes={config.num_nodes} is below the {devices} devices of a run of "
+            f"{jax.process_count()} processes: every process's devices must hold nodes (at "
+            f"least {devices} nodes); run fewer nodes in one process."
+        )
     if config.devices:
         if not 1 <= config.devices <= devices:
             _fail(f"config.devices={config.devices} must be in 1..{devices} (0 = all devices).")
