@@ -63,6 +63,7 @@ class Trial:
 
     survived: bool
     note: str
+    happened: bool = True  # False: the fault came too late to hit the run (not counted)
 
 
 @dataclasses.dataclass
@@ -238,7 +239,7 @@ def _one_error_line(stderr: str) -> str | None:
 def kill9(ctx: Context, rng: np.random.Generator) -> Trial:
     """kill -9 at a random step after a checkpoint; the rerun must end identical."""
     workdir = ctx.scratch("kill9")
-    after = int(rng.integers(1, STEPS // EVERY)) * EVERY
+    after = int(rng.integers(1, STEPS // EVERY - 1)) * EVERY
     proc = start(workdir)
     try:
         if not wait_for_checkpoint(workdir, after, proc, ctx.timeout):
@@ -248,7 +249,7 @@ def kill9(ctx: Context, rng: np.random.Generator) -> Trial:
         _kill_group(proc)
         proc.wait()
     if final_params(workdir) is not None:
-        return Trial(True, "finished before the kill (not a fault)")
+        return Trial(True, "finished before the kill", happened=False)
     rerun = train(workdir, timeout=ctx.timeout)
     resumed = summary(workdir).get("resumed_from_step")
     same = rerun.returncode == 0 and identical(workdir, ctx.straight())
@@ -350,15 +351,17 @@ def second_run(ctx: Context, rng: np.random.Generator) -> Trial:
         _kill_group(first)
         first.wait()
     line = _one_error_line(second.stderr)
+    if not overlapped:
+        return Trial(True, f"second started {delay:.1f} s after the first: too late", False)
     ok = (
-        overlapped
-        and second.returncode == 2
+        second.returncode == 2
         and line is not None
         and first.returncode == 0
         and identical(workdir, ctx.straight())
     )
-    what = f"exit {second.returncode}, {line}" if overlapped else "the first had finished"
-    return Trial(ok, f"second started {delay:.1f} s after the first: {what}")
+    return Trial(
+        ok, f"second started {delay:.1f} s after the first: exit {second.returncode}, {line}"
+    )
 
 
 def sigterm(ctx: Context, rng: np.random.Generator) -> Trial:
@@ -384,7 +387,7 @@ def sigterm(ctx: Context, rng: np.random.Generator) -> Trial:
         proc.wait()
     code = proc.returncode
     if code == 0:
-        return Trial(True, f"{signum.name} after checkpoint {after}: the run had finished")
+        return Trial(True, f"{signum.name} after checkpoint {after}: too late", happened=False)
     interrupted = summary(workdir).get("interrupted")
     rerun = train(workdir, timeout=ctx.timeout)
     same = rerun.returncode == 0 and identical(workdir, ctx.straight())
@@ -423,7 +426,9 @@ def lost_process(ctx: Context, rng: np.random.Generator) -> Trial:
             _kill_group(proc)
             proc.wait()
     if code == 0:
-        return Trial(True, f"process {victim} killed after checkpoint {after}: run had finished")
+        return Trial(
+            True, f"process {victim} killed after checkpoint {after}: too late", happened=False
+        )
     line = _one_error_line(stderr) or ""
     results = finish(start_processes(workdir), ctx.timeout)
     same = all(c == 0 for c, _ in results) and identical(workdir, reference)
@@ -578,19 +583,25 @@ def run(names, repeats: int, seed: int, timeout: float) -> list[dict]:
         for name in names:
             what, fn = FAULTS[name]
             trials, started = [], time.monotonic()
-            for _ in range(repeats):
+            # A fault that came too late to hit the run is tried again (at most `repeats` times).
+            attempts = 0
+            while sum(t.happened for t in trials) < repeats and attempts < 2 * repeats:
+                attempts += 1
                 try:
                     trials.append(fn(ctx, rng))
                 except Exception as error:  # a crash of the harness is a lost trial
                     trials.append(Trial(False, f"{type(error).__name__}: {error}"))
                 trials[-1].note = trials[-1].note.replace(str(ctx.root), "$TMP")
                 print(f"{name}: {trials[-1]}", flush=True)
+            missed = [t for t in trials if not t.happened]
+            trials = [t for t in trials if t.happened]
             rows.append(
                 {
                     "fault": name,
                     "what": what,
                     "tried": len(trials),
                     "survived": sum(t.survived for t in trials),
+                    "missed": len(missed),
                     "notes": [t.note for t in trials],
                     "lost": [t.note for t in trials if not t.survived],
                     "seconds": time.monotonic() - started,
@@ -619,6 +630,8 @@ def table(rows: list[dict], command: str) -> str:
     for row in rows:
         lost = "nothing" if not row["lost"] else "; ".join(short(n) for n in row["lost"])
         notes = "; ".join(short(n) for n in row["notes"])
+        if row["missed"]:
+            notes += f" ({row['missed']} more came after the run had ended: tried again)"
         lines.append(f"| {row['what']} | {row['tried']} | {row['survived']} | {lost} | {notes} |")
     return "\n".join(lines)
 
