@@ -411,7 +411,9 @@ def test_theorem1_naive_quantization_stays_above_the_floor():
 # ---------------------------------------------------------------------------
 
 
-def test_theta_below_the_disagreement_breaks_moniqua_and_above_it_tracks_dpsgd():
+def _models_in_the_unit_box(alg):
+    """30 steps of sgd(0.05) then `alg` from models in [-1, 1] pulled to targets in [-1, 1]
+    (every model stays in [-1, 1], neighbours within 2): (params, states) per step."""
     rng = np.random.default_rng(7)
     d, steps, lr = 16, 30, 0.05
     x0 = rng.uniform(-1.0, 1.0, (N, d)).astype(np.float32)
@@ -420,12 +422,18 @@ def test_theta_below_the_disagreement_breaks_moniqua_and_above_it_tracks_dpsgd()
     def grad_fn(p, node, t):
         return {"w": p["w"] - b[node]}
 
+    tx = optax.chain(optax.sgd(lr), alg)
+    ps, states, _ = harness.run(tx, {"w": jnp.asarray(x0)}, steps, grad_fn=grad_fn, mode="vmap")
+    return ps, states, x0
+
+
+def test_theta_below_the_disagreement_breaks_moniqua_and_above_it_tracks_dpsgd():
     def run(alg):
-        tx = optax.chain(optax.sgd(lr), alg)
-        ps, _, _ = harness.run(tx, {"w": jnp.asarray(x0)}, steps, grad_fn=grad_fn, mode="vmap")
+        ps, _, _ = _models_in_the_unit_box(alg)
         return np.asarray(ps["w"], np.float64)
 
-    reference = run(dpsgd.dpsgd(RING))
+    reference_ps, _, x0 = _models_in_the_unit_box(dpsgd.dpsgd(RING))
+    reference = np.asarray(reference_ps["w"], np.float64)
     neighbor_gap = np.abs(x0 - np.roll(x0, 1, axis=0)).max()
 
     # Every model stays a convex combination of values in [-1, 1] (up to the
@@ -658,17 +666,8 @@ def test_theta_warnings_count_neighbours_further_than_half_theta(rng):
 
 
 def test_theta_warnings_stay_zero_with_a_margin_and_fire_when_theta_is_too_small():
-    rng = np.random.default_rng(7)
-    d, steps, lr = 16, 30, 0.05
-    x0 = rng.uniform(-1.0, 1.0, (N, d)).astype(np.float32)
-    b = jnp.asarray(rng.uniform(-1.0, 1.0, (N, d)), jnp.float32)
-
-    def grad_fn(p, node, t):
-        return {"w": p["w"] - b[node]}
-
     def warnings(theta):
-        tx = optax.chain(optax.sgd(lr), moniqua.moniqua(RING, 8, theta))
-        _, states, _ = harness.run(tx, {"w": jnp.asarray(x0)}, steps, grad_fn=grad_fn, mode="vmap")
+        _, states, _ = _models_in_the_unit_box(moniqua.moniqua(RING, 8, theta))
         return int(np.asarray(states[1].health.theta_warnings[:, -1]).sum())
 
     # Models stay in [-1, 1], neighbours within 2: theta = 5 keeps a 2x margin throughout.

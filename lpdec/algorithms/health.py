@@ -6,7 +6,7 @@ that is not finite is not used and is counted in `Health.nonfinite_received`.
 One failing node cannot poison its neighbours. Every algorithm state that
 communicates has a `health` field; `totals` sums the counters of a whole
 optimizer state (any chain, any nesting). Moniqua also counts, in
-`Health.theta_warnings`, neighbour models that decoded further than θ/2 from
+`Health.theta_warnings`, neighbour models that decoded further than θ/2 + δB from
 the receiver's own: its θ is then close to too small (see `lpdec.moniqua`).
 """
 
@@ -31,7 +31,7 @@ class Health(NamedTuple):
       nonfinite_received: shape=(), dtype=int32; neighbour payloads that held
         NaN/Inf and were not used.
       theta_warnings: shape=(), dtype=int32; Moniqua only (zero elsewhere):
-        neighbour payloads with an element that decoded further than θ/2 from
+        neighbour payloads with an element that decoded further than θ/2 + δB from
         this node's model, i.e. θ had less than a 2x margin over the distance
         between the two models (or the decode wrapped: θ was too small).
     """
@@ -60,7 +60,7 @@ def count_received(health: Health, skipped: jax.Array) -> Health:
 
 
 def count_theta_warnings(health: Health, warnings: jax.Array) -> Health:
-    """Adds `warnings` neighbour payloads that decoded further than θ/2 away (Moniqua)."""
+    """Adds `warnings` neighbour payloads that decoded further than θ/2 + δB away (Moniqua)."""
     return health._replace(theta_warnings=health.theta_warnings + warnings)
 
 

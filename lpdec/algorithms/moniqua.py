@@ -54,9 +54,10 @@ loose. In practice measure the neighbours' largest elementwise distance in a
 short run (D-PSGD, or Moniqua with a generous θ) and take twice it:
 `suggest_theta(stacked_params, topology)`. While the run goes, every node
 counts in `Health.theta_warnings` the neighbour payloads with an element that
-decoded further than θ/2 from its own model: none while θ keeps a 2x margin
-over the distances; they appear as the models drift towards θ, before a
-decode wraps (a wrap needs a distance beyond θ). Blind spot: two models that
+decoded further than θ/2 + δB from its own model (beyond the decode error
+δB of Lemma 2: the models are then more than θ/2 apart): none while θ keeps a
+2x margin over the distances; they appear as the models drift towards θ,
+before a decode wraps (a wrap needs a distance beyond θ). Blind spot: two models that
 jump more than 1.5θ apart in one step decode within θ/2 again, wrapped.
 
 AD-PSGD (seed 003, section 5) is simulated, not run asynchronously, by
@@ -261,7 +262,10 @@ def step(
         is_leaf=compress_base.is_payload,
     )
 
-    half_theta = 0.5 * (compressor.theta if theta_t is None else theta_t)
+    # A decode is within delta B of the true model (Lemma 2): beyond theta/2 + delta B the
+    # two models are certainly more than theta/2 apart (or the decode wrapped).
+    theta_now = compressor.theta if theta_t is None else theta_t
+    half_theta = 0.5 * theta_now + compressor.delta * compressor.modulus(theta_t)
 
     def combine(round_):
         received = gossip.exchange(payload, round_, axis_name=axis_name)
