@@ -336,23 +336,31 @@ def no_intact_checkpoint(ctx: Context, rng: np.random.Generator) -> Trial:
 def second_run(ctx: Context, rng: np.random.Generator) -> Trial:
     """A second train.py in a workdir in use: refused in one line; the first ends identical.
 
-    The second starts 0-3 s after the first (the small run is over in about 20 s, and a
-    second that starts later may find it finished: then there is nothing to refuse).
+    The first run is paused (SIGSTOP) at a random point after its first logged step
+    while the second runs, so it is certainly alive when the second looks at the
+    workdir; then it is resumed (SIGCONT) and must end as if nothing happened.
     """
     workdir = ctx.scratch("second")
     first = start(workdir)
-    delay = float(rng.uniform(0.0, 3.0))
     try:
-        time.sleep(delay)
+        deadline = time.monotonic() + ctx.timeout
+        metrics = workdir / "metrics.csv"
+        while first.poll() is None and time.monotonic() < deadline:
+            if metrics.exists() and len(metrics.read_text().splitlines()) > 1:
+                break
+            time.sleep(0.02)
+        time.sleep(float(rng.uniform(0.0, 0.2)))
+        if first.poll() is not None:
+            return Trial(True, "the first run ended before it could be paused", happened=False)
+        os.kill(first.pid, signal.SIGSTOP)
+        rows = len(metrics.read_text().splitlines()) - 1
         second = train(workdir, timeout=ctx.timeout)
-        overlapped = first.poll() is None
+        os.kill(first.pid, signal.SIGCONT)
         first.wait(timeout=ctx.timeout)
     finally:
         _kill_group(first)
         first.wait()
     line = _one_error_line(second.stderr)
-    if not overlapped:
-        return Trial(True, f"second started {delay:.1f} s after the first: too late", False)
     ok = (
         second.returncode == 2
         and line is not None
@@ -360,7 +368,9 @@ def second_run(ctx: Context, rng: np.random.Generator) -> Trial:
         and identical(workdir, ctx.straight())
     )
     return Trial(
-        ok, f"second started {delay:.1f} s after the first: exit {second.returncode}, {line}"
+        ok,
+        f"first paused after {rows} logged intervals: the second exited {second.returncode} "
+        f"({line}); the first went on and exited {first.returncode}",
     )
 
 
