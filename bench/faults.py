@@ -581,7 +581,7 @@ FAULTS: dict[str, tuple[str, Callable[[Context, np.random.Generator], Trial]]] =
     "nan": ("NaN gradients on 1-3 nodes for one step each (library)", nan_steps),
     "byzantine": ("one Byzantine node of 8, ClippedGossip (library)", byzantine),
 }
-QUICK = ("damaged", "second_run", "nan", "byzantine")
+QUICK = ("damaged", "nan", "byzantine")  # the second run: tests/test_reliability.py
 
 
 def run(names, repeats: int, seed: int, timeout: float) -> list[dict]:

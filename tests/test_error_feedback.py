@@ -245,7 +245,8 @@ def test_without_error_feedback_the_state_holds_no_residual():
         state = jax.vmap(tx.init, axis_name=AXIS)(params)
         if residual_shape is None:
             assert state.residual == ()
-            assert len(jax.tree.leaves(state)) == 4  # count, key, two health counters
+            # count, key and the health counters: no residual.
+            assert len(jax.tree.leaves(state)) == 2 + len(lpdec.Health._fields)
         else:
             assert state.residual.shape == residual_shape
             assert state.residual.dtype == np.float32 and not np.any(state.residual)

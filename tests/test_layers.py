@@ -28,7 +28,8 @@ MAY_IMPORT = {
         "lpdec.topology",
     ),
     "lpdec.metrics": (),
-    "lpdec.layout": ("lpdec.gossip",),
+    # init_nodes checks the chain it initialises (check_chain reads the algorithms' states).
+    "lpdec.layout": ("lpdec.gossip", "lpdec.algorithms"),
     "lpdec.testing": ("lpdec.gossip", "lpdec.layout"),
     "lpdec.nn": ("lpdec.compress", "lpdec.kernels_pallas"),
     "lpdec.models": ("lpdec.nn",),
