@@ -216,7 +216,14 @@ def test_compressed_without_clipping_is_choco_with_per_peer_replicas(rng, mode, 
         tx = optax.chain(optax.sgd(LR), algorithm)
         params, _, _ = harness.run(tx, x0, steps, updates=grads, mode=mode)
         runs[name] = flat(params)
-    np.testing.assert_allclose(runs["clipped"], runs["choco"], rtol=0, atol=1e-5)
+    if steps == 30:  # the identity rounds nothing: the sums' order is all that differs
+        np.testing.assert_allclose(runs["clipped"], runs["choco"], rtol=0, atol=1e-5)
+        return
+    # 8-bit codes: a last-bit difference of the two sums can move one stochastic rounding
+    # decision (seed 3686510609: 3 of 2560 elements, 6e-4 apart, in a CI run). Allow a few
+    # elements up to one code step (range / 255 of a difference of ~1: < 1e-2), no more.
+    diff = np.abs(runs["clipped"] - runs["choco"])
+    assert (diff > 1e-5).mean() < 0.01 and diff.max() < 1e-2, (diff > 1e-5).sum()
 
 
 @pytest.mark.parametrize("compressor", [None, lpdec.minmax(8, rounding="stochastic")], ids=repr)
