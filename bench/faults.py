@@ -236,15 +236,24 @@ def _one_error_line(stderr: str) -> str | None:
 # ---------------------------------------------------------------------------
 
 
+def wait_past_random_checkpoint(ctx: Context, rng, workdir: pathlib.Path, proc) -> int | None:
+    """Waits for a random checkpoint (10 .. STEPS - 20) and up to 0.5 s more; the
+    checkpoint's step, or None if the run ended first."""
+    after = int(rng.integers(1, STEPS // EVERY - 1)) * EVERY
+    if not wait_for_checkpoint(workdir, after, proc, ctx.timeout):
+        return None
+    time.sleep(float(rng.uniform(0.0, 0.5)))
+    return after
+
+
 def kill9(ctx: Context, rng: np.random.Generator) -> Trial:
     """kill -9 at a random step after a checkpoint; the rerun must end identical."""
     workdir = ctx.scratch("kill9")
-    after = int(rng.integers(1, STEPS // EVERY - 1)) * EVERY
     proc = start(workdir)
     try:
-        if not wait_for_checkpoint(workdir, after, proc, ctx.timeout):
-            return Trial(False, f"run ended before checkpoint {after}")
-        time.sleep(float(rng.uniform(0.0, 0.5)))
+        after = wait_past_random_checkpoint(ctx, rng, workdir, proc)
+        if after is None:
+            return Trial(False, "the run ended before its checkpoint")
     finally:
         _kill_group(proc)
         proc.wait()
@@ -379,12 +388,11 @@ def sigterm(ctx: Context, rng: np.random.Generator) -> Trial:
     rerun ends identical."""
     workdir = ctx.scratch("signal")
     signum = (signal.SIGTERM, signal.SIGINT)[int(rng.integers(0, 2))]
-    after = int(rng.integers(1, STEPS // EVERY - 1)) * EVERY
     proc = start(workdir)
     try:
-        if not wait_for_checkpoint(workdir, after, proc, ctx.timeout):
-            return Trial(False, f"run ended before checkpoint {after}")
-        time.sleep(float(rng.uniform(0.0, 0.5)))
+        after = wait_past_random_checkpoint(ctx, rng, workdir, proc)
+        if after is None:
+            return Trial(False, "the run ended before its checkpoint")
         sent = time.monotonic()
         proc.send_signal(signum)
         try:
@@ -416,12 +424,11 @@ def lost_process(ctx: Context, rng: np.random.Generator) -> Trial:
     reference = ctx.straight_two()
     workdir = ctx.scratch("lost")
     victim = int(rng.integers(0, 2))
-    after = int(rng.integers(1, STEPS // EVERY - 1)) * EVERY
     procs = start_processes(workdir)
     try:
-        if not wait_for_checkpoint(workdir, after, procs[0], ctx.timeout):
-            return Trial(False, f"run ended before checkpoint {after}")
-        time.sleep(float(rng.uniform(0.0, 0.5)))
+        after = wait_past_random_checkpoint(ctx, rng, workdir, procs[0])
+        if after is None:
+            return Trial(False, "the run ended before its checkpoint")
         killed = time.monotonic()
         _kill_group(procs[victim])
         survivor = procs[1 - victim]
