@@ -1,51 +1,150 @@
-"""The experiments runner's quick mode runs every study end to end (so it cannot rot)."""
+"""The experiments runner: its quick mode runs every study end to end (so it cannot rot),
+its tables come from docs/experiments.json alone, and its cache follows the code."""
 
+import json
 import os
 import pathlib
+import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-STUDIES = ("table2", "qgm", "moniqua", "theorem1", "centralized", "tradeoff")
+sys.path.insert(0, str(ROOT))
+STUDIES = ("gamma", "table2", "qgm", "moniqua", "theorem1", "centralized", "tradeoff")
 
 
-def test_quick_mode_writes_every_study_and_plot(tmp_path):
-    output = tmp_path / "EXPERIMENTS.md"
+def run_experiments(tmp_path, *args):
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.experiments",
-            "all",
-            "--quick",
-            f"--output={output}",
-            f"--workdir={tmp_path / 'runs'}",
-        ],
+        [sys.executable, "-m", "bench.experiments", *args, f"--workdir={tmp_path / 'runs'}"],
         cwd=ROOT,
         env=env,
         capture_output=True,
         text=True,
-        timeout=1200,
+        timeout=1500,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = output.read_text()
+    return proc.stdout
+
+
+def sections(text):
+    found = {}
     for study in STUDIES:
         start, end = f"<!-- study:{study}:start -->", f"<!-- study:{study}:end -->"
         assert start in text and end in text, study
-        section = text.split(start)[1].split(end)[0]
+        found[study] = text.split(start)[1].split(end)[0]
+    return found
+
+
+def test_quick_mode_writes_every_study_plot_and_run_and_renders_from_the_json(tmp_path):
+    output = tmp_path / "EXPERIMENTS.md"
+    run_experiments(tmp_path, "all", "--quick", f"--output={output}")
+    found = sections(output.read_text())
+    for study, section in found.items():
         # Every study reports a table of results and states its command and time.
         assert "| --- |" in section.replace("|---|", "| --- |"), study
         assert f"python -m bench.experiments {study} --quick" in section, study
-    plots = sorted(os.listdir(tmp_path / "docs"))
+    docs = tmp_path / "docs"
+    plots = sorted(p for p in os.listdir(docs) if p.endswith(".png"))
     assert plots == sorted(
         [
+            "curves.png",
             "moniqua_bytes.png",
             "table2.png",
             "theorem1.png",
-            "tradeoff_bytes.png",
-            "tradeoff_wallclock.png",
+            "tradeoff_bytes_skew09.png",
+            "tradeoff_wallclock_skew09.png",
         ]
     )
-    assert all((tmp_path / "docs" / p).stat().st_size > 1000 for p in plots)
+    assert all((docs / p).stat().st_size > 1000 for p in plots)
+
+    data = json.loads((docs / "experiments.json").read_text())
+    runs = data["runs"]
+    assert {r["study"] for r in runs} == set(STUDIES) - {"theorem1"}
+    for r in runs:
+        for field in ("method", "seed", "config", "steps", "schedule", "final_test_accuracy"):
+            assert field in r, field
+        assert r["steps"] == 20 and r["config"]["num_steps"] == 20
+        assert 0.0 <= r["final_test_accuracy"] <= 1.0
+        assert r["bytes_per_node_total"] == r["bytes_per_node_per_step"] * r["steps"]
+        assert r["code"] == data["code"]
+    # The local-step methods sit in the tradeoff study, with bytes.
+    diloco = [r for r in runs if r["study"] == "tradeoff" and r["method"].startswith("DiLoCo")]
+    assert diloco and all(r["bytes_per_node_per_step"] > 0 for r in diloco)
+    # Moniqua's one-bit run uses stochastic rounding and the paper's theta and ratio.
+    one_bit = [r for r in runs if r["method"] == "Moniqua 1-bit"]
+    assert one_bit and one_bit[0]["config"]["rounding"] == "stochastic"
+    assert one_bit[0]["config"]["theta"] == 2.0 and one_bit[0]["config"]["slack"] == 5e-3
+
+    # The tables and plots come from experiments.json alone: with an empty cache,
+    # --render writes the same tables (only the timing line may differ).
+    rendered = tmp_path / "rendered.md"
+    (tmp_path / "runs_quick" / "results.json").unlink()
+    run_experiments(tmp_path, "all", "--quick", "--render", f"--output={rendered}")
+    again = sections(rendered.read_text())
+    for study in STUDIES:
+
+        def strip(text):
+            return re.sub(r"_Command: .*?_\n", "", text)
+
+        assert strip(again[study]) == strip(found[study]), study
+    # A number changed in the json shows up in the rendered table.
+    first = next(r for r in runs if r["study"] == "centralized")
+    first["final_test_accuracy"] = 0.123456
+    for r in runs:
+        if r["key"] == first["key"]:
+            r["final_test_accuracy"] = 0.123456
+    (docs / "experiments.json").write_text(json.dumps(data))
+    run_experiments(tmp_path, "centralized", "--quick", "--render", f"--output={rendered}")
+    assert "12.3 ± 0.0" in sections(rendered.read_text())["centralized"]
+
+
+def test_code_fingerprint_follows_code_not_comments(tmp_path):
+    from bench import experiments
+
+    (tmp_path / "lpdec").mkdir()
+    module = tmp_path / "lpdec" / "mod.py"
+    module.write_text('"""Doc."""\n\n\ndef f(x):\n    """Doc."""\n    return x + 1  # one\n')
+    (tmp_path / "train.py").write_text("x = 1\n")
+    first = experiments.code_fingerprint(tmp_path)
+    module.write_text(
+        '"""Other doc."""\n\n\ndef f(x):\n    """Other."""\n    return x + 1  # two\n'
+    )
+    assert experiments.code_fingerprint(tmp_path) == first
+    module.write_text('"""Doc."""\n\n\ndef f(x):\n    """Doc."""\n    return x - 1\n')
+    assert experiments.code_fingerprint(tmp_path) != first
+    module.write_text('"""Doc."""\n\n\ndef f(x):\n    """Doc."""\n    return x + 1\n')
+    assert experiments.code_fingerprint(tmp_path) == first
+    (tmp_path / "train.py").write_text("x = 2\n")
+    assert experiments.code_fingerprint(tmp_path) != first
+
+
+def test_cached_runs_of_other_code_or_config_are_not_reused(tmp_path, monkeypatch):
+    from bench import experiments
+
+    trained = []
+
+    def fake_train(self, config):
+        trained.append(config.learning_rate)
+        return {"wall_clock_s": 1.0, "final_test_accuracy": config.learning_rate}
+
+    monkeypatch.setattr(experiments.Runner, "_train", fake_train)
+    runner = experiments.Runner(quick=True, seeds=1, workdir=str(tmp_path))
+    runner.repeat("s", "m", experiments.seed002_config)
+    runner.repeat("s", "m", experiments.seed002_config)  # cached
+    runner.repeat("s", "m", experiments.seed002_config, learning_rate=0.05)  # another config
+    assert trained == [0.1, 0.05]
+    experiments.Runner(quick=True, seeds=1, workdir=str(tmp_path)).repeat(
+        "s", "m", experiments.seed002_config
+    )
+    assert trained == [0.1, 0.05]  # read back from results.json
+    monkeypatch.setattr(experiments, "code_fingerprint", lambda root=None: "changed")
+    experiments.Runner(quick=True, seeds=1, workdir=str(tmp_path)).repeat(
+        "s", "m", experiments.seed002_config
+    )
+    assert trained == [0.1, 0.05, 0.1]
+    with pytest.raises(KeyError, match="learnign_rate"):
+        runner.config(experiments.seed002_config, learnign_rate=0.1)
