@@ -187,7 +187,11 @@ INJECTED = {
 @pytest.mark.parametrize("name", sorted(INJECTED))
 def test_inject_hyperparams_matches_plain(name):
     plain, injected = INJECTED[name]()
-    assert_trees_equal(run(injected, 5)[0], run(plain, 5)[0])
+    # Within an ulp or two, not bit for bit: a hyperparameter that is a traced array
+    # instead of a Python constant lets XLA fuse the update differently (with jaxlib
+    # 0.10.2 and optax 0.2.8 quant_sgp's x~ + gamma (s + (W_ii - 1) h) parts by 1 ulp at
+    # 7 of 24 elements). A hyperparameter dropped or misread moves them by far more.
+    assert_trees_close(run(injected, 5)[0], run(plain, 5)[0], rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------- every factory, one table

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import os
 import pathlib
 import signal
@@ -458,7 +459,10 @@ def test_moniqua_theta_warnings_reach_the_metrics(tmp_path):
     one shows nothing (Health.theta_warnings, issue 14 point 10)."""
     common = dict(algorithm="moniqua", compressor="modulo", num_steps=20, checkpoint_every=0)
     tight = train.train_and_evaluate(tiny_config(theta=1e-3, **common), str(tmp_path / "tight"))
-    loose = train.train_and_evaluate(tiny_config(theta=100.0, **common), str(tmp_path / "loose"))
+    # Generous, not absurd: this int8 MLP's nodes wrap below theta ~ 10 (warnings at 1, 4,
+    # 7), and theta = 100 makes the 8-bit decode error (delta B = 0.39) diverge the run.
+    loose = train.train_and_evaluate(tiny_config(theta=20.0, **common), str(tmp_path / "loose"))
+    assert math.isfinite(loose["final"]["train_loss"])
     assert tight["final"]["theta_warnings"] > 0
     assert loose["final"]["theta_warnings"] == 0
     with open(tmp_path / "tight" / "metrics.csv") as f:
