@@ -1412,22 +1412,33 @@ def runtime(json_path: str) -> str:
     with open(json_path) as f:
         runs = json.load(f)["runs"]
     seconds = {e["key"]: e["wall_clock_s"] for e in runs}
+    steps = {e["key"]: e["steps"] for e in runs}
+    # Many runs shared the machine with other jobs; a run alone takes about the
+    # fastest tenth of the full-length runs' times (per step).
+    full = [e["wall_clock_s"] / e["steps"] for e in runs if e["steps"] >= STEPS]
+    per_step = float(np.percentile(full, 10)) if full else 0.0
     rows = []
     for study in STUDIES:
         keys = {e["key"] for e in runs if e["study"] == study}
         if keys:
             minutes = sum(seconds[k] for k in keys) / 60
-            rows.append(f"| {study} | {len(keys)} | {minutes:.0f} |")
+            alone = sum(steps[k] for k in keys) * per_step / 60
+            rows.append(f"| {study} | {len(keys)} | {minutes:.0f} | {alone:.0f} |")
     total = sum(seconds.values()) / 60
+    total_alone = sum(steps.values()) * per_step / 60
     return f"""Training time on this machine (2 CPU cores, 8 simulated devices), from
 docs/experiments.json; a run two studies share (the tradeoff study reuses the
 moniqua and centralized runs at skew 0) is counted in both rows but once in
-the total. theorem1 is not a training run (seconds).
+the total. theorem1 is not a training run (seconds). Most runs shared the
+2 cores with other jobs (test suites, pilot runs), which slowed them up to 3x;
+"alone" is the steps trained times the fastest tenth of the full-length runs'
+time per step ({1e3 * per_step:.1f} ms), what a run on an idle machine takes.
+Diverged runs stop early.
 
-| study | training runs | minutes |
-|---|---|---|
+| study | training runs | minutes, as measured | minutes alone (estimate) |
+|---|---|---|---|
 {chr(10).join(rows)}
-| all | {len(seconds)} | {total:.0f} |
+| all | {len(seconds)} | {total:.0f} | {total_alone:.0f} |
 """
 
 
