@@ -753,8 +753,8 @@ MONIQUA_ABLATIONS = (
 )
 
 
-def moniqua_ablations(runner: Runner, base: float) -> str:
-    """The ablation table: Moniqua's theta, average ratio and run length on this model."""
+def moniqua_ablations(runner: Runner, base: float) -> tuple[str, dict]:
+    """The ablation table's rows and its runs: Moniqua's theta, average ratio and run length."""
     ablations = MONIQUA_ABLATIONS[:1] if runner.quick else MONIQUA_ABLATIONS
     rows, results = [], {}
     for label, overrides, seeds in ablations:
