@@ -54,4 +54,6 @@ def test_consensus_distance_and_average_against_numpy(rng):
     expected = np.mean(np.sum((flat - flat.mean(0)) ** 2, axis=1))
     np.testing.assert_allclose(float(metrics.consensus_distance(tree)), expected, rtol=1e-5)
     avg = metrics.average_model(tree)
-    np.testing.assert_allclose(np.asarray(avg["a"]), np.asarray(tree["a"]).mean(0), rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(avg["a"]), np.asarray(tree["a"]).mean(0), rtol=1e-6, atol=1e-6
+    )
