@@ -12,7 +12,7 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-STUDIES = ("gamma", "table2", "qgm", "moniqua", "theorem1", "centralized", "tradeoff")
+STUDIES = ("gamma", "table2", "precision", "qgm", "moniqua", "theorem1", "centralized", "tradeoff")
 
 
 def run_experiments(tmp_path, *args):
@@ -74,6 +74,13 @@ def test_quick_mode_writes_every_study_plot_and_run_and_renders_from_the_json(tm
     # The local-step methods sit in the tradeoff study, with bytes.
     diloco = [r for r in runs if r["study"] == "tradeoff" and r["method"].startswith("DiLoCo")]
     assert diloco and all(r["bytes_per_node_per_step"] > 0 for r in diloco)
+    # The precision ablation crosses the arithmetic with the norm layer.
+    crossed = {
+        (r["config"].get("precision", "fp32"), r["config"].get("norm", ""))
+        for r in runs
+        if r["study"] == "precision"
+    }
+    assert crossed == {("fp32", ""), ("fp32", "range_evonorm"), ("int8", "evonorm"), ("int8", "")}
     # Moniqua's one-bit run uses stochastic rounding and the paper's theta and ratio.
     one_bit = [r for r in runs if r["method"] == "Moniqua 1-bit"]
     assert one_bit and one_bit[0]["config"]["rounding"] == "stochastic"
