@@ -36,7 +36,9 @@ Caching: every run is stored in `runs/experiments/results.json` under a key made
 its whole config and a fingerprint of the code that trains it (`code_fingerprint`:
 train.py, train_lib/, lpdec/ and configs/default.py, comments and docstrings
 excluded). A change to that code, or to any field of a run's config, makes the run
-train again; studies that share a config share its run.
+train again; studies that share a config share its run. Runs in docs/experiments.json
+that the same code trained also count as cached, so a fresh clone can run one
+study without retraining the runs it shares with the others.
 """
 
 from __future__ import annotations
@@ -154,7 +156,12 @@ class Runner:
     """
 
     def __init__(
-        self, quick: bool, seeds: int, workdir: str, replay: dict[str, dict] | None = None
+        self,
+        quick: bool,
+        seeds: int,
+        workdir: str,
+        replay: dict[str, dict] | None = None,
+        published: str | None = None,
     ):
         self.quick = quick
         self.seeds = 1 if quick else seeds
@@ -172,6 +179,13 @@ class Runner:
                 cached = json.load(f)
             # Runs of other code are stale: drop them.
             self.cache = {k: r for k, r in cached.items() if r.get("code") == self.code}
+        if replay is None and published and os.path.exists(published):
+            # The published records of this very code are as good as a local cache.
+            with open(published) as f:
+                for entry in json.load(f)["runs"]:
+                    if entry.get("code") == self.code and entry.get("key") not in self.cache:
+                        record = {k: v for k, v in entry.items() if k not in ("study", "method")}
+                        self.cache[entry["key"]] = record
 
     def config(self, base, **overrides):
         config = base(self.quick)
@@ -1512,7 +1526,8 @@ repeated with `train.py` and the fields docs/experiments.json lists for it.
 Every run's config, seed, schedule, final accuracy, bytes and time are in
 `docs/experiments.json`; `python -m bench.experiments all --render` rebuilds
 these tables and plots from that file alone. Runs are cached by config and by a
-fingerprint of the training code (`runs/experiments/results.json`): changing
+fingerprint of the training code (`runs/experiments/results.json`; the runs in
+docs/experiments.json count as cached while that fingerprint holds): changing
 either trains them again.
 
 <!-- runtime:start -->
@@ -1573,7 +1588,9 @@ def main(argv=None) -> None:
         with open(json_path) as f:
             replay = {e["key"]: e for e in json.load(f)["runs"]}
     workdir = args.workdir + ("_quick" if args.quick else "")
-    runner = Runner(args.quick, args.seeds, workdir, replay=replay)
+    runner = Runner(
+        args.quick, args.seeds, workdir, replay=replay, published=None if args.quick else json_path
+    )
     studies = STUDIES if "all" in args.studies else tuple(args.studies)
     for name in studies:
         started = time.time()

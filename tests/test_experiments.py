@@ -155,3 +155,34 @@ def test_cached_runs_of_other_code_or_config_are_not_reused(tmp_path, monkeypatc
     assert trained == [0.1, 0.05, 0.1]
     with pytest.raises(KeyError, match="learnign_rate"):
         runner.config(experiments.seed002_config, learnign_rate=0.1)
+
+
+def test_published_runs_of_the_same_code_count_as_cached(tmp_path, monkeypatch):
+    from bench import experiments
+
+    trained = []
+
+    def fake_train(self, config):
+        trained.append(config.learning_rate)
+        return {"wall_clock_s": 1.0, "final_test_accuracy": config.learning_rate}
+
+    monkeypatch.setattr(experiments.Runner, "_train", fake_train)
+    monkeypatch.setattr(experiments, "code_fingerprint", lambda root=None: "v1")
+    first = experiments.Runner(quick=True, seeds=1, workdir=str(tmp_path / "a"))
+    (entry,) = first.repeat("s", "m", experiments.seed002_config)
+    published = tmp_path / "experiments.json"
+    published.write_text(json.dumps({"runs": [entry]}))
+    assert trained == [0.1]
+    # A fresh workdir (a fresh clone) reads the published run instead of training.
+    fresh = experiments.Runner(
+        quick=True, seeds=1, workdir=str(tmp_path / "b"), published=str(published)
+    )
+    (again,) = fresh.repeat("s", "other method", experiments.seed002_config)
+    assert trained == [0.1]
+    assert again["method"] == "other method" and again["final_test_accuracy"] == 0.1
+    # Published runs of other code are stale like any cached run.
+    monkeypatch.setattr(experiments, "code_fingerprint", lambda root=None: "v2")
+    experiments.Runner(
+        quick=True, seeds=1, workdir=str(tmp_path / "c"), published=str(published)
+    ).repeat("s", "m", experiments.seed002_config)
+    assert trained == [0.1, 0.1]
