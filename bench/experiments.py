@@ -462,6 +462,13 @@ def table2(runner: Runner, docs: str) -> str:
         f"{setting[0]}: skews {', '.join(f'{k:g}' for k in skews_of[setting[0]])}"
         for setting in settings
     )
+    collapsed = {
+        (f"{k[0]}, {k[1]}, skew {k[2]:g}", f"{k[3]} {k[4]}"): [
+            r["seed"] for r in records if collapse(r) > 20.0
+        ]
+        for k, records in runs.items()
+        if not (k[1] == "0%" and k[3] == "DS")  # the same runs as CHOCO's
+    }
     base = seed002_config(runner.quick)
     return f"""## Seed 002, Table 2 analog: skew, compression, 8-bit training, DS vs CHOCO
 
@@ -492,6 +499,8 @@ The averaged model's test accuracy during training (ring, mean over seeds).
 ![curves](docs/curves.png)
 
 {claims}
+
+{collapses(collapsed)}
 
 Why 8-bit training trails here while seed 002 has it level: the next section
 takes the no-compression pair apart (precision and norm layer crossed).
@@ -720,8 +729,27 @@ At {longer.split(", ")[-1]} the pair's gap is {effect(longer, 0, 3):+.1f} points
 
 {precision_discussion(cells, names, row_names)}
 
-{collapses(collapsed)}
+{collapses(collapsed)}{norm_collapses(collapsed)}
 """
+
+
+def norm_collapses(collapsed) -> str:
+    """Whether every collapse of the precision study came with Range EvoNorm."""
+    hit = {column for (_, column), seeds in collapsed.items() if seeds}
+    ranged = {c for c, (prec, norm) in PRECISION_CELLS.items() if _range_norm(prec, norm)}
+    if not hit or not hit <= ranged:
+        return ""
+    both = {PRECISION_CELLS[c][0] for c in hit} == {"fp32", "int8"}
+    return (
+        " Every collapse came with Range EvoNorm"
+        + (", at 32 bits as well as at 8" if both else "")
+        + "; no run with EvoNorm collapsed."
+    )
+
+
+def _range_norm(precision: str, norm: str) -> bool:
+    """Whether a run uses Range EvoNorm (the default pairs it with 8-bit training)."""
+    return norm == "range_evonorm" or (norm == "" and precision == "int8")
 
 
 def precision_discussion(cells, names, rows) -> str:
