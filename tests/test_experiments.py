@@ -186,3 +186,25 @@ def test_published_runs_of_the_same_code_count_as_cached(tmp_path, monkeypatch):
         quick=True, seeds=1, workdir=str(tmp_path / "c"), published=str(published)
     ).repeat("s", "m", experiments.seed002_config)
     assert trained == [0.1, 0.1]
+
+
+def test_collapsed_runs_are_named_and_traced_to_the_norm_layer():
+    from bench import experiments
+
+    # Best 89%, ends at 41%: 48 points lost (a Table 2 torus run did this).
+    fell = {"curve": [[200, 0.77, 0.4], [800, 0.89, 0.0], [2000, 0.41, 0.7]]}
+    fell["final_test_accuracy"] = 0.41
+    steady = {"curve": [[200, 0.77, 0.4], [2000, 0.95, 0.0]], "final_test_accuracy": 0.95}
+    assert experiments.collapse(fell) == pytest.approx(48.0)
+    assert experiments.collapse(steady) == pytest.approx(0.0)
+    ranged_32, ranged_8 = "32-bit, Range EvoNorm", "8-bit, Range EvoNorm (T2)"
+    both = {("torus", ranged_32): [2], ("torus", ranged_8): [2], ("ring", ranged_8): []}
+    assert "torus: seed 2" in experiments.collapses(both)
+    assert "ring" not in experiments.collapses(both)
+    assert "at 32 bits as well as at 8" in experiments.norm_collapses(both)
+    only_8 = {("torus", ranged_8): [2]}
+    assert "Range EvoNorm;" in experiments.norm_collapses(only_8)
+    # A collapse with EvoNorm (not Range) does not point at the norm layer.
+    assert experiments.norm_collapses({**both, ("torus", "8-bit, EvoNorm"): [1]}) == ""
+    assert experiments.norm_collapses({("torus", ranged_8): []}) == ""
+    assert "No run" in experiments.collapses({("torus", ranged_8): []})
