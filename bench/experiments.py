@@ -318,7 +318,7 @@ GAMMA_GRID = {
     ("CHOCO", "8-bit"): (0.3, 1.0),
     ("DS", "8-bit"): (0.3, 1.0),
 }
-GAMMA_SEEDS = 2
+GAMMA_SEEDS = 3
 ALGORITHMS = {"DS": "sparse_push", "CHOCO": "quant_sgp"}
 COMPRESSORS = {"99% top-k": TOPK, "8-bit": EIGHT_BIT}
 
