@@ -129,7 +129,8 @@ def test_code_fingerprint_follows_code_not_comments(tmp_path):
     assert experiments.code_fingerprint(tmp_path) != first
 
 
-def test_cached_runs_of_other_code_or_config_are_not_reused(tmp_path, monkeypatch):
+def fake_training(monkeypatch) -> list:
+    """Runner._train replaced by a stub that records each config's learning rate."""
     from bench import experiments
 
     trained = []
@@ -139,6 +140,13 @@ def test_cached_runs_of_other_code_or_config_are_not_reused(tmp_path, monkeypatc
         return {"wall_clock_s": 1.0, "final_test_accuracy": config.learning_rate}
 
     monkeypatch.setattr(experiments.Runner, "_train", fake_train)
+    return trained
+
+
+def test_cached_runs_of_other_code_or_config_are_not_reused(tmp_path, monkeypatch):
+    from bench import experiments
+
+    trained = fake_training(monkeypatch)
     runner = experiments.Runner(quick=True, seeds=1, workdir=str(tmp_path))
     runner.repeat("s", "m", experiments.seed002_config)
     runner.repeat("s", "m", experiments.seed002_config)  # cached
@@ -160,13 +168,7 @@ def test_cached_runs_of_other_code_or_config_are_not_reused(tmp_path, monkeypatc
 def test_published_runs_of_the_same_code_count_as_cached(tmp_path, monkeypatch):
     from bench import experiments
 
-    trained = []
-
-    def fake_train(self, config):
-        trained.append(config.learning_rate)
-        return {"wall_clock_s": 1.0, "final_test_accuracy": config.learning_rate}
-
-    monkeypatch.setattr(experiments.Runner, "_train", fake_train)
+    trained = fake_training(monkeypatch)
     monkeypatch.setattr(experiments, "code_fingerprint", lambda root=None: "v1")
     first = experiments.Runner(quick=True, seeds=1, workdir=str(tmp_path / "a"))
     (entry,) = first.repeat("s", "m", experiments.seed002_config)
