@@ -463,9 +463,7 @@ def table2(runner: Runner, docs: str) -> str:
         for setting in settings
     )
     collapsed = {
-        (f"{k[0]}, {k[1]}, skew {k[2]:g}", f"{k[3]} {k[4]}"): [
-            r["seed"] for r in records if collapse(r) > 20.0
-        ]
+        (f"{k[0]}, {k[1]}, skew {k[2]:g}", f"{k[3]} {k[4]}"): collapsed_seeds(records)
         for k, records in runs.items()
         if not (k[1] == "0%" and k[3] == "DS")  # the same runs as CHOCO's
     }
@@ -684,7 +682,7 @@ def precision(runner: Runner, docs: str) -> str:
                 **overrides,
             )
             cells[(row, column)] = accuracy(records)[0]
-            collapsed[(row, column)] = [r["seed"] for r in records if collapse(r) > 20.0]
+            collapsed[(row, column)] = collapsed_seeds(records)
             line.append(fmt(records))
         rows.append("| " + " | ".join(line) + " |")
     names = list(PRECISION_CELLS)
@@ -815,18 +813,29 @@ def collapse(record) -> float:
     return 100 * (max(c[1] for c in record["curve"]) - record["final_test_accuracy"])
 
 
+COLLAPSE_POINTS = 20.0  # a run that ends this far below its best accuracy collapsed
+
+
+def collapsed_seeds(records) -> list[int]:
+    """The seeds whose run collapsed."""
+    return [r["seed"] for r in records if collapse(r) > COLLAPSE_POINTS]
+
+
 def collapses(collapsed) -> str:
-    """Which runs collapsed (ended more than 20 points below their best accuracy)."""
+    """Which runs collapsed (ended more than COLLAPSE_POINTS below their best accuracy)."""
     where = [
         f"{column}, {row}: seed {', '.join(map(str, seeds))}"
         for (row, column), seeds in collapsed.items()
         if seeds
     ]
     if not where:
-        return "No run of this study collapsed (ended more than 20 points below its best)."
+        return (
+            f"No run of this study collapsed (ended more than {COLLAPSE_POINTS:g} points "
+            "below its best)."
+        )
     return (
-        "Runs that collapsed (ended more than 20 points below their best accuracy; they "
-        "count in the means above): " + "; ".join(where) + "."
+        f"Runs that collapsed (ended more than {COLLAPSE_POINTS:g} points below their best "
+        f"accuracy; they count in the means above): {'; '.join(where)}."
     )
 
 
@@ -1305,8 +1314,6 @@ def _plot_accuracy_vs_bytes(results, path, title, wall=None):
 def theorem1(runner: Runner, docs: str) -> str:
     """Seed 003 Theorem 1: gradient norm of the averaged model on a quadratic."""
     import optax
-
-    import lpdec
 
     n, d = 8, 64
     steps = 60 if runner.quick else 3000
