@@ -230,7 +230,18 @@ def test_compressed_without_clipping_is_choco_with_per_peer_replicas(rng, mode, 
 
 @pytest.mark.parametrize("compressor", [None, lpdec.minmax(8, rounding="stochastic")], ids=repr)
 def test_shard_map_and_vmap_agree_and_the_state_keeps_its_types(rng, compressor):
-    """Under scan in shard_map (check_vma) and under vmap: one answer, a stable state."""
+    """Under scan in shard_map (check_vma) and under vmap: one answer, a stable state.
+
+    The two modes sum the consensus in different orders. With the identity that changes
+    the last bits only. With stochastic 8-bit codes a last-bit difference moves a rounding
+    decision now and then (seeds 15, 16 and 56 of 60 did within 8 steps, on jax 0.10.2 and
+    0.12.0.1 alike), and from then on the runs part. So the runs must agree to the last
+    bits until the first step at which they part, and there a moved decision shows as
+    itself: one element of a node and of its two neighbours off by up to a code step
+    (1.6e-3), the other elements by the clipping it shifts (< 1e-4). A mode that drew
+    other random numbers parts at once, with 80-95% of the elements over 1e-4 and up to
+    2e-2 apart (measured by seeding one mode differently).
+    """
     x0 = random_params(rng)
     grads = {k: v.swapaxes(0, 1) / LR for k, v in random_updates(rng, 8).items()}
     out = {}
@@ -243,8 +254,15 @@ def test_shard_map_and_vmap_agree_and_the_state_keeps_its_types(rng, compressor)
         assert jax.tree.structure(after) == jax.tree.structure(state0)
         for a, b in zip(jax.tree.leaves(after), jax.tree.leaves(state0), strict=True):
             assert (a.shape, a.dtype) == (b.shape, b.dtype)
-        out[mode] = flat(params)
-    np.testing.assert_allclose(out["vmap"], out["shard_map"], rtol=0, atol=1e-5)
+        out[mode] = flat(params)  # [nodes, steps, d]
+    diff = np.abs(out["vmap"] - out["shard_map"]).swapaxes(0, 1).reshape(8, -1)
+    if compressor is None:
+        np.testing.assert_allclose(diff, 0, atol=1e-5)
+        return
+    parted = (diff > 1e-5).any(axis=1)
+    if parted.any():
+        first = diff[np.argmax(parted)]
+        assert (first > 1e-4).mean() < 0.05 and first.max() < 5e-3, (first > 1e-4).sum()
 
 
 @pytest.mark.parametrize("compressor", [None, lpdec.minmax(8)], ids=repr)

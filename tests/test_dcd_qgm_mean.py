@@ -463,11 +463,43 @@ def _collectives_in(hlo):
     ]
 
 
+def _replica_groups(line):
+    """The device groups of a collective in compiled HLO, in either notation XLA prints:
+    lists (`replica_groups={{0,4},{1,5}}`, jax 0.10 and 0.11) or mesh axes
+    (`replica_groups=mesh['nodes'=2,'local'=4] {'nodes'}`, jax 0.12: the groups run
+    over the named axes of a row-major mesh of device ids)."""
+    if lists := re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line):
+        groups = re.findall(r"\{([\d,]*)\}", lists.group(1))
+        return [[int(v) for v in group.split(",")] for group in groups]
+    mesh = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", line)
+    assert mesh, f"no replica groups in {line}"
+    sizes = {name: int(size) for name, size in re.findall(r"'(\w+)'=(\d+)", mesh.group(1))}
+    over = re.findall(r"'(\w+)'", mesh.group(2))
+    names = list(sizes)
+    order = [names.index(n) for n in names if n not in over] + [names.index(n) for n in over]
+    ids = np.arange(math.prod(sizes.values())).reshape(tuple(sizes.values()))
+    return ids.transpose(order).reshape(-1, math.prod(sizes[n] for n in over)).tolist()
+
+
+@pytest.mark.parametrize(
+    "notation, groups",
+    [
+        ("replica_groups={{0,1,2,3,4,5,6,7}}, dim", [[0, 1, 2, 3, 4, 5, 6, 7]]),
+        ("replica_groups={{0,4},{1,5},{2,6},{3,7}}, dim", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("replica_groups=mesh['nodes'=8] {'nodes'}, dim", [[0, 1, 2, 3, 4, 5, 6, 7]]),
+        ("replica_groups=mesh['nodes'=2,'local'=4] {'nodes'}, m", [[0, 4], [1, 5], [2, 6], [3, 7]]),
+        ("replica_groups=mesh['nodes'=2,'local'=4] {'local'}, m", [[0, 1, 2, 3], [4, 5, 6, 7]]),
+    ],
+)
+def test_replica_groups_reads_both_notations(notation, groups):
+    assert _replica_groups(notation) == groups
+
+
 @pytest.mark.parametrize(
     "shape, axes, node_groups",
     [
-        ((N,), (AXIS,), "{{0,1,2,3,4,5,6,7}}"),
-        ((2, 4), ("nodes", "local"), "{{0,4},{1,5},{2,6},{3,7}}"),
+        ((N,), (AXIS,), [[0, 1, 2, 3, 4, 5, 6, 7]]),
+        ((2, 4), ("nodes", "local"), [[0, 4], [1, 5], [2, 6], [3, 7]]),
     ],
 )
 def test_compressed_mean_compiles_to_uint8_exchanges_without_all_reduce(shape, axes, node_groups):
@@ -485,7 +517,7 @@ def test_compressed_mean_compiles_to_uint8_exchanges_without_all_reduce(shape, a
     fn = jax.shard_map(program, mesh=mesh, in_specs=spec, out_specs=spec)
     lines = _collectives_in(jax.jit(fn).lower(g).compile().as_text())
     assert lines and not [line for line in lines if "all-reduce" in line], lines
-    across = [line for line in lines if f"replica_groups={node_groups}" in line]
+    across = [line for line in lines if _replica_groups(line) == node_groups]
     for op in ("all-to-all", "all-gather"):
         assert any(op in line and "u8[" in line for line in across), (op, lines)
     # Between nodes float32 travels only as the per-chunk (lo, unit) scales.
@@ -493,7 +525,7 @@ def test_compressed_mean_compiles_to_uint8_exchanges_without_all_reduce(shape, a
         for dims in re.findall(r"f32\[([\d,]*)\]", line):
             assert math.prod(int(v) for v in dims.split(",") if v) <= shape[0], line
     if local_axis is not None:
-        within = [line for line in lines if "replica_groups={{0,1,2,3},{4,5,6,7}}" in line]
+        within = [line for line in lines if _replica_groups(line) == [[0, 1, 2, 3], [4, 5, 6, 7]]]
         for op in ("reduce-scatter", "all-gather"):
             assert any(op in line and "f32[" in line for line in within), (op, lines)
 

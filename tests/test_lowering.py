@@ -11,6 +11,8 @@ platform's compiler cannot take a kernel's blocks, the dispatch picks the jnp
 path for that platform, and the tests below pin those choices.
 """
 
+import contextlib
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -31,15 +33,38 @@ CUSTOM_CALL = {"cuda": _TRITON, "tpu": "tpu_custom_call"}
 KEY = jax.random.key(0)
 
 
-def kernel_calls(traced, platform: str) -> int:
-    """Compiled kernels in `traced` lowered for `platform`; fails on an interpreted one."""
-    text = traced.lower(lowering_platforms=(platform,)).as_text()
-    assert "stablehlo.while" not in text, f"an interpreted kernel was lowered for {platform}"
-    return text.count(CUSTOM_CALL[platform])
+# From jax 0.12 the Triton lowering asks the device it lowers for which GPU it targets,
+# and this machine has none: the target is named as an abstract device, set while the
+# program is traced and lowered (a context set around `.lower()` alone is not seen).
+# jax 0.10 needs no context (with no GPU it falls back to compute capability 9.0, an
+# H100's) and accepts it, so every supported jax lowers for the same target.
+ABSTRACT_DEVICE = {
+    "cuda": jax.sharding.AbstractDevice(device_kind="NVIDIA H100", num_cores=None, platform="gpu")
+}
 
 
 def trace(fn, *args):
-    return jax.jit(fn).trace(*args)
+    """A program to lower: `fn` and the abstract values it is traced with."""
+    return fn, args
+
+
+def lowered_text(program, platform: str) -> str:
+    """`program` traced and lowered for `platform` (StableHLO text)."""
+    fn, args = program
+    device = ABSTRACT_DEVICE.get(platform)
+    context = contextlib.nullcontext()
+    if device is not None:
+        mesh = jax.sharding.AbstractMesh((), (), abstract_device=device)
+        context = jax.sharding.use_abstract_mesh(mesh)
+    with context:
+        return jax.jit(fn).trace(*args).lower(lowering_platforms=(platform,)).as_text()
+
+
+def kernel_calls(program, platform: str) -> int:
+    """Compiled kernels in `program` lowered for `platform`; fails on an interpreted one."""
+    text = lowered_text(program, platform)
+    assert "stablehlo.while" not in text, f"an interpreted kernel was lowered for {platform}"
+    return text.count(CUSTOM_CALL[platform])
 
 
 def assert_kernels(traced, expected: dict[str, int]):
@@ -91,7 +116,7 @@ def test_modulo_compressor_lowers_to_kernels(implementation, bits, dtype, size):
 def test_the_cpu_lowering_keeps_the_jnp_path():
     comp = lpdec.minmax(4)
     x = jax.ShapeDtypeStruct((SIZES[1],), jnp.float32)
-    text = trace(comp.encode, x).lower(lowering_platforms=("cpu",)).as_text()
+    text = lowered_text(trace(comp.encode, x), "cpu")
     assert "custom_call" not in text and "stablehlo.while" not in text
 
 
@@ -179,7 +204,7 @@ def test_an_interpreted_kernel_fails_the_check():
     for platform in PLATFORMS:
         with pytest.raises(AssertionError, match="interpreted kernel"):
             kernel_calls(traced, platform)
-        text = traced.lower(lowering_platforms=(platform,)).as_text()
+        text = lowered_text(traced, platform)
         assert CUSTOM_CALL[platform] not in text
 
 
@@ -215,12 +240,12 @@ def test_choco_step_under_vmap_lowers_to_kernels(implementation):
     traced = trace(step, choco_params(), choco_params())
     for platform in PLATFORMS:
         assert kernel_calls(traced, platform) > 0
-    assert "custom_call" not in traced.lower(lowering_platforms=("cpu",)).as_text()
+    assert "custom_call" not in lowered_text(traced, "cpu")
 
 
 def test_choco_step_under_shard_map_lowers_to_kernels():
-    mesh = jax.make_mesh((N,), ("nodes",))
-    spec = jax.P("nodes")
+    """Sharded over 8 devices of each platform: an abstract mesh that names the device
+    (ahead-of-time lowering; inside shard_map its mesh's device is the one lowered for)."""
     step = choco_step(None)
 
     def program(params, grads):
@@ -228,11 +253,16 @@ def test_choco_step_under_shard_map_lowers_to_kernels():
         out = gossip.to_varying(step(first(params), first(grads)), "nodes")
         return jax.tree.map(lambda x: x[None], out)
 
-    sharded = jax.shard_map(program, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
-    sharding = jax.NamedSharding(mesh, spec)
-    params = jax.tree.map(
-        lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sharding), choco_params()
-    )
-    traced = trace(sharded, params, params)
-    counts = {platform: kernel_calls(traced, platform) for platform in PLATFORMS}
+    spec = jax.P("nodes")
+    counts = {}
+    for platform in PLATFORMS:
+        mesh = jax.make_mesh((N,), ("nodes",)).abstract_mesh.update(
+            abstract_device=ABSTRACT_DEVICE.get(platform)
+        )
+        sharded = jax.shard_map(program, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+        params = {
+            k: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=jax.NamedSharding(mesh, spec))
+            for k, s in choco_params().items()
+        }
+        counts[platform] = kernel_calls(trace(sharded, params, params), platform)
     assert all(np.array(list(counts.values())) > 0), counts
