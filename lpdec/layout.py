@@ -46,10 +46,12 @@ and add it back (``x[None]``) on the way out, as `map` does.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 
@@ -175,7 +177,7 @@ class NodeLayout:
 
             # jax 0.10 rejects collectives over a vmap axis nested in shard_map under
             # check_vma, so the nested layout runs unchecked.
-            return jax.shard_map(
+            return shard_map(
                 body,
                 mesh=self.mesh,
                 in_specs=specs,
@@ -191,7 +193,74 @@ class NodeLayout:
             out = gossip.to_varying(fn(*args), self.mesh_axis)
             return jax.tree.map(lambda x: x[None], out)
 
-        return jax.shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=jax.P(self.mesh_axis))
+        return shard_map(body, mesh=self.mesh, in_specs=specs, out_specs=jax.P(self.mesh_axis))
+
+
+def shard_map(f: Callable, *, mesh, in_specs, out_specs, **kwargs) -> Callable:
+    """`jax.shard_map` that keeps empty (zero-size) arguments out of the mapped program.
+
+    jaxlib 0.11 (0.11.2 seen; 0.10.2 and 0.12.0.1 do not) crashes the interpreter with a
+    segmentation fault while it compiles a `shard_map` over two or more devices whose
+    body uses an empty argument and returns a non-empty array, e.g. a model with a
+    zero-size leaf. An empty array holds no values, so this wrapper passes only the
+    non-empty ones across the boundary and gives `f` fresh zeros of each empty
+    argument's per-device shape: `f` sees the arguments it would see under
+    `jax.shard_map`. Call it as `jax.shard_map`, with every argument positional; without
+    empty arguments it is `jax.shard_map` itself.
+    """
+    mapped = jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=out_specs, **kwargs)
+
+    def call(*args):
+        leaves, treedef = jax.tree.flatten(args)
+        shapes = [tuple(x.shape) if hasattr(x, "shape") else np.shape(x) for x in leaves]
+        empty = [math.prod(shape) == 0 for shape in shapes]
+        if not any(empty):
+            return mapped(*args)
+        specs = _leaf_specs(in_specs, args)
+        zeros = {
+            i: (_local_shape(mesh, shapes[i], specs[i]), jnp.result_type(leaves[i]))
+            for i in range(len(leaves))
+            if empty[i]
+        }
+
+        def body(*kept):
+            kept = iter(kept)
+            full = [jnp.zeros(*zeros[i]) if i in zeros else next(kept) for i in range(len(leaves))]
+            return f(*jax.tree.unflatten(treedef, full))
+
+        inner = jax.shard_map(
+            body,
+            mesh=mesh,
+            in_specs=tuple(s for s, e in zip(specs, empty, strict=True) if not e),
+            out_specs=out_specs,
+            **kwargs,
+        )
+        return inner(*(x for x, e in zip(leaves, empty, strict=True) if not e))
+
+    return call
+
+
+def _leaf_specs(in_specs, args: tuple) -> list:
+    """One `PartitionSpec` per leaf of `args`, from `shard_map`'s prefix tree `in_specs`."""
+    if isinstance(in_specs, jax.P):  # one spec for every argument
+        in_specs = (in_specs,) * len(args)
+    groups = jax.tree.map(
+        lambda spec, arg: [spec] * len(jax.tree.leaves(arg)),
+        tuple(in_specs),
+        args,
+        is_leaf=lambda x: isinstance(x, jax.P),
+    )
+    groups = jax.tree.leaves(groups, is_leaf=lambda g: isinstance(g, list))
+    return [spec for group in groups for spec in group]
+
+
+def _local_shape(mesh, shape: tuple[int, ...], spec) -> tuple[int, ...]:
+    """The per-device block shape of a global `shape` split by `spec` over `mesh`."""
+    out = list(shape)
+    for dim, axes in enumerate(spec):
+        for axis in (axes,) if isinstance(axes, str) else axes or ():
+            out[dim] //= mesh.shape[axis]
+    return tuple(out)
 
 
 def init_nodes(

@@ -33,6 +33,7 @@ import numpy as np
 import optax
 
 from lpdec import gossip
+from lpdec import layout
 
 # The axis name `run` maps the nodes over: build the transform with axis_name=AXIS.
 AXIS = "nodes"
@@ -123,7 +124,7 @@ def run(
 
         # jax 0.10 rejects collectives over a vmap axis nested in shard_map under
         # check_vma, so the nested layout runs unchecked.
-        fn = jax.shard_map(
+        fn = layout.shard_map(
             nested, mesh=mesh, in_specs=(spec, spec), out_specs=spec, check_vma=False
         )
         sharding = jax.NamedSharding(mesh, spec)
@@ -133,7 +134,7 @@ def run(
     mesh = jax.make_mesh((n,), (AXIS,))
     sharding = jax.NamedSharding(mesh, spec)
     put = lambda tree: None if tree is None else jax.device_put(tree, sharding)  # noqa: E731
-    fn = jax.shard_map(program, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
+    fn = layout.shard_map(program, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
     return jax.jit(fn)(put(params), put(updates))
 
 

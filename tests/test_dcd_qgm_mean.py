@@ -317,7 +317,7 @@ def _run_mean(tx, grads, *, mode, axes=(AXIS,), steps=1):
         return harness.to_numpy(jax.jit(fn)(grads))
     mesh = jax.make_mesh(jax.tree.leaves(grads)[0].shape[:k], axes)
     spec = jax.P(*axes)
-    fn = jax.shard_map(program, mesh=mesh, in_specs=spec, out_specs=spec)
+    fn = lpdec.layout.shard_map(program, mesh=mesh, in_specs=spec, out_specs=spec)
     return harness.to_numpy(jax.jit(fn)(jax.device_put(grads, jax.NamedSharding(mesh, spec))))
 
 
@@ -514,7 +514,7 @@ def test_compressed_mean_compiles_to_uint8_exchanges_without_all_reduce(shape, a
         return out.reshape((1,) * len(axes) + out.shape)
 
     g = jax.device_put(jnp.ones(shape + (4096,), jnp.float32), jax.NamedSharding(mesh, spec))
-    fn = jax.shard_map(program, mesh=mesh, in_specs=spec, out_specs=spec)
+    fn = lpdec.layout.shard_map(program, mesh=mesh, in_specs=spec, out_specs=spec)
     lines = _collectives_in(jax.jit(fn).lower(g).compile().as_text())
     assert lines and not [line for line in lines if "all-reduce" in line], lines
     across = [line for line in lines if _replica_groups(line) == node_groups]
@@ -577,7 +577,7 @@ def test_compressed_mean_issues_one_collective_per_round_for_the_whole_model(
         return jax.tree.map(lambda x: x.reshape((1,) * k + x.shape), out)
 
     grads = jax.device_put(grads, jax.NamedSharding(mesh, spec))
-    fn = jax.shard_map(program, mesh=mesh, in_specs=spec, out_specs=spec)
+    fn = lpdec.layout.shard_map(program, mesh=mesh, in_specs=spec, out_specs=spec)
     hlo = jax.jit(fn).lower(grads).compile().as_text()
     assert _count_collectives(hlo) == expected
 

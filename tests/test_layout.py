@@ -98,3 +98,54 @@ def test_init_nodes_rejects_params_without_the_node_axis():
         lpdec.init_nodes(tx, {"w": np.zeros((3, 2))}, layout, stacked=True)
     with pytest.raises(ValueError, match="params must hold at least one array"):
         lpdec.init_nodes(tx, {}, layout)
+
+
+@pytest.mark.parametrize("num_nodes,num_devices", LAYOUTS)
+def test_map_takes_a_model_with_an_empty_leaf(rng, num_nodes, num_devices):
+    """An empty leaf beside others, used by each node's program. jaxlib 0.11.2 crashed
+    (segmentation fault) compiling such a shard_map; `lpdec.layout.shard_map` keeps
+    empty arrays out of it and hands the program zeros of the per-node shape."""
+    layout = _layout(num_nodes, num_devices)
+    w = rng.normal(size=(num_nodes, D)).astype(np.float32)
+    params = layout.put({"w": w, "empty": np.zeros((num_nodes, 0, 3), np.float32)})
+    scale = layout.put(np.float32(3.0), per_node=False)
+
+    def node(params, scale):
+        assert params["empty"].shape == (0, 3) and params["w"].shape == (D,)
+        out = {"w": params["w"] * scale + jnp.sum(params["empty"]), "empty": params["empty"] + 1}
+        return out, jnp.sum(out["w"])
+
+    out, total = jax.jit(layout.map(node, (True, False)))(params, scale)
+    np.testing.assert_allclose(out["w"], 3 * w, rtol=1e-6)
+    assert out["empty"].shape == (num_nodes, 0, 3)
+    np.testing.assert_allclose(total, 3 * w.sum(axis=1), rtol=1e-5, atol=1e-5)
+
+
+def test_shard_map_hands_empty_arguments_their_block_shape():
+    """In-spec prefixes of every form (one spec for all arguments, a spec per argument, a
+    tree of specs) and mesh axes that split one dimension together."""
+    if len(jax.devices()) < 8:
+        pytest.skip("needs 8 devices")
+    mesh = jax.make_mesh((2, 4), ("a", "b"))
+    x = np.arange(8 * 6, dtype=np.float32).reshape(8, 6)
+    empty = np.zeros((8, 0, 4), np.float32)
+    seen = []
+
+    def body(tree, y):
+        seen.append((tree["e"].shape, y.shape))
+        return tree["x"] * 2 + jnp.sum(tree["e"]) + jnp.sum(y)
+
+    ab, a, b = jax.P(("a", "b")), jax.P("a"), jax.P(None, None, "b")
+    for in_specs, x_spec, e_spec, block in [
+        (ab, ab, ab, (1, 0, 4)),
+        ((a, a), a, a, (4, 0, 4)),
+        (({"x": a, "e": b}, b), a, b, (8, 0, 1)),
+    ]:
+        seen.clear()
+        fn = lpdec.layout.shard_map(
+            body, mesh=mesh, in_specs=in_specs, out_specs=x_spec, check_vma=False
+        )
+        put = lambda v, spec: jax.device_put(v, jax.NamedSharding(mesh, spec))  # noqa: E731
+        out = jax.jit(fn)({"x": put(x, x_spec), "e": put(empty, e_spec)}, put(empty, e_spec))
+        assert seen == [(block, block)], (in_specs, seen)
+        np.testing.assert_array_equal(out, 2 * x)
