@@ -245,7 +245,8 @@ def test_choco_step_under_vmap_lowers_to_kernels(implementation):
 
 def test_choco_step_under_shard_map_lowers_to_kernels():
     """Sharded over 8 devices of each platform: an abstract mesh that names the device
-    (ahead-of-time lowering; inside shard_map its mesh's device is the one lowered for)."""
+    (ahead-of-time lowering, so no devices are needed, on CPU or on a 1-GPU machine;
+    inside shard_map its mesh's device is the one lowered for)."""
     step = choco_step(None)
 
     def program(params, grads):
@@ -256,8 +257,11 @@ def test_choco_step_under_shard_map_lowers_to_kernels():
     spec = jax.P("nodes")
     counts = {}
     for platform in PLATFORMS:
-        mesh = jax.make_mesh((N,), ("nodes",)).abstract_mesh.update(
-            abstract_device=ABSTRACT_DEVICE.get(platform)
+        mesh = jax.sharding.AbstractMesh(
+            (N,),
+            ("nodes",),
+            axis_types=(jax.sharding.AxisType.Explicit,),  # jax.make_mesh's, on any jax
+            abstract_device=ABSTRACT_DEVICE.get(platform),
         )
         sharded = jax.shard_map(program, mesh=mesh, in_specs=(spec, spec), out_specs=spec)
         params = {
