@@ -223,9 +223,14 @@ def shard_map(f: Callable, *, mesh, in_specs, out_specs, **kwargs) -> Callable:
             if empty[i]
         }
 
+        def stand_in(i):
+            """Zeros that vary over the axes the argument was split by, as it would."""
+            axes = [a for entry in specs[i] if entry for a in _names(entry)]
+            return gossip.to_varying(jnp.zeros(*zeros[i]), axes)
+
         def body(*kept):
             kept = iter(kept)
-            full = [jnp.zeros(*zeros[i]) if i in zeros else next(kept) for i in range(len(leaves))]
+            full = [stand_in(i) if i in zeros else next(kept) for i in range(len(leaves))]
             return f(*jax.tree.unflatten(treedef, full))
 
         inner = jax.shard_map(
@@ -254,11 +259,16 @@ def _leaf_specs(in_specs, args: tuple) -> list:
     return [spec for group in groups for spec in group]
 
 
+def _names(entry) -> tuple[str, ...]:
+    """The mesh axes of one entry of a `PartitionSpec` (a name, a tuple of them or None)."""
+    return (entry,) if isinstance(entry, str) else tuple(entry or ())
+
+
 def _local_shape(mesh, shape: tuple[int, ...], spec) -> tuple[int, ...]:
     """The per-device block shape of a global `shape` split by `spec` over `mesh`."""
     out = list(shape)
-    for dim, axes in enumerate(spec):
-        for axis in (axes,) if isinstance(axes, str) else axes or ():
+    for dim, entry in enumerate(spec):
+        for axis in _names(entry):
             out[dim] //= mesh.shape[axis]
     return tuple(out)
 

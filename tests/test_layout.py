@@ -112,7 +112,9 @@ def test_map_takes_a_model_with_an_empty_leaf(rng, num_nodes, num_devices):
 
     def node(params, scale):
         assert params["empty"].shape == (0, 3) and params["w"].shape == (D,)
-        out = {"w": params["w"] * scale + jnp.sum(params["empty"]), "empty": params["empty"] + 1}
+        # A loop carry mixes the stand-in with this node's values: it must vary like them.
+        empty = jax.lax.fori_loop(0, 2, lambda _, e: e + params["w"][:0, None], params["empty"])
+        out = {"w": params["w"] * scale + jnp.sum(params["empty"]), "empty": empty + 1}
         return out, jnp.sum(out["w"])
 
     out, total = jax.jit(layout.map(node, (True, False)))(params, scale)
