@@ -22,29 +22,20 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
-import math
 import os
 import signal
 import sys
-import time
-from typing import Any
 
 import jax
-import ml_collections
-import numpy as np
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
-import lpdec
 from train_lib import checkpoint
-from train_lib import metrics as metrics_lib
 from train_lib import processes
-from train_lib import setup
-from train_lib import steps
 from train_lib import watchdog
-from train_lib import workdir as workdir_lib
+from train_lib.loop import train_and_evaluate
 from train_lib.registry import RunError
 
 FLAGS = flags.FLAGS
@@ -74,188 +65,6 @@ flags.DEFINE_float(
     "Seconds after SIGTERM/SIGINT by which the run exits even if it has not reached a step "
     "boundary (a checkpoint still being written is then abandoned).",
 )
-
-
-def train_and_evaluate(
-    config: ml_collections.ConfigDict,
-    workdir: str,
-    *,
-    stop: watchdog.StopSignals | None = None,
-) -> dict[str, Any]:
-    """Trains `config` and writes metrics, checkpoints and summary.json into `workdir`.
-
-    Resumes from the newest intact checkpoint in `workdir` if there is one (see
-    `train_lib.checkpoint`), and holds the workdir's lock while it runs. With
-    `stop`, a signal it caught ends the run at the next step boundary, with a
-    checkpoint of that step.
-
-    Returns:
-      The summary (also written to `workdir/summary.json`); `summary["diverged"]`
-      says whether the run stopped because its loss diverged, `summary["interrupted"]`
-      names the signal that stopped it.
-
-    Raises:
-      RunError: a bad config, workdir or checkpoint, in one line.
-    """
-    started = time.time()
-    exp = setup.build(config)
-    workdir = workdir_lib.prepare(workdir)
-    processes.check_shared_workdir(workdir)
-    with workdir_lib.Lock(workdir, jax.process_index()):
-        return _train(config, exp, workdir, started, stop)
-
-
-def _train(
-    config, exp: setup.Experiment, workdir: str, started: float, stop: watchdog.StopSignals | None
-) -> dict[str, Any]:
-    layout, dataset, n = exp.layout, exp.dataset, config.num_nodes
-    batcher = lpdec.data.NodeBatcher(
-        dataset.x_train,
-        dataset.y_train,
-        exp.partitions,
-        config.batch_size,
-        config.seed,
-        augment=config.augment,
-    )
-
-    init_key = jax.random.key(config.seed)
-    variables = jax.jit(lambda x: exp.model.init(init_key, x, train=False))(dataset.x_train[:1])
-    variables = jax.tree.map(np.asarray, variables)
-    params = variables.pop("params")
-    # Every node starts from the same model, as in seed 002.
-    stack = lambda tree: jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape), tree)  # noqa: E731
-    params, model_state = layout.put(stack(params)), layout.put(stack(dict(variables)))
-    programs = steps.make_programs(exp.model, exp.tx, layout)
-    state = {"params": params, "opt_state": programs["init"](params), "model_state": model_state}
-    key = layout.put(jax.random.key_data(jax.random.key(config.seed + 1)), per_node=False)
-
-    manager = checkpoint.manager(workdir)
-    state, meta = checkpoint.restore_latest(manager, state, config)
-    step = 0
-    # The yardstick of a diverged loss: the cross-entropy of a uniform guess.
-    divergence = metrics_lib.DivergenceMonitor(
-        config.divergence_factor,
-        config.divergence_patience,
-        reference=math.log(dataset.num_classes),
-    )
-    if meta is not None:
-        step = int(meta["step"])
-        batcher.restore(meta["batcher"])
-        logging.info("resumed from step %d of %s", step, workdir)
-    resumed_from = step
-    params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
-
-    # Test data: the averaged model sees a 1/n shard per node; local models a subset.
-    per_node = len(dataset.x_test) // n
-    shard_x, shard_y = (
-        layout.put(a[: per_node * n].reshape((n, per_node) + a.shape[1:]))
-        for a in (dataset.x_test, dataset.y_test)
-    )
-    local_count = min(config.eval_local_examples, len(dataset.x_test))
-    local_x = layout.put(dataset.x_test[:local_count], per_node=False)
-    local_y = layout.put(dataset.y_test[:local_count], per_node=False)
-
-    writer = metrics_lib.MetricWriter(workdir, step, exp.total_steps)
-    compiled: dict[int, Any] = {}
-    wire_bytes, wire_source, collectives, bytes_by_axis = None, None, None, {}
-    halt_at = step + config.halt_after_steps if config.halt_after_steps else None
-    metrics: dict[str, Any] = {}
-    stopped = diverged = interrupted = None
-    while step < exp.total_steps:
-        length = min(config.log_every, exp.total_steps - step)
-        xs, ys = zip(*(batcher.next() for _ in range(length)), strict=True)
-        xs, ys = layout.put(np.stack(xs, axis=1)), layout.put(np.stack(ys, axis=1))
-        step0 = layout.put(np.int32(step), per_node=False)
-        args = (params, opt_state, model_state, xs, ys, step0, key)
-        if length not in compiled:
-            with lpdec.wire.traffic_meter() as meter:
-                compiled[length] = programs["train_chunk"].lower(*args).compile()
-            if wire_bytes is None:
-                collectives, bytes_by_axis = meter.collectives, dict(meter.bytes_by_axis)
-                wire_bytes, wire_source = metrics_lib.wire_bytes(
-                    compiled[length], meter, layout.per_device, config.local_steps
-                )
-        chunk_started = time.time()
-        params, opt_state, model_state, losses, accuracies = compiled[length](*args)
-        losses, accuracies = metrics_lib.to_host((losses, accuracies))
-        step_time = (time.time() - chunk_started) / length
-        step += length
-
-        avg_params = programs["average"](params)
-        avg_state = programs["average"](model_state)
-        avg_correct = programs["shard_correct"](avg_params, avg_state, shard_x, shard_y)
-        local_correct = programs["local_correct"](params, model_state, local_x, local_y)
-        avg_correct, local_correct = metrics_lib.to_host((avg_correct, local_correct))
-        health = metrics_lib.health_counts(opt_state)
-        metrics = {
-            "step": step,
-            "epoch": step / exp.steps_per_epoch,
-            "train_loss": float(np.mean(losses)),
-            "train_accuracy": float(np.mean(np.asarray(accuracies))),
-            "test_accuracy_avg_model": float(avg_correct.sum() / (per_node * n)),
-            "test_accuracy_local_mean": float(local_correct.mean() / local_count),
-            "consensus_distance": float(programs["consensus"](params)),
-            "wire_bytes_per_step": float(wire_bytes),
-            "step_time_s": step_time,
-            "learning_rate": float(exp.schedule(step - 1)),
-            "nonfinite_updates": health[0],
-            "nonfinite_received": health[1],
-            "theta_warnings": health[2],
-        }
-        writer.write(metrics)
-        stopped = diverged = divergence.update(step, metrics["train_loss"])
-        if diverged:
-            # No checkpoint of a diverged state: a resumed run starts from the last good one.
-            logging.error("stopping: %s", diverged)
-            break
-        interrupted = stop.agreed() if stop is not None else None
-        if (
-            (config.checkpoint_every and step % config.checkpoint_every == 0)
-            or step == exp.total_steps
-            or step == halt_at
-            or interrupted
-        ):
-            state = {"params": params, "opt_state": opt_state, "model_state": model_state}
-            meta = {"step": step, "batcher": batcher.state()}
-            checkpoint.save(manager, step, state, meta, config)
-        if interrupted:
-            stopped = (
-                f"interrupted: {interrupted.name} to process {interrupted.process} "
-                f"at step {step}, saved as a checkpoint; rerun the same command to resume"
-            )
-            logging.warning("stopping: %s", stopped)
-            break
-        if step == halt_at:
-            logging.info(
-                "halting after %d steps (config.halt_after_steps)", config.halt_after_steps
-            )
-            break
-    manager.wait_until_finished()
-    writer.close()
-
-    summary = {
-        "final": metrics,
-        "steps": step,
-        "total_steps": exp.total_steps,
-        "halted": step < exp.total_steps and not stopped,
-        "diverged": bool(diverged),
-        "interrupted": interrupted.name if interrupted else None,
-        "stopped": stopped,
-        "resumed_from_step": resumed_from,
-        "wall_time_s": time.time() - started,
-        "num_nodes": n,
-        "devices": layout.mesh.devices.size,
-        "processes": jax.process_count(),
-        "nodes_per_device": layout.per_device,
-        "wire_bytes_source": wire_source,
-        "collectives_per_step": collectives,
-        "wire_bytes_by_axis": bytes_by_axis,
-        "config": config.to_dict(),
-    }
-    metrics_lib.write_summary(workdir, summary)
-    if config.save_final_params and not interrupted:
-        checkpoint.export_params(workdir, params)
-    return summary
 
 
 def main(argv):

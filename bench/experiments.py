@@ -29,7 +29,7 @@ docs/experiments.json):
 
 Everything runs on MNIST-1D (10,000 sequences generated locally, 8,000 for
 training) with the 1-D CNN, 8 simulated CPU devices, through
-`train.train_and_evaluate`, for STEPS steps with the papers' step decay.
+`train_lib.train_and_evaluate`, for STEPS steps with the papers' step decay.
 Results are mean +- std over seeds (3 unless --seeds).
 
 Caching: every run is stored in `runs/experiments/results.json` under a key made of
@@ -63,7 +63,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 import lpdec  # noqa: E402
-import train  # noqa: E402
+import train_lib  # noqa: E402
 from bench import _sections  # noqa: E402
 from configs import default  # noqa: E402
 from configs import mnist1d_seed002  # noqa: E402
@@ -147,7 +147,7 @@ def describe_schedule(config) -> str:
 
 
 class Runner:
-    """Trains configs through train.train_and_evaluate; keeps their records.
+    """Trains configs through train_lib.train_and_evaluate; keeps their records.
 
     `repeat(study, method, base, **overrides)` runs the config over the seeds; every
     record used by a study goes into its entries of docs/experiments.json. With
@@ -232,7 +232,7 @@ class Runner:
         run_dir = os.path.join(self.workdir, "tmp_run")
         shutil.rmtree(run_dir, ignore_errors=True)
         started = time.time()
-        summary = train.train_and_evaluate(config, run_dir)
+        summary = train_lib.train_and_evaluate(config, run_dir)
         seconds = time.time() - started
         with open(os.path.join(run_dir, "metrics.csv")) as f:
             header, *rows = [line.strip().split(",") for line in f if line.strip()]

@@ -1,5 +1,6 @@
 """The application code of `train.py`, beside it as in the flax examples (not installed).
 
+- `loop`: `train_and_evaluate(config, workdir)`, the training loop.
 - `setup`: config -> `Experiment`, once; the checks of the config's values.
 - `registry`: what the configs choose by name, one table per kind.
 - `steps`: the per-node programs (train chunk, init, evaluation).
@@ -16,6 +17,7 @@
 `train.py` and the tests import it from the repository root.
 """
 
+from train_lib.loop import train_and_evaluate
 from train_lib.registry import ConfigError
 from train_lib.setup import Experiment
 from train_lib.setup import build
@@ -24,4 +26,5 @@ __all__ = [
     "ConfigError",
     "Experiment",
     "build",
+    "train_and_evaluate",
 ]
