@@ -79,15 +79,15 @@ def algorithms(n: int) -> dict:
             "last",
             lpdec.sparse_push(directed, m8, gamma=0.5, axis_name=AXIS),
         ),
-        "Moniqua 8-bit": ("last", lpdec.moniqua(ring, bits=8, theta=0.5, axis_name=AXIS)),
+        "Moniqua 8-bit": ("last", lpdec.moniqua(ring, lpdec.modulo(8, 0.5), axis_name=AXIS)),
         "Moniqua 1-bit (slack 0.5)": (
             "last",
-            lpdec.moniqua(ring, bits=1, theta=0.5, slack=0.5, axis_name=AXIS),
+            lpdec.moniqua(ring, lpdec.modulo(1, 0.5), slack=0.5, axis_name=AXIS),
         ),
         "D2 (fp32)": ("last", lpdec.d2(ring.with_slack(0.5), axis_name=AXIS)),
         "D2 + Moniqua 8-bit": (
             "last",
-            lpdec.d2(ring.with_slack(0.5), axis_name=AXIS, comp=lpdec.modulo(8, 0.5)),
+            lpdec.d2(ring.with_slack(0.5), lpdec.modulo(8, 0.5), axis_name=AXIS),
         ),
         "compressed mean 8-bit (QSGD-TF)": ("first", lpdec.compressed_mean(m8, axis_name=AXIS)),
     }

@@ -56,7 +56,7 @@ import numpy as np
 import optax
 
 from lpdec import gossip
-from lpdec.algorithms import local_apply_if_finite
+from lpdec.algorithms import chain_order
 
 PyTree = Any
 
@@ -327,7 +327,7 @@ def init_nodes(
     params = jax.tree.map(lambda x: _place(layout, x), params)
     opt_state = jax.jit(layout.map(tx.init, (True,)))(params)
     if check_chain:
-        local_apply_if_finite.check_chain(opt_state)
+        chain_order.check_chain(opt_state)
     return params, opt_state
 
 

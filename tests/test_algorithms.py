@@ -29,10 +29,10 @@ GOSSIP = {
     "deepsqueeze": (lambda ax: lpdec.deepsqueeze(RING, M8, gamma=0.5, axis_name=ax), RING),
     "quant_sgp": (lambda ax: lpdec.quant_sgp(DIRECTED, M8, gamma=0.8, axis_name=ax), DIRECTED),
     "sparse_push": (lambda ax: lpdec.sparse_push(DIRECTED, M8, gamma=0.5, axis_name=ax), DIRECTED),
-    "moniqua": (lambda ax: lpdec.moniqua(RING, bits=8, theta=0.5, axis_name=ax), RING),
+    "moniqua": (lambda ax: lpdec.moniqua(RING, lpdec.modulo(8, 0.5), axis_name=ax), RING),
     "d2": (lambda ax: lpdec.d2(RING.with_slack(0.5), axis_name=ax), RING),
     "d2_modulo": (
-        lambda ax: lpdec.d2(RING.with_slack(0.5), axis_name=ax, comp=lpdec.modulo(8, 0.5)),
+        lambda ax: lpdec.d2(RING.with_slack(0.5), lpdec.modulo(8, 0.5), axis_name=ax),
         RING,
     ),
 }
@@ -144,9 +144,9 @@ def _on_topology(name, topology, axis):
         "deepsqueeze": lambda: lpdec.deepsqueeze(topology, M8, gamma=0.5, axis_name=axis),
         "quant_sgp": lambda: lpdec.quant_sgp(topology, M8, gamma=0.8, axis_name=axis),
         "sparse_push": lambda: lpdec.sparse_push(topology, M8, gamma=0.5, axis_name=axis),
-        "moniqua": lambda: lpdec.moniqua(topology, bits=8, theta=0.5, axis_name=axis),
+        "moniqua": lambda: lpdec.moniqua(topology, lpdec.modulo(8, 0.5), axis_name=axis),
         "d2": lambda: lpdec.d2(slack, axis_name=axis),
-        "d2_modulo": lambda: lpdec.d2(slack, axis_name=axis, comp=lpdec.modulo(8, 0.5)),
+        "d2_modulo": lambda: lpdec.d2(slack, lpdec.modulo(8, 0.5), axis_name=axis),
     }[name]()
 
 
@@ -166,7 +166,9 @@ def test_convergence_on_a_heterogeneous_quadratic(rng):
     # Moniqua's a-priori bound must cover the nodes' disagreement, which shrinks with
     # the step size (seed 003, Theorem 2: theta_k proportional to alpha_k).
     theta = lambda step: 10.0 * schedule(step)  # noqa: E731
-    overrides = {"moniqua": lpdec.moniqua(RING, bits=8, theta=theta, axis_name=harness.AXIS)}
+    overrides = {
+        "moniqua": lpdec.moniqua(RING, lpdec.modulo(8), theta=theta, axis_name=harness.AXIS)
+    }
     errors = {}
     for name in ALL:
         if name in overrides:

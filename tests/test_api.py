@@ -1,25 +1,48 @@
-"""The public API is the one list in lpdec/__init__.py (docs/DESIGN.md, "Public API")."""
+"""The public API comes from the algorithm modules' declarations (docs/DESIGN.md, "Public API")."""
 
+import dataclasses
 import importlib
 import inspect
 import pkgutil
 
+import pytest
+
 import lpdec
 import lpdec.algorithms
+from lpdec.algorithms import declaration
+
+# Modules of lpdec.algorithms that are not algorithms (no DECLARATION).
+NOT_ALGORITHMS = {"declaration", "chain_order", "health"}
 
 
 def algorithm_modules():
     for info in pkgutil.iter_modules(lpdec.algorithms.__path__):
-        if not info.name.startswith("_"):
+        if not info.name.startswith("_") and info.name not in NOT_ALGORITHMS:
             yield importlib.import_module(f"lpdec.algorithms.{info.name}")
 
 
-def test_every_state_class_and_health_is_exported():
-    defined = {
-        name
-        for module in algorithm_modules()
-        for name, obj in vars(module).items()
+def defined_state_classes(module):
+    return {
+        obj
+        for obj in vars(module).values()
         if inspect.isclass(obj) and obj.__module__ == module.__name__ and hasattr(obj, "_fields")
+    }
+
+
+def test_every_algorithm_module_declares_itself_and_is_collected():
+    modules = list(algorithm_modules())
+    assert len(modules) >= 16
+    declared = [module.DECLARATION for module in modules]
+    assert all(isinstance(d, declaration.Declaration) for d in declared)
+    assert set(declared) == set(lpdec.algorithms.declarations())
+    for module in modules:
+        name = module.__name__.rsplit(".", 1)[1]
+        assert module.DECLARATION.factory is getattr(module, name)
+
+
+def test_every_state_class_and_health_is_exported():
+    defined = {"Health"} | {
+        cls.__name__ for module in algorithm_modules() for cls in defined_state_classes(module)
     }
     assert {"Health", "ChocoState", "DCDState"} <= defined
     assert defined <= set(lpdec.__all__)
@@ -30,35 +53,65 @@ def test_every_state_class_and_health_is_exported():
 def test_every_algorithm_module_exports_its_factory():
     for module in algorithm_modules():
         name = module.__name__.rsplit(".", 1)[1]
-        if name == "health":
-            continue
         assert getattr(lpdec, name) is getattr(module, name)
 
 
 def test_all_is_sorted_and_complete():
     assert lpdec.__all__ == sorted(lpdec.__all__)
+    assert len(set(lpdec.__all__)) == len(lpdec.__all__)
     assert all(hasattr(lpdec, name) for name in lpdec.__all__)
 
 
 def test_every_state_class_has_a_place_in_the_chain_check():
-    """lpdec.check_chain reads the order from the states: a new algorithm's state must be
-    classified there (gossip last, mean first, whole optimizer) or be local."""
-    from lpdec.algorithms import local_apply_if_finite as chain_lib  # noqa: PLC0415
-
-    local = {
-        "Health",
-        "LocalIfFiniteState",
-        "QGMomentumState",
-        "DelayState",
-        "ShardOverState",
-        "MasterWeightsState",
-    }
-    classified = chain_lib.GOSSIP_STATES + chain_lib.MEAN_STATES + chain_lib.WHOLE_STATES
+    """lpdec.check_chain reads the order from the states: every state class defined in an
+    algorithm module is declared, with a role, by that module."""
     for module in algorithm_modules():
-        for name, obj in vars(module).items():
-            if (
-                inspect.isclass(obj)
-                and obj.__module__ == module.__name__
-                and hasattr(obj, "_fields")
-            ):
-                assert name in local or issubclass(obj, classified), name
+        for cls in defined_state_classes(module):
+            assert cls in module.DECLARATION.states, cls.__name__
+            assert lpdec.algorithms.role_of(cls) == module.DECLARATION.role
+
+
+def test_the_roles_are_the_chain_positions_the_papers_give():
+    role = {d.name: d.role for d in lpdec.algorithms.declarations()}
+    assert {n for n, r in role.items() if r == "mean"} == {"compressed_mean", "local_mean"}
+    assert {n for n, r in role.items() if r == "whole"} == {"diloco"}
+    assert role["qg_momentum"] == role["delay"] == "local"
+    assert role["choco"] == role["dpsgd"] == role["moniqua"] == "gossip"
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [d for d in lpdec.algorithms.declarations() if d.hyperparams is not None],
+    ids=lambda d: d.name,
+)
+def test_a_factory_takes_exactly_its_hyperparameter_record(declared):
+    """Each hyperparameter is written in the factory's signature and in its record only:
+    the names and the defaults must agree, so `Hyperparams(**locals())` passes them all."""
+    signature = inspect.signature(declared.factory).parameters
+    fields = {f.name: f for f in dataclasses.fields(declared.hyperparams)}
+    assert list(signature) == list(fields)
+    for name, parameter in signature.items():
+        default = fields[name].default
+        expected = inspect.Parameter.empty if default is dataclasses.MISSING else default
+        assert parameter.default == expected, name
+
+
+UNIFORM = ("topology", "compressor", "gamma", "axis_name", "seed")
+
+
+@pytest.mark.parametrize(
+    "declared",
+    [d for d in lpdec.algorithms.declarations() if d.role in ("gossip", "mean")],
+    ids=lambda d: d.name,
+)
+def test_communicating_factories_take_the_uniform_arguments(declared):
+    """(topology, compressor, *, gamma=..., axis_name=..., seed=...), where each exists."""
+    parameters = inspect.signature(declared.factory).parameters
+    present = [name for name in UNIFORM if name in parameters]
+    assert [name for name in parameters if name in UNIFORM] == present
+    for name in ("topology", "compressor"):
+        if name in parameters:
+            assert parameters[name].kind is inspect.Parameter.POSITIONAL_OR_KEYWORD, name
+    for name in ("gamma", "axis_name", "seed"):
+        if name in parameters:
+            assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name

@@ -178,7 +178,7 @@ def test_a_per_node_guard_around_communication_is_refused(guard, communicating):
     [
         lambda: optax.chain(lpdec.local_mean(axis_name="nodes"), optax.adam(1e-3)),
         lambda: optax.chain(
-            optax.sgd(0.1), lpdec.delay(2), lpdec.moniqua(lpdec.ring(N), theta=1.0)
+            optax.sgd(0.1), lpdec.delay(2), lpdec.moniqua(lpdec.ring(N), lpdec.modulo(8, 1.0))
         ),
         lambda: optax.chain(lpdec.qg_momentum(0.1, 0.9), lpdec.dpsgd(lpdec.ring(N))),
         lambda: lpdec.chain(optax.adam(1e-3), optax.inject_hyperparams(lpdec.dpsgd)(lpdec.ring(N))),

@@ -131,7 +131,9 @@ def _moniqua_case(topo, bits, theta, rounding, slack=1.0):
         "moniqua",
         topo,
         comp,
-        lambda: moniqua.moniqua(topo, bits, theta, slack=slack, rounding=rounding, seed=3),
+        lambda: moniqua.moniqua(
+            topo, modulo(bits, 1.0, rounding), theta=theta, slack=slack, seed=3
+        ),
         slack=slack,
         theta=schedule,
     )
@@ -173,7 +175,7 @@ CASES = {
         "d2",
         LAZY_RING,
         modulo(8, 0.5, "stochastic"),
-        lambda: d2.d2(LAZY_RING, comp=modulo(8, 0.5, "stochastic"), seed=2),
+        lambda: d2.d2(LAZY_RING, modulo(8, 0.5, "stochastic"), seed=2),
     ),
 }
 
@@ -399,7 +401,7 @@ def test_theorem1_naive_quantization_stays_above_the_floor():
     naive = mean_sq_grad(naive_quantized.naive_quantized(RING, Lattice(delta)))
     assert naive.min() > floor, (naive.min(), floor)  # every step size, node and step
     for alg in (
-        moniqua.moniqua(RING, bits=8, theta=0.5, rounding="stochastic"),
+        moniqua.moniqua(RING, modulo(8, 0.5, "stochastic")),
         choco.choco(RING, minmax(8, "stochastic"), gamma=1.0),
     ):
         tail = mean_sq_grad(alg)[:, :, -50:].mean(-1)
@@ -439,7 +441,7 @@ def test_theta_below_the_disagreement_breaks_moniqua_and_above_it_tracks_dpsgd()
     # Every model stays a convex combination of values in [-1, 1] (up to the
     # quantization error), so theta = 2.5 bounds all disagreements at all steps.
     good = modulo(8, 2.5)
-    deviation = np.abs(run(moniqua.moniqua(RING, 8, 2.5)) - reference)
+    deviation = np.abs(run(moniqua.moniqua(RING, modulo(8, 2.5))) - reference)
     error = good.delta * good.modulus()  # Lemma 2: |x^ - x| <= delta B
     # One step: sum_j W_ij (eps_j - eps_i) with |eps| <= delta B, two neighbours of weight 1/3.
     assert deviation[:, 0].max() <= 4 / 3 * error + 1e-6
@@ -448,7 +450,7 @@ def test_theta_below_the_disagreement_breaks_moniqua_and_above_it_tracks_dpsgd()
     small = modulo(8, 0.25)
     assert neighbor_gap >= 0.25  # the premise of Lemma 2 is violated
     modulus = small.modulus()
-    jumped = run(moniqua.moniqua(RING, 8, 0.25)) - reference
+    jumped = run(moniqua.moniqua(RING, modulo(8, 0.25))) - reference
     # After one step each neighbour's decode is off by a multiple of B (plus at
     # most delta B) and enters with weight 1/3: jumps by multiples of B / 3.
     multiples = jumped[:, 0] * 3 / modulus
@@ -477,7 +479,7 @@ def test_one_bit_moniqua_with_slack_converges_and_without_it_does_not():
         return {"w": p["w"] - b_j[node]}
 
     def run(slack):
-        tx = optax.chain(optax.sgd(lr), moniqua.moniqua(RING, 1, theta, slack=slack))
+        tx = optax.chain(optax.sgd(lr), moniqua.moniqua(RING, modulo(1, theta), slack=slack))
         params = {"w": jnp.zeros((N, d), jnp.float32)}
         ps, _, _ = harness.run(tx, params, steps, grad_fn=grad_fn, mode="vmap")
         x = np.asarray(ps["w"], np.float64)
@@ -512,7 +514,7 @@ def test_one_bit_wire_bytes_per_edge_are_d_over_8_plus_a_flag_byte():
     payload = [comp.encode(v[0]) for v in params.values()]
     assert compress_base.payload_nbytes(payload) == per_edge
 
-    tx = moniqua.moniqua(RING, bits=1, theta=0.5, slack=0.5)
+    tx = moniqua.moniqua(RING, modulo(1, 0.5), slack=0.5)
     mesh = jax.make_mesh((N,), (harness.AXIS,))
     spec = jax.P(harness.AXIS)
 
@@ -555,7 +557,7 @@ def test_d2_reaches_the_exact_optimum_where_dpsgd_is_biased():
     assert final_error(d2.d2(LAZY_RING), 0.1, steps=2000) < 1e-5
     # Moniqua on D²: down to the 8-bit quantization error instead.
     comp = modulo(8, 0.5)
-    assert final_error(d2.d2(LAZY_RING, comp=comp), 0.1) < 4 * comp.delta * comp.modulus()
+    assert final_error(d2.d2(LAZY_RING, comp), 0.1) < 4 * comp.delta * comp.modulus()
     # D-PSGD's fixed point is off by O(step size): halving the step roughly halves it.
     bias = final_error(dpsgd.dpsgd(LAZY_RING), 0.1)
     half_bias = final_error(dpsgd.dpsgd(LAZY_RING), 0.05)
@@ -571,7 +573,7 @@ def test_d2_reaches_the_exact_optimum_where_dpsgd_is_biased():
 def test_moniqua_ignores_a_non_finite_neighbor():
     x = np.full((N, 4), 0.25, np.float32)
     x[3, 1] = np.nan
-    tx = moniqua.moniqua(RING, 8, 1.0)
+    tx = moniqua.moniqua(RING, modulo(8, 1.0))
     ps, states, _ = harness.run(
         tx, {"w": jnp.asarray(x)}, 1, updates={"w": jnp.zeros((N, 1, 4))}, mode="vmap"
     )
@@ -586,17 +588,18 @@ def test_moniqua_ignores_a_non_finite_neighbor():
 @pytest.mark.parametrize(
     ("build", "error", "message"),
     [
-        (lambda: moniqua.moniqua(RING, slack=0.0), ValueError, "slack"),
-        (lambda: moniqua.moniqua(RING, slack=1.5), ValueError, "slack"),
-        (lambda: moniqua.moniqua(RING, slack=True), ValueError, "slack"),
-        (lambda: moniqua.moniqua(RING, theta=0.0), ValueError, "theta"),
-        (lambda: moniqua.moniqua(RING, theta=-1.0), ValueError, "theta"),
-        (lambda: moniqua.moniqua(RING, theta="1"), TypeError, "theta"),
-        (lambda: moniqua.moniqua(RING, bits=0), ValueError, "bits"),
-        (lambda: moniqua.moniqua(RING, bits=9), ValueError, "bits"),
+        (lambda: moniqua.moniqua(RING, modulo(8), slack=0.0), ValueError, "slack"),
+        (lambda: moniqua.moniqua(RING, modulo(8), slack=1.5), ValueError, "slack"),
+        (lambda: moniqua.moniqua(RING, modulo(8), slack=True), ValueError, "slack"),
+        (lambda: moniqua.moniqua(RING, modulo(8), theta=0.0), ValueError, "theta"),
+        (lambda: moniqua.moniqua(RING, modulo(8), theta=-1.0), ValueError, "theta"),
+        (lambda: moniqua.moniqua(RING, modulo(8), theta="1"), TypeError, "theta"),
+        (lambda: moniqua.moniqua(RING, modulo(0)), ValueError, "bits"),
+        (lambda: moniqua.moniqua(RING, modulo(9)), ValueError, "bits"),
         (
             lambda: moniqua.moniqua(
-                topology.from_matrix([[0.5, 0.5, 0.0], [0.25, 0.5, 0.25], [0.0, 0.5, 0.5]])
+                topology.from_matrix([[0.5, 0.5, 0.0], [0.25, 0.5, 0.25], [0.0, 0.5, 0.5]]),
+                modulo(8),
             ),
             ValueError,
             "doubly stochastic",
@@ -605,7 +608,7 @@ def test_moniqua_ignores_a_non_finite_neighbor():
         (lambda: delay.delay(1.5), TypeError, "steps"),
         (lambda: d2.d2(topology.directed_ring(N)), ValueError, "symmetric"),
         (lambda: d2.d2(topology.random_matching(N, seed=0)), ValueError, "static"),
-        (lambda: d2.d2(LAZY_RING, comp="modulo"), TypeError, "compressor"),
+        (lambda: d2.d2(LAZY_RING, "modulo"), TypeError, "compressor"),
         (
             lambda: naive_quantized.naive_quantized(RING, modulo(8)),
             TypeError,
@@ -622,7 +625,7 @@ def test_bad_arguments_raise_clear_errors(build, error, message):
 @pytest.mark.parametrize(
     "tx",
     [
-        moniqua.moniqua(RING),
+        moniqua.moniqua(RING, modulo(8)),
         d2.d2(LAZY_RING),
         naive_quantized.naive_quantized(RING, identity()),
     ],
@@ -645,7 +648,7 @@ def _ring_neighbours_beyond(x, limit):
 
 
 def _one_moniqua_step(x, theta):
-    tx = moniqua.moniqua(RING, 8, theta)
+    tx = moniqua.moniqua(RING, modulo(8), theta=theta)
     zero = {"w": jnp.zeros((N, 1, x.shape[1]), jnp.float32)}
     _, states, _ = harness.run(tx, {"w": jnp.asarray(x)}, 1, updates=zero, mode="vmap")
     return np.asarray(states.health.theta_warnings[:, 0])
@@ -666,7 +669,7 @@ def test_theta_warnings_count_neighbours_further_than_half_theta(rng):
 
 def test_theta_warnings_stay_zero_with_a_margin_and_fire_when_theta_is_too_small():
     def warnings(theta):
-        _, states, _ = _models_in_the_unit_box(moniqua.moniqua(RING, 8, theta))
+        _, states, _ = _models_in_the_unit_box(moniqua.moniqua(RING, modulo(8), theta=theta))
         return int(np.asarray(states[1].health.theta_warnings[:, -1]).sum())
 
     # Models stay in [-1, 1], neighbours within 2: theta = 5 keeps a 2x margin throughout.

@@ -178,7 +178,7 @@ INJECTED = {
     "quant_sgp": lambda: _injected(lpdec.quant_sgp, RING, lpdec.minmax(4), gamma=0.5),
     "sparse_push": lambda: _injected(lpdec.sparse_push, RING, lpdec.top_k(0.5), gamma=0.5),
     "moniqua": lambda: _injected(
-        lpdec.moniqua, RING, bits=8, theta=4.0, slack=1.0, static_args=("bits", "slack")
+        lpdec.moniqua, RING, lpdec.modulo(8), theta=4.0, slack=1.0, static_args=("slack",)
     ),
     "qg_momentum": lambda: _injected(lpdec.qg_momentum, learning_rate=LR, momentum=0.9),
 }
@@ -208,7 +208,7 @@ COMMUNICATING = {
     "deepsqueeze": lambda a: lpdec.deepsqueeze(RING, lpdec.top_k(0.5), gamma=0.5, axis_name=a),
     "dpsgd": lambda a: lpdec.dpsgd(RING, axis_name=a),
     "local_mean": lambda a: lpdec.local_mean(axis_name=a),
-    "moniqua": lambda a: lpdec.moniqua(RING, bits=8, theta=4.0, axis_name=a),
+    "moniqua": lambda a: lpdec.moniqua(RING, lpdec.modulo(8, 4.0), axis_name=a),
     "naive_quantized": lambda a: lpdec.naive_quantized(RING, lpdec.minmax(8), axis_name=a),
     "quant_sgp": lambda a: lpdec.quant_sgp(RING, lpdec.minmax(8), gamma=0.5, axis_name=a),
     "sparse_push": lambda a: lpdec.sparse_push(RING, lpdec.top_k(0.5), gamma=0.5, axis_name=a),

@@ -238,17 +238,16 @@ def make_local_optimizer(
 
 
 def _moniqua(c, b: Built) -> optax.GradientTransformation:
-    theta = c.theta
+    theta = None
     if c.theta_follows_lr:
         # seed 003, Theorem 2: the a-priori bound proportional to the step size.
         theta = lambda step: c.theta * b.schedule(step) / c.learning_rate  # noqa: E731
     return lpdec.moniqua(
         b.topology,
-        c.bits,
-        theta,
+        lpdec.modulo(bits=c.bits, theta=c.theta, rounding=c.rounding),
+        theta=theta,
         axis_name=b.axis_name,
         slack=c.slack,
-        rounding=c.rounding,
         seed=c.seed,
     )
 
@@ -256,7 +255,7 @@ def _moniqua(c, b: Built) -> optax.GradientTransformation:
 def _d2(c, b: Built) -> optax.GradientTransformation:
     # The identity compressor means plain D2, with nothing to compress.
     comp = None if isinstance(b.compressor, lpdec.compress.Identity) else b.compressor
-    return lpdec.d2(b.topology, axis_name=b.axis_name, comp=comp, seed=c.seed)
+    return lpdec.d2(b.topology, comp, axis_name=b.axis_name, seed=c.seed)
 
 
 def _clipped_gossip(c, b: Built) -> optax.GradientTransformation:
@@ -312,7 +311,7 @@ def _gossip_exchange(c, b: Built) -> optax.GradientTransformation:
             "config.error_feedback=True does not apply to config.exchange='gossip': CHOCO's "
             "replicas already carry the compression error to the next exchange."
         )
-    choco = lpdec.choco(b.topology, b.compressor, c.gamma, axis_name=b.axis_name, seed=c.seed)
+    choco = lpdec.choco(b.topology, b.compressor, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed)
     if b.local_axis is None:
         return optax.chain(_outer_optimizer(c), choco)
     # Hierarchical: the workers of a machine average their pseudo-gradients, take the
@@ -339,7 +338,7 @@ def _diloco(c, b: Built, local, outer) -> optax.GradientTransformation:
 ALGORITHMS = {
     "choco": AlgorithmEntry(
         lambda c, b: lpdec.choco(
-            b.topology, b.compressor, c.gamma, axis_name=b.axis_name, seed=c.seed
+            b.topology, b.compressor, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed
         ),
         ("gamma", "seed"),
     ),
@@ -352,7 +351,7 @@ ALGORITHMS = {
     ),
     "deepsqueeze": AlgorithmEntry(
         lambda c, b: lpdec.deepsqueeze(
-            b.topology, b.compressor, c.gamma, axis_name=b.axis_name, seed=c.seed
+            b.topology, b.compressor, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed
         ),
         ("gamma", "seed"),
     ),
@@ -369,13 +368,13 @@ ALGORITHMS = {
     ),
     "quant_sgp": AlgorithmEntry(
         lambda c, b: lpdec.quant_sgp(
-            b.topology, b.compressor, c.gamma, axis_name=b.axis_name, seed=c.seed
+            b.topology, b.compressor, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed
         ),
         ("gamma", "seed"),
     ),
     "sparse_push": AlgorithmEntry(
         lambda c, b: lpdec.sparse_push(
-            b.topology, b.compressor, c.gamma, axis_name=b.axis_name, seed=c.seed
+            b.topology, b.compressor, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed
         ),
         ("gamma", "seed"),
     ),

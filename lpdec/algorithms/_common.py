@@ -140,13 +140,6 @@ def as_updates(new: PyTree, params: PyTree) -> PyTree:
     return jax.tree.map(lambda n, p: (n - p.astype(jnp.float32)).astype(p.dtype), new, params)
 
 
-def encode(compressor: compress_base.Compressor, tree: PyTree, key: jax.Array | None) -> PyTree:
-    """Leaf-by-leaf encode with one key per leaf (a tree of payloads)."""
-    leaves, treedef = jax.tree.flatten(tree)
-    keys = [None] * len(leaves) if key is None else list(jax.random.split(key, len(leaves)))
-    return treedef.unflatten([compressor.encode(x, k) for x, k in zip(leaves, keys, strict=True)])
-
-
 def decode(
     compressor: compress_base.Compressor,
     payload: PyTree,
@@ -155,7 +148,12 @@ def decode(
     reference: PyTree | None = None,
     key: jax.Array | None = None,
 ) -> PyTree:
-    """Leaf-by-leaf decode of a payload tree into float32 arrays shaped like `like`."""
+    """Leaf-by-leaf decode of a payload tree into float32 arrays shaped like `like`.
+
+    The inverse of `lpdec.compress.tree.encode_tree` with the same `key` (one key
+    per leaf, split from it), decoding against `reference` for compressors that
+    decode relative to the receiver's model (modulo).
+    """
     treedef = jax.tree.structure(like)
     payloads = treedef.flatten_up_to(payload)
     n = len(payloads)

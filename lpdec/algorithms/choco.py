@@ -33,6 +33,7 @@ copies; it exists to make that property testable and for debugging.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -42,8 +43,10 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
+from lpdec.compress import tree as compress_tree
 from lpdec.topology import Topology
 
 REPLICAS = ("sum", "per_peer")
@@ -87,23 +90,35 @@ class ChocoPerPeerState(NamedTuple):
     health: health_lib.Health
 
 
-def init(
-    params: optax.Params,
-    *,
-    topology: Topology,
-    replicas: str = "sum",
-    seed: int = 0,
-    axis_name: gossip.AxisName = "nodes",
-) -> ChocoState | ChocoPerPeerState:
+@dataclasses.dataclass(frozen=True)
+class Hyperparams:
+    """`choco`'s arguments, validated on construction; `init` and `step` read them."""
+
+    topology: Topology
+    compressor: compress_base.Compressor
+    gamma: _common.Scalar = 1.0
+    axis_name: gossip.AxisName = "nodes"
+    replicas: str = "sum"
+    seed: int = 0
+
+    def __post_init__(self):
+        _common.check_topology(self.topology, "choco", require="doubly_stochastic", static=True)
+        _common.check_gamma(self.gamma, "choco")
+        if self.replicas not in REPLICAS:
+            raise ValueError(f"choco: replicas must be 'sum' or 'per_peer'; got {self.replicas!r}.")
+        _common.check_compressor(self.compressor, "choco", "lpdec.minmax(8)")
+
+
+def init(params: optax.Params, hp: Hyperparams) -> ChocoState | ChocoPerPeerState:
     """The state at step 0 (public copies x_hat = 0); must run under `axis_name`."""
-    gossip.require_axis(axis_name, "choco's init", topology=topology)
-    zeros = _common.zeros_f32(params, axis_name)
-    count, key = jnp.zeros((), jnp.int32), _common.key_from_seed(seed)
-    health = health_lib.init(axis_name)
-    if replicas == "sum":
+    gossip.require_axis(hp.axis_name, "choco's init", topology=hp.topology)
+    zeros = _common.zeros_f32(params, hp.axis_name)
+    count, key = jnp.zeros((), jnp.int32), _common.key_from_seed(hp.seed)
+    health = health_lib.init(hp.axis_name)
+    if hp.replicas == "sum":
         # x_hat = 0 everywhere: the lag is the model itself and there is no consensus term.
-        return ChocoState(count, key, _common.own_f32(params, axis_name), zeros, health)
-    copies = tuple(zeros for _ in topology.rounds[0].edge_classes)
+        return ChocoState(count, key, _common.own_f32(params, hp.axis_name), zeros, health)
+    copies = tuple(zeros for _ in hp.topology.rounds[0].edge_classes)
     return ChocoPerPeerState(count, key, zeros, copies, health)
 
 
@@ -111,29 +126,25 @@ def step(
     updates: optax.Updates,
     state: ChocoState | ChocoPerPeerState,
     params: optax.Params,
-    *,
-    topology: Topology,
-    compressor: compress_base.Compressor,
-    gamma: _common.Scalar = 1.0,
-    replicas: str = "sum",
-    axis_name: gossip.AxisName = "nodes",
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, ChocoState | ChocoPerPeerState]:
     """One CHOCO step; must run under the named axis `axis_name`."""
-    gossip.require_axis(axis_name, "choco", topology=topology)
-    gamma = _common.at_step(gamma, state.count)
-    round_ = topology.rounds[0]
+    gossip.require_axis(hp.axis_name, "choco", topology=hp.topology)
+    compressor, axis_name = hp.compressor, hp.axis_name
+    gamma = _common.at_step(hp.gamma, state.count)
+    round_ = hp.topology.rounds[0]
     me = gossip.node_index(axis_name)
 
     # q_i = Q(x~_i - x^_i), sent along every edge class. x~ = x + u is formed inside
     # the encoder's loops and never stored.
     key = _common.node_key(state.key, state.count, me)
-    if replicas == "sum":
+    if hp.replicas == "sum":
         diff = jax.tree.map(jnp.add, state.lag, updates)
     else:
         diff = jax.tree.map(
             lambda p, u, h: (p.astype(jnp.float32) + u) - h, params, updates, state.x_hat
         )
-    payload = _common.encode(compressor, diff, key)
+    payload = compress_tree.encode_tree(compressor, diff, key)
     received = gossip.exchange(payload, round_, axis_name=axis_name)
 
     # A local update holding NaN/Inf makes q_i non-finite (every compressor flags
@@ -153,7 +164,7 @@ def step(
         u = jnp.where(sent_ok, u, jnp.zeros_like(u))
         return (u + gamma * consensus).astype(p.dtype)
 
-    if replicas == "sum":
+    if hp.replicas == "sum":
         # c_i += sum_{j != i} W_ij q_j - (1 - W_ii) q_i.
         own = jax.tree.map(lambda c, d: c - off_diagonal * d, state.consensus, q)
         consensus, skipped = gossip.accumulate(compressor, received, own, sender_key=sender_key)
@@ -194,8 +205,8 @@ def step(
 def choco(
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: _common.Scalar = 1.0,
     *,
+    gamma: _common.Scalar = 1.0,
     axis_name: gossip.AxisName = "nodes",
     replicas: str = "sum",
     seed: int = 0,
@@ -236,28 +247,17 @@ def choco(
       Koloskova et al., Decentralized Deep Learning with Arbitrary
       Communication Compression, ICLR 2020, https://arxiv.org/abs/1907.09356
     """
-    _common.check_topology(topology, "choco", require="doubly_stochastic", static=True)
-    gamma = _common.check_gamma(gamma, "choco")
-    if replicas not in REPLICAS:
-        raise ValueError(f"choco: replicas must be 'sum' or 'per_peer'; got {replicas!r}.")
-    _common.check_compressor(compressor, "choco", "lpdec.minmax(8)")
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "choco")
-        return init(params, topology=topology, replicas=replicas, seed=seed, axis_name=axis_name)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        params = _common.require_params(params, "choco")
-        return step(
-            updates,
-            state,
-            params,
-            topology=topology,
-            compressor=compressor,
-            gamma=gamma,
-            replicas=replicas,
-            axis_name=axis_name,
-        )
+        return step(updates, state, _common.require_params(params, "choco"), hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(choco, "gossip", (ChocoState, ChocoPerPeerState), Hyperparams)

@@ -88,6 +88,7 @@ consistent with what it sent (tests/test_clipped_gossip.py does this).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import Any
 from typing import NamedTuple
@@ -99,8 +100,10 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
+from lpdec.compress import tree as compress_tree
 from lpdec.topology import Topology
 
 ADAPTIVE = "adaptive"
@@ -135,28 +138,42 @@ class ClippedGossipState(NamedTuple):
     health: health_lib.Health
 
 
-def init(
-    params: optax.Params,
-    *,
-    topology: Topology,
-    compressed: bool,
-    seed: int = 0,
-    axis_name: gossip.AxisName = "nodes",
-) -> ClippedGossipState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`clipped_gossip`'s arguments, validated on construction; `init` and `step` read them."""
+
+    topology: Topology
+    compressor: compress_base.Compressor | None = None
+    radius: str | _common.Scalar = ADAPTIVE
+    byzantine_weight: _common.Scalar | None = None
+    gamma: _common.Scalar = 1.0
+    axis_name: gossip.AxisName = "nodes"
+    seed: int = 0
+
+    def __post_init__(self):
+        name = "clipped_gossip"
+        _common.check_topology(self.topology, name, require="doubly_stochastic", static=True)
+        if self.compressor is not None:
+            _common.check_compressor(self.compressor, name, "lpdec.minmax(8), or None")
+        _check_radius(self.radius, self.byzantine_weight)
+        _common.check_gamma(self.gamma, name)
+
+
+def init(params: optax.Params, hp: Hyperparams) -> ClippedGossipState:
     """The state at step 0 (public copies x_hat = 0); must run under `axis_name`."""
-    gossip.require_axis(axis_name, "clipped_gossip's init", topology=topology)
+    gossip.require_axis(hp.axis_name, "clipped_gossip's init", topology=hp.topology)
     x_hat, replicas = (), ()
-    if compressed:
-        x_hat = _common.zeros_f32(params, axis_name)
-        replicas = tuple(x_hat for _ in topology.rounds[0].edge_classes)
+    if hp.compressor is not None:
+        x_hat = _common.zeros_f32(params, hp.axis_name)
+        replicas = tuple(x_hat for _ in hp.topology.rounds[0].edge_classes)
     return ClippedGossipState(
         count=jnp.zeros((), jnp.int32),
-        key=_common.key_from_seed(seed),
+        key=_common.key_from_seed(hp.seed),
         x_hat=x_hat,
         replicas=replicas,
-        radius=gossip.to_varying(jnp.zeros((), jnp.float32), axis_name),
-        clipped=gossip.to_varying(jnp.zeros((), jnp.int32), axis_name),
-        health=health_lib.init(axis_name),
+        radius=gossip.to_varying(jnp.zeros((), jnp.float32), hp.axis_name),
+        clipped=gossip.to_varying(jnp.zeros((), jnp.int32), hp.axis_name),
+        health=health_lib.init(hp.axis_name),
     )
 
 
@@ -226,38 +243,32 @@ def step(
     updates: optax.Updates,
     state: ClippedGossipState,
     params: optax.Params,
-    *,
-    topology: Topology,
-    compressor: compress_base.Compressor | None = None,
-    radius: str | _common.Scalar = ADAPTIVE,
-    byzantine_weight: _common.Scalar | None = None,
-    gamma: _common.Scalar = 1.0,
-    axis_name: gossip.AxisName = "nodes",
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, ClippedGossipState]:
     """One ClippedGossip step; must run under the named axis `axis_name`."""
-    gossip.require_axis(axis_name, "clipped_gossip", topology=topology)
-    gamma = _common.at_step(gamma, state.count)
-    round_ = topology.rounds[0]
+    gossip.require_axis(hp.axis_name, "clipped_gossip", topology=hp.topology)
+    gamma = _common.at_step(hp.gamma, state.count)
+    round_ = hp.topology.rounds[0]
 
-    if compressor is None:
+    if hp.compressor is None:
         updates, sent_ok, health = _common.guard_updates(updates, state.health)
         x_tilde = jax.tree.map(lambda p, u: p.astype(jnp.float32) + u, params, updates)
-        received = gossip.exchange(x_tilde, round_, axis_name=axis_name)
+        received = gossip.exchange(x_tilde, round_, axis_name=hp.axis_name)
         own, neighbours, x_hat, replicas = x_tilde, received.payloads, (), ()
         skipped = jnp.int32(0)
     else:
         # q_i = Q(x~_i - x^_i), as in CHOCO; a non-finite local step makes q_i
         # non-finite, and then the node neither moves nor updates its public copy.
-        me = gossip.node_index(axis_name)
+        me = gossip.node_index(hp.axis_name)
         key = _common.node_key(state.key, state.count, me)
         diff = jax.tree.map(
             lambda p, u, h: (p.astype(jnp.float32) + u) - h, params, updates, state.x_hat
         )
-        payload = _common.encode(compressor, diff, key)
-        received = gossip.exchange(payload, round_, axis_name=axis_name)
-        sent_ok = gossip.payload_is_finite(compressor, payload)
+        payload = compress_tree.encode_tree(hp.compressor, diff, key)
+        received = gossip.exchange(payload, round_, axis_name=hp.axis_name)
+        sent_ok = gossip.payload_is_finite(hp.compressor, payload)
         health = health_lib.count_update(state.health, sent_ok)
-        q = _common.decode(compressor, payload, diff, key=key)
+        q = _common.decode(hp.compressor, payload, diff, key=key)
         q = jax.tree.map(lambda d: jnp.where(sent_ok, d, jnp.zeros_like(d)), q)
         x_hat = jax.tree.map(jnp.add, state.x_hat, q)
 
@@ -265,7 +276,7 @@ def step(
             return _common.node_key(state.key, state.count, sender)
 
         replicas, skipped = gossip.accumulate_per_class(
-            compressor, received, state.replicas, sender_key=sender_key
+            hp.compressor, received, state.replicas, sender_key=sender_key
         )
         own, neighbours = x_hat, list(replicas)
 
@@ -274,8 +285,8 @@ def step(
         neighbours,
         received.weights,
         received.self_weight,
-        radius,
-        byzantine_weight,
+        hp.radius,
+        hp.byzantine_weight,
         state.count,
     )
 
@@ -291,7 +302,7 @@ def step(
         key=state.key,
         x_hat=x_hat,
         replicas=replicas,
-        radius=gossip.to_varying(tau, axis_name),
+        radius=gossip.to_varying(tau, hp.axis_name),
         clipped=state.clipped + clipped,
         health=health,
     )
@@ -392,36 +403,17 @@ def clipped_gossip(
       He, Karimireddy, Jaggi, Byzantine-Robust Decentralized Learning via
       ClippedGossip, ICLR 2023, https://arxiv.org/abs/2202.01545
     """
-    name = "clipped_gossip"
-    _common.check_topology(topology, name, require="doubly_stochastic", static=True)
-    if compressor is not None:
-        _common.check_compressor(compressor, name, "lpdec.minmax(8), or None")
-    _check_radius(radius, byzantine_weight)
-    gamma = _common.check_gamma(gamma, name)
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
-        _common.check_float_params(params, name)
-        return init(
-            params,
-            topology=topology,
-            compressed=compressor is not None,
-            seed=seed,
-            axis_name=axis_name,
-        )
+        _common.check_float_params(params, "clipped_gossip")
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        params = _common.require_params(params, name)
-        return step(
-            updates,
-            state,
-            params,
-            topology=topology,
-            compressor=compressor,
-            radius=radius,
-            byzantine_weight=byzantine_weight,
-            gamma=gamma,
-            axis_name=axis_name,
-        )
+        return step(updates, state, _common.require_params(params, "clipped_gossip"), hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(clipped_gossip, "gossip", (ClippedGossipState,), Hyperparams)

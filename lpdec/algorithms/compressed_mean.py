@@ -41,6 +41,7 @@ its residual unchanged for that step.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -51,6 +52,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
 from lpdec.compress.modulo import Modulo
@@ -85,27 +87,60 @@ def _share_size(size: int, local_axis: str | None) -> int:
     return -(-size // jax.lax.axis_size(local_axis))
 
 
-def init(
-    params: optax.Params,
-    *,
-    seed: int | jax.Array = 0,
-    axis_name: gossip.AxisName = "nodes",
-    local_axis: str | None = None,
-    error_feedback: bool = False,
-) -> CompressedMeanState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`compressed_mean`'s arguments, validated on construction; `init` and `step` read them."""
+
+    compressor: compress_base.Compressor
+    axis_name: gossip.AxisName = "nodes"
+    local_axis: str | None = None
+    seed: int | jax.Array = 0
+    error_feedback: bool = False
+
+    def __post_init__(self):
+        _common.check_compressor(self.compressor, "compressed_mean", "lpdec.minmax(8)")
+        if isinstance(self.compressor, Modulo):
+            raise ValueError(
+                "compressed_mean cannot use modulo: it decodes against the receiver's own model, "
+                "and a mean of updates has none."
+            )
+        if not _common.is_axis_name(self.axis_name):
+            raise TypeError(
+                "compressed_mean: axis_name must be an axis name or "
+                "a tuple of distinct axis names; "
+                f"got {self.axis_name!r}."
+            )
+        if self.local_axis is not None:
+            if not isinstance(self.axis_name, str):
+                raise ValueError(
+                    "compressed_mean: with local_axis, axis_name must be one axis name (a string); "
+                    f"got {self.axis_name!r}."
+                )
+            if not isinstance(self.local_axis, str) or self.local_axis == self.axis_name:
+                raise ValueError(
+                    "compressed_mean: local_axis must be None or an axis name other than "
+                    f"axis_name={self.axis_name!r}; got {self.local_axis!r}."
+                )
+        if not isinstance(self.error_feedback, bool):
+            raise TypeError(
+                f"compressed_mean: error_feedback must be a bool; got {self.error_feedback!r}."
+            )
+
+
+def init(params: optax.Params, hp: Hyperparams) -> CompressedMeanState:
     """The state at step 0; must run under `axis_name` (and `local_axis`)."""
-    gossip.require_axis(axis_name, "compressed_mean's init")
-    axes = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
-    if local_axis is not None:
-        gossip.require_axis(local_axis, "compressed_mean's init")
-        axes = (*axes, local_axis)
+    gossip.require_axis(hp.axis_name, "compressed_mean's init")
+    axes = (hp.axis_name,) if isinstance(hp.axis_name, str) else tuple(hp.axis_name)
+    if hp.local_axis is not None:
+        gossip.require_axis(hp.local_axis, "compressed_mean's init")
+        axes = (*axes, hp.local_axis)
     residual = ()
-    if error_feedback:
+    if hp.error_feedback:
         size = sum(x.size for x in jax.tree.leaves(params))
-        residual = gossip.to_varying(jnp.zeros(_share_size(size, local_axis), jnp.float32), axes)
+        residual = gossip.to_varying(jnp.zeros(_share_size(size, hp.local_axis), jnp.float32), axes)
     return CompressedMeanState(
         count=jnp.zeros((), jnp.int32),
-        key=_common.key_from_seed(seed),
+        key=_common.key_from_seed(hp.seed),
         health=health_lib.init(axes),
         residual=residual,
     )
@@ -236,42 +271,35 @@ def _two_round_mean(
 def step(
     updates: optax.Updates,
     state: CompressedMeanState,
-    *,
-    compressor: compress_base.Compressor,
-    axis_name: gossip.AxisName = "nodes",
-    local_axis: str | None = None,
-    error_feedback: bool = False,
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, CompressedMeanState]:
     """The compressed mean of `updates` over the nodes; must run under the named axes.
 
     Args:
       updates: this device's update (its gradient).
       state: the state from `init` or the previous step.
-      compressor: Q, applied to the chunks in both rounds.
-      axis_name: the nodes' axis (or a tuple of axes, one flat node axis).
-      local_axis: None, or the axis of a node's accelerators.
-      error_feedback: add the residual to what is sent and keep the new one.
+      hp: the hyperparameters (`compressed_mean`'s arguments).
 
     Returns:
       (the mean over both axes, in each leaf's dtype; the next state).
     """
-    gossip.require_axis(axis_name, "compressed_mean")
-    if not isinstance(axis_name, str) and len(axis_name) > 1:
+    gossip.require_axis(hp.axis_name, "compressed_mean")
+    if not isinstance(hp.axis_name, str) and len(hp.axis_name) > 1:
         manual = jax.sharding.get_abstract_mesh().manual_axes
-        if any(a not in manual for a in axis_name):
+        if any(a not in manual for a in hp.axis_name):
             raise ValueError(
-                f"compressed_mean: axis_name={axis_name!r} includes a vmap axis, and jax cannot "
+                f"compressed_mean: axis_name={hp.axis_name!r} includes a vmap axis, and jax cannot "
                 "all-gather over several axes when one is vmapped: use shard_map mesh axes "
                 "only, or one axis (with local_axis= for the nodes nested in each device)."
             )
-    if local_axis is None:
+    if hp.local_axis is None:
 
         def device_id(node):
             return node
 
     else:
-        local_size = gossip.require_axis(local_axis, "compressed_mean")
-        rank = jax.lax.axis_index(local_axis)
+        local_size = gossip.require_axis(hp.local_axis, "compressed_mean")
+        rank = jax.lax.axis_index(hp.local_axis)
 
         def device_id(node):
             return node * local_size + rank
@@ -287,23 +315,23 @@ def step(
     flat = jnp.concatenate([leaves[i].astype(jnp.float32).reshape(-1) for i in live])
     flat = jnp.where(ok, flat, jnp.nan)
     share = flat
-    if local_axis is not None:
-        share = gossip.local_reduce_scatter(_pad(flat, local_size), axis_name=local_axis)
-    if error_feedback:
+    if hp.local_axis is not None:
+        share = gossip.local_reduce_scatter(_pad(flat, local_size), axis_name=hp.local_axis)
+    if hp.error_feedback:
         share = share + state.residual
     mean, skipped, error = _two_round_mean(
         share,
         state,
-        compressor=compressor,
-        axis_name=axis_name,
+        compressor=hp.compressor,
+        axis_name=hp.axis_name,
         device_id=device_id,
-        error_feedback=error_feedback,
+        error_feedback=hp.error_feedback,
     )
     residual = state.residual
-    if error_feedback:
+    if hp.error_feedback:
         residual = jnp.where(jnp.all(jnp.isfinite(share)), error, state.residual)
-    if local_axis is not None:
-        mean = gossip.local_all_gather(mean, axis_name=local_axis)[: flat.size]
+    if hp.local_axis is not None:
+        mean = gossip.local_all_gather(mean, axis_name=hp.local_axis)[: flat.size]
     offset = 0
     for i in live:
         leaf = leaves[i]
@@ -314,7 +342,7 @@ def step(
 
 
 def compressed_mean(
-    comp: compress_base.Compressor,
+    compressor: compress_base.Compressor,
     *,
     axis_name: gossip.AxisName = "nodes",
     local_axis: str | None = None,
@@ -330,7 +358,7 @@ def compressed_mean(
 
     :math:`v^{(j)} = g^{(j)}` is node j's incoming update, its leaves
     flattened and concatenated into one vector, and :math:`v^{(j)}_c` its
-    chunk c; Q is `comp` (encode then decode) and n the size of `axis_name`.
+    chunk c; Q is `compressor` (encode then decode) and n the size of `axis_name`.
     Node c computes :math:`a_c`; every node receives every :math:`Q(a_c)`.
     For ``minmax(b, "nearest")`` each element of chunk c is within
     :math:`\frac{1}{n}\sum_{j \ne c} \frac{u_{jc}}{2} + \frac{u_c'}{2}` of the
@@ -371,7 +399,7 @@ def compressed_mean(
     `local_axis`), with `jax.shard_map` or `jax.vmap(axis_name=...)`.
 
     Args:
-      comp: Q, an `lpdec` compressor other than `modulo`; seeds 001 and 004
+      compressor: Q, an `lpdec` compressor other than `modulo`; seeds 001 and 004
         use ``lpdec.minmax(8, "stochastic")``.
       axis_name: the named axis whose instances are the nodes (machines); a
         tuple of axis names (e.g. ``("machines", "workers")``) makes their
@@ -399,50 +427,17 @@ def compressed_mean(
       Karimireddy et al., Error Feedback Fixes SignSGD and other Gradient
       Compression Schemes, ICML 2019, https://arxiv.org/abs/1901.09847
     """
-    _common.check_compressor(comp, "compressed_mean", "lpdec.minmax(8)")
-    if isinstance(comp, Modulo):
-        raise ValueError(
-            "compressed_mean cannot use modulo: it decodes against the receiver's own model, "
-            "and a mean of updates has none."
-        )
-    if not _common.is_axis_name(axis_name):
-        raise TypeError(
-            "compressed_mean: axis_name must be an axis name or a tuple of distinct axis names; "
-            f"got {axis_name!r}."
-        )
-    if local_axis is not None:
-        if not isinstance(axis_name, str):
-            raise ValueError(
-                "compressed_mean: with local_axis, axis_name must be one axis name (a string); "
-                f"got {axis_name!r}."
-            )
-        if not isinstance(local_axis, str) or local_axis == axis_name:
-            raise ValueError(
-                "compressed_mean: local_axis must be None or an axis name other than "
-                f"axis_name={axis_name!r}; got {local_axis!r}."
-            )
-    if not isinstance(error_feedback, bool):
-        raise TypeError(f"compressed_mean: error_feedback must be a bool; got {error_feedback!r}.")
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "compressed_mean")
-        return init(
-            params,
-            seed=seed,
-            axis_name=axis_name,
-            local_axis=local_axis,
-            error_feedback=error_feedback,
-        )
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        return step(
-            updates,
-            state,
-            compressor=comp,
-            axis_name=axis_name,
-            local_axis=local_axis,
-            error_feedback=error_feedback,
-        )
+        return step(updates, state, hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(compressed_mean, "mean", (CompressedMeanState,), Hyperparams)

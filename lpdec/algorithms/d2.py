@@ -38,6 +38,7 @@ with the disagreement between nodes, which vanishes at D²'s fixed point.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -48,9 +49,11 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.algorithms import moniqua
 from lpdec.compress import base as compress_base
+from lpdec.compress import tree as compress_tree
 from lpdec.compress.identity import Identity
 from lpdec.topology import Topology
 
@@ -80,21 +83,39 @@ class D2State(NamedTuple):
     health: health_lib.Health
 
 
-def init(
-    params: optax.Params,
-    *,
-    topology: Topology,
-    seed: int = 0,
-    axis_name: gossip.AxisName = "nodes",
-) -> D2State:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`d2`'s arguments, validated on construction; `init` and `step` read them."""
+
+    topology: Topology
+    compressor: compress_base.Compressor | None = None
+    axis_name: gossip.AxisName = "nodes"
+    seed: int = 0
+
+    def __post_init__(self):
+        _common.check_topology(self.topology, "d2", require=("doubly_stochastic", "symmetric"))
+        if self.topology.period != 1:
+            # Tang et al.'s stability condition and analysis are for one fixed W.
+            raise ValueError(
+                f"d2 needs a static topology (its stability condition is on one fixed W); "
+                f"{self.topology!r} changes every step (period {self.topology.period})."
+            )
+        check_lambda_min(self.topology, "d2")
+        if self.compressor is None:
+            # None means plain D2: the models travel as they are.
+            object.__setattr__(self, "compressor", Identity())
+        _common.check_compressor(self.compressor, "d2", "lpdec.modulo(8), or None")
+
+
+def init(params: optax.Params, hp: Hyperparams) -> D2State:
     """The state at step 0 (x_{-1} = x_0, u_{-1} = 0); must run under `axis_name`."""
-    gossip.require_axis(axis_name, "d2's init", topology=topology)
+    gossip.require_axis(hp.axis_name, "d2's init", topology=hp.topology)
     return D2State(
         count=jnp.zeros((), jnp.int32),
-        key=_common.key_from_seed(seed),
-        prev_params=_common.own_f32(params, axis_name),
-        prev_update=_common.zeros_f32(params, axis_name),
-        health=health_lib.init(axis_name),
+        key=_common.key_from_seed(hp.seed),
+        prev_params=_common.own_f32(params, hp.axis_name),
+        prev_update=_common.zeros_f32(params, hp.axis_name),
+        health=health_lib.init(hp.axis_name),
     )
 
 
@@ -102,34 +123,31 @@ def step(
     updates: optax.Updates,
     state: D2State,
     params: optax.Params,
-    *,
-    topology: Topology,
-    compressor: compress_base.Compressor,
-    axis_name: gossip.AxisName = "nodes",
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, D2State]:
     """One D² step; must run under the named axis `axis_name`.
 
     `compressor` is ``lpdec.identity()`` for full-precision mixing.
     """
-    gossip.require_axis(axis_name, "d2", topology=topology)
-    round_ = topology.rounds[0]
+    gossip.require_axis(hp.axis_name, "d2", topology=hp.topology)
+    round_ = hp.topology.rounds[0]
     updates, _, health = _common.guard_updates(updates, state.health)
     x = _common.f32(params)
     u = _common.f32(updates)
     half = jax.tree.map(
         lambda xk, xp, uk, up: 2.0 * xk - xp + uk - up, x, state.prev_params, u, state.prev_update
     )
-    me = gossip.node_index(axis_name)
+    me = gossip.node_index(hp.axis_name)
     key = _common.node_key(state.key, state.count, me)
-    payload = _common.encode(compressor, half, key)
-    half_hat = _common.decode(compressor, payload, half, reference=half, key=key)
-    received = gossip.exchange(payload, round_, axis_name=axis_name)
+    payload = compress_tree.encode_tree(hp.compressor, half, key)
+    half_hat = _common.decode(hp.compressor, payload, half, reference=half, key=key)
+    received = gossip.exchange(payload, round_, axis_name=hp.axis_name)
 
     def sender_key(sender):
         return _common.node_key(state.key, state.count, sender)
 
     correction, skipped, _ = moniqua.consensus_step(
-        compressor, received, half_hat, reference=half, sender_key=sender_key
+        hp.compressor, received, half_hat, reference=half, sender_key=sender_key
     )
     new = jax.tree.map(jnp.add, half, correction)
     health = health_lib.count_received(health, skipped)
@@ -154,9 +172,9 @@ def check_lambda_min(topology: Topology, name: str) -> float:
 
 def d2(
     topology: Topology,
+    compressor: compress_base.Compressor | None = None,
     *,
     axis_name: gossip.AxisName = "nodes",
-    comp: compress_base.Compressor | None = None,
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""D²: D-PSGD with a correction that removes the bias of heterogeneous local data.
@@ -168,9 +186,9 @@ def d2(
 
     :math:`x_k` is params, :math:`u_k` the incoming update (the local
     optimizer's step, :math:`-\alpha g_k` for SGD), :math:`x_{-1} = x_0`,
-    :math:`u_{-1} = 0` and W is `topology`'s mixing matrix. With `comp` the
+    :math:`u_{-1} = 0` and W is `topology`'s mixing matrix. With `compressor` the
     mixing is :math:`x_{k+1/2} + \sum_j W_{ij} (\hat x_{j,k+1/2} - \hat
-    x_{i,k+1/2})` with :math:`\hat x` decoded from `comp` (against the
+    x_{i,k+1/2})` with :math:`\hat x` decoded from `compressor` (against the
     receiver's own half step for ``lpdec.modulo``: Moniqua on D², seed 003).
 
     With a constant step size every node converges to the exact optimum of
@@ -181,10 +199,10 @@ def d2(
       topology: a static, symmetric, doubly stochastic `Topology` with
         λ_min(W) > -1/3, checked here (``ring(8)`` has exactly -1/3: use
         ``ring(8).with_slack(0.5)``).
+      compressor: None for full-precision mixing, or any `lpdec` compressor (e.g.
+        ``lpdec.modulo(8, theta=0.5)``).
       axis_name: the named axis whose instances are the nodes; `init` and
         `update` must run under it (`jax.shard_map` or `jax.vmap(axis_name=...)`).
-      comp: None for full-precision mixing, or any `lpdec` compressor (e.g.
-        ``lpdec.modulo(8, theta=0.5)``).
       seed: seeds the shared key for stochastic rounding / random-k.
 
     Returns:
@@ -202,29 +220,17 @@ def d2(
       Lu & De Sa, Moniqua: Modulo Quantized Communication in Decentralized
       SGD, ICML 2020, https://arxiv.org/abs/2002.11787
     """
-    _common.check_topology(topology, "d2", require=("doubly_stochastic", "symmetric"))
-    if topology.period != 1:
-        # Tang et al.'s stability condition and analysis are for one fixed W.
-        raise ValueError(
-            f"d2 needs a static topology (its stability condition is on one fixed W); "
-            f"{topology!r} changes every step (period {topology.period})."
-        )
-    check_lambda_min(topology, "d2")
-    if comp is not None and not isinstance(comp, compress_base.Compressor):
-        raise TypeError(
-            f"d2: comp must be None or an lpdec compressor (e.g. lpdec.modulo(8)); got {comp!r}."
-        )
-    compressor = Identity() if comp is None else comp
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "d2")
-        return init(params, topology=topology, seed=seed, axis_name=axis_name)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        params = _common.require_params(params, "d2")
-        return step(
-            updates, state, params, topology=topology, compressor=compressor, axis_name=axis_name
-        )
+        return step(updates, state, _common.require_params(params, "d2"), hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(d2, "gossip", (D2State,), Hyperparams)

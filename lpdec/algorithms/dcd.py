@@ -30,6 +30,7 @@ ulp of the parameter dtype per step).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -39,8 +40,10 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
+from lpdec.compress import tree as compress_tree
 from lpdec.compress.modulo import Modulo
 from lpdec.kernels_pallas._common import rounded
 from lpdec.topology import Topology
@@ -67,23 +70,38 @@ class DCDState(NamedTuple):
     health: health_lib.Health
 
 
-def init(
-    params: optax.Params,
-    *,
-    topology: Topology,
-    replicas: str = "sum",
-    seed: int = 0,
-    axis_name: gossip.AxisName = "nodes",
-) -> DCDState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`dcd`'s arguments, validated on construction; `init` and `step` read them."""
+
+    topology: Topology
+    compressor: compress_base.Compressor
+    axis_name: gossip.AxisName = "nodes"
+    replicas: str = "sum"
+    seed: int = 0
+
+    def __post_init__(self):
+        _common.check_topology(self.topology, "dcd", require="doubly_stochastic", static=True)
+        if self.replicas not in REPLICAS:
+            raise ValueError(f"dcd: replicas must be 'sum' or 'per_peer'; got {self.replicas!r}.")
+        _common.check_compressor(self.compressor, "dcd", "lpdec.minmax(8)")
+        if isinstance(self.compressor, Modulo):
+            raise ValueError(
+                "dcd sends differences z, which modulo cannot decode (it decodes against the "
+                "receiver's own model); use lpdec.moniqua for modulo quantization."
+            )
+
+
+def init(params: optax.Params, hp: Hyperparams) -> DCDState:
     """Builds the replicas from the neighbours' initial parameters (one full-precision exchange).
 
     Must run under the named axis `axis_name`: nodes may start from different
     parameters, and the replicas must be exactly those.
     """
-    gossip.require_axis(axis_name, "dcd's init", topology=topology)
-    received = gossip.exchange(params, topology.rounds[0], axis_name=axis_name)
+    gossip.require_axis(hp.axis_name, "dcd's init", topology=hp.topology)
+    received = gossip.exchange(params, hp.topology.rounds[0], axis_name=hp.axis_name)
     own = _common.f32(params)
-    health = health_lib.init(axis_name)
+    health = health_lib.init(hp.axis_name)
     # A neighbour starting from NaN/Inf never sends a finite message; its replica
     # stands still at the receiver's own start instead of poisoning the receiver.
     copies, skipped = [], jnp.int32(0)
@@ -94,7 +112,7 @@ def init(
         )
         skipped = skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
     health = health_lib.count_received(health, skipped)
-    if replicas == "sum":
+    if hp.replicas == "sum":
         off_diagonal = 1.0 - received.self_weight
         neighbors = jax.tree.map(
             lambda s, x: s - rounded(off_diagonal * x),
@@ -105,7 +123,7 @@ def init(
         neighbors = tuple(copies)
     return DCDState(
         count=jnp.zeros((), jnp.int32),
-        key=_common.key_from_seed(seed),
+        key=_common.key_from_seed(hp.seed),
         neighbors=neighbors,
         health=health,
     )
@@ -127,29 +145,25 @@ def step(
     updates: optax.Updates,
     state: DCDState,
     params: optax.Params,
-    *,
-    topology: Topology,
-    compressor: compress_base.Compressor,
-    replicas: str = "sum",
-    axis_name: gossip.AxisName = "nodes",
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, DCDState]:
     """One DCD step; must run under the named axis `axis_name`.
 
     Returns:
       (Q(z_i) in each parameter's dtype, the new state).
     """
-    gossip.require_axis(axis_name, "dcd", topology=topology)
-    round_ = topology.rounds[0]
-    me = gossip.node_index(axis_name)
-    off_diagonal = 1.0 - gossip.per_node(round_.self_weight, axis_name)
-    if replicas == "sum":
+    gossip.require_axis(hp.axis_name, "dcd", topology=hp.topology)
+    round_ = hp.topology.rounds[0]
+    me = gossip.node_index(hp.axis_name)
+    off_diagonal = 1.0 - gossip.per_node(round_.self_weight, hp.axis_name)
+    if hp.replicas == "sum":
         # z_i = sum_j W_ij x_hat_j + u_i - x_i = r_i + u_i: one buffer to read. Keeping
         # r_i rather than s_i saves two reads of x per step (the quantizer reads z twice).
         z = jax.tree.map(lambda r, u: r + u.astype(jnp.float32), state.neighbors, updates)
     else:
         # z_i = (s_i + u_i) - (1 - W_ii) x_i. The product is rounded before the
         # subtraction (no fused multiply-add), so z has the same bits in every program.
-        weights = [gossip.per_node(c.recv_weight, axis_name) for c in round_.edge_classes]
+        weights = [gossip.per_node(c.recv_weight, hp.axis_name) for c in round_.edge_classes]
         neighbor_sum = _weighted_sum(weights, list(state.neighbors), _common.f32(params))
         z = jax.tree.map(
             lambda s, u, x: (
@@ -160,30 +174,30 @@ def step(
             params,
         )
     key = _common.node_key(state.key, state.count, me)
-    payload = _common.encode(compressor, z, key)
-    received = gossip.exchange(payload, round_, axis_name=axis_name)
+    payload = compress_tree.encode_tree(hp.compressor, z, key)
+    received = gossip.exchange(payload, round_, axis_name=hp.axis_name)
 
     # A non-finite message moves nobody: the receivers drop it, so the sender must too.
     # A local update holding NaN/Inf is caught here (it makes z, hence the payload,
     # non-finite), which saves a separate pass over the update to check it.
-    sent_ok = gossip.payload_is_finite(compressor, payload)
+    sent_ok = gossip.payload_is_finite(hp.compressor, payload)
     health = health_lib.count_update(state.health, sent_ok)
-    q = _common.decode(compressor, payload, z, key=key)
+    q = _common.decode(hp.compressor, payload, z, key=key)
     move = jax.tree.map(lambda d, p: jnp.where(sent_ok, d, 0.0).astype(p.dtype), q, params)
 
     def sender_key(sender):
         return _common.node_key(state.key, state.count, sender)
 
-    if replicas == "sum":
+    if hp.replicas == "sum":
         # r_i += sum_{j != i} W_ij Q(z_j) - (1 - W_ii) Q(z_i): x_i moves by its own Q(z_i).
         own = jax.tree.map(
             lambda r, d: jnp.where(sent_ok, r - rounded(off_diagonal * d), r), state.neighbors, q
         )
-        neighbors, skipped = gossip.accumulate(compressor, received, own, sender_key=sender_key)
+        neighbors, skipped = gossip.accumulate(hp.compressor, received, own, sender_key=sender_key)
     else:
         # x_hat_j += Q(z_j) with weight exactly 1, the same float32 add as the owner's.
         neighbors, skipped = gossip.accumulate_per_class(
-            compressor, received, state.neighbors, sender_key=sender_key
+            hp.compressor, received, state.neighbors, sender_key=sender_key
         )
     health = health_lib.count_received(health, skipped)
     return move, DCDState(state.count + 1, state.key, neighbors, health)
@@ -241,31 +255,17 @@ def dcd(
       NeurIPS 2018, https://arxiv.org/abs/1803.06443 (DCD-PSGD);
       Bagua's LowPrecisionDecentralizedAlgorithm, https://github.com/BaguaSys/bagua
     """
-    _common.check_topology(topology, "dcd", require="doubly_stochastic", static=True)
-    if replicas not in REPLICAS:
-        raise ValueError(f"dcd: replicas must be 'sum' or 'per_peer'; got {replicas!r}.")
-    _common.check_compressor(compressor, "dcd", "lpdec.minmax(8)")
-    if isinstance(compressor, Modulo):
-        raise ValueError(
-            "dcd sends differences z, which modulo cannot decode (it decodes against the "
-            "receiver's own model); use lpdec.moniqua for modulo quantization."
-        )
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "dcd")
-        return init(params, topology=topology, replicas=replicas, seed=seed, axis_name=axis_name)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        params = _common.require_params(params, "dcd")
-        return step(
-            updates,
-            state,
-            params,
-            topology=topology,
-            compressor=compressor,
-            replicas=replicas,
-            axis_name=axis_name,
-        )
+        return step(updates, state, _common.require_params(params, "dcd"), hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(dcd, "gossip", (DCDState,), Hyperparams)

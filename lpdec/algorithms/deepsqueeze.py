@@ -24,6 +24,7 @@ agree: W must be doubly stochastic (use `sparse_push` on directed graphs).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -33,8 +34,10 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
+from lpdec.compress import tree as compress_tree
 from lpdec.topology import Topology
 
 
@@ -56,20 +59,30 @@ class DeepSqueezeState(NamedTuple):
     health: health_lib.Health
 
 
-def init(
-    params: optax.Params,
-    *,
-    topology: Topology,
-    seed: int = 0,
-    axis_name: gossip.AxisName = "nodes",
-) -> DeepSqueezeState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`deepsqueeze`'s arguments, validated on construction; `init` and `step` read them."""
+
+    topology: Topology
+    compressor: compress_base.Compressor
+    gamma: _common.Scalar = 1.0
+    axis_name: gossip.AxisName = "nodes"
+    seed: int = 0
+
+    def __post_init__(self):
+        _common.check_topology(self.topology, "deepsqueeze", require="doubly_stochastic")
+        _common.check_gamma(self.gamma, "deepsqueeze")
+        _common.check_compressor(self.compressor, "deepsqueeze", "lpdec.top_k(0.1)")
+
+
+def init(params: optax.Params, hp: Hyperparams) -> DeepSqueezeState:
     """The state at step 0 (no error carried yet, delta = 0); must run under `axis_name`."""
-    gossip.require_axis(axis_name, "deepsqueeze's init", topology=topology)
+    gossip.require_axis(hp.axis_name, "deepsqueeze's init", topology=hp.topology)
     return DeepSqueezeState(
         count=jnp.zeros((), jnp.int32),
-        key=_common.key_from_seed(seed),
-        error=_common.zeros_f32(params, axis_name),
-        health=health_lib.init(axis_name),
+        key=_common.key_from_seed(hp.seed),
+        error=_common.zeros_f32(params, hp.axis_name),
+        health=health_lib.init(hp.axis_name),
     )
 
 
@@ -77,37 +90,33 @@ def step(
     updates: optax.Updates,
     state: DeepSqueezeState,
     params: optax.Params,
-    *,
-    topology: Topology,
-    compressor: compress_base.Compressor,
-    gamma: _common.Scalar = 1.0,
-    axis_name: gossip.AxisName = "nodes",
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, DeepSqueezeState]:
     """One Deep-Squeeze step; must run under the named axis `axis_name`."""
-    gossip.require_axis(axis_name, "deepsqueeze", topology=topology)
-    gamma = _common.at_step(gamma, state.count)
-    me = gossip.node_index(axis_name)
+    gossip.require_axis(hp.axis_name, "deepsqueeze", topology=hp.topology)
+    gamma = _common.at_step(hp.gamma, state.count)
+    me = gossip.node_index(hp.axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     x_tilde = jax.tree.map(lambda p, u: p.astype(jnp.float32) + u, params, updates)
 
     # v_i = x~_i + delta_i; c_i = C[v_i]; delta_i = v_i - c_i.
     key = _common.node_key(state.key, state.count, me)
     v = jax.tree.map(jnp.add, x_tilde, state.error)
-    payload = _common.encode(compressor, v, key)
-    c = _common.decode(compressor, payload, v, key=key)
+    payload = compress_tree.encode_tree(hp.compressor, v, key)
+    c = _common.decode(hp.compressor, payload, v, key=key)
     error = jax.tree.map(jnp.subtract, v, c)
 
     def sender_key(sender):
         return _common.node_key(state.key, state.count, sender)
 
     def consensus_step(round_):
-        received = gossip.exchange(payload, round_, axis_name=axis_name)
+        received = gossip.exchange(payload, round_, axis_name=hp.axis_name)
         # sum_j (W_ij - I_ij) c_j = (W_ii - 1) c_i + sum_{j != i} W_ij c_j. A non-finite c_j
         # counts as c_i, so the row still sums to 0 and the node is not pulled anywhere by it.
         own = jax.tree.map(lambda ci: (received.self_weight - 1.0) * ci, c)
-        return gossip.accumulate(compressor, received, own, sender_key=sender_key, substitute=c)
+        return gossip.accumulate(hp.compressor, received, own, sender_key=sender_key, substitute=c)
 
-    correction, skipped = gossip.in_round(topology, state.count, consensus_step)
+    correction, skipped = gossip.in_round(hp.topology, state.count, consensus_step)
     health = health_lib.count_received(health, skipped)
     new = jax.tree.map(lambda xt, d: xt + gamma * d, x_tilde, correction)
     new_state = DeepSqueezeState(state.count + 1, state.key, error, health)
@@ -117,8 +126,8 @@ def step(
 def deepsqueeze(
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: _common.Scalar = 1.0,
     *,
+    gamma: _common.Scalar = 1.0,
     axis_name: gossip.AxisName = "nodes",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -160,25 +169,17 @@ def deepsqueeze(
       Tang et al., DeepSqueeze: Decentralization Meets Error-Compensated
       Compression, 2019, https://arxiv.org/abs/1907.07346
     """
-    _common.check_topology(topology, "deepsqueeze", require="doubly_stochastic")
-    gamma = _common.check_gamma(gamma, "deepsqueeze")
-    _common.check_compressor(compressor, "deepsqueeze", "lpdec.top_k(0.1)")
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "deepsqueeze")
-        return init(params, topology=topology, seed=seed, axis_name=axis_name)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        params = _common.require_params(params, "deepsqueeze")
-        return step(
-            updates,
-            state,
-            params,
-            topology=topology,
-            compressor=compressor,
-            gamma=gamma,
-            axis_name=axis_name,
-        )
+        return step(updates, state, _common.require_params(params, "deepsqueeze"), hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(deepsqueeze, "gossip", (DeepSqueezeState,), Hyperparams)

@@ -24,6 +24,7 @@ Memory: τ update-sized buffers (a FIFO ring of the last τ updates).
 
 from __future__ import annotations
 
+import dataclasses
 import operator
 from typing import Any
 from typing import NamedTuple
@@ -31,6 +32,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 import optax
+
+from lpdec.algorithms import declaration
 
 
 class DelayState(NamedTuple):
@@ -48,22 +51,48 @@ class DelayState(NamedTuple):
     buffer: Any
 
 
-def init(params: optax.Params, *, steps: int) -> DelayState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`delay`'s arguments, validated on construction; `init` and `step` read them."""
+
+    steps: int
+
+    def __post_init__(self):
+        if isinstance(self.steps, jax.Array):
+            raise TypeError(
+                "delay: steps sets the buffer's shape, so it must be a Python int, not an array; "
+                "under optax.inject_hyperparams use optax.inject_hyperparams(lpdec.delay, "
+                f"static_args=('steps',)); got {self.steps!r}."
+            )
+        if isinstance(self.steps, bool):
+            raise TypeError(f"delay: steps must be an integer >= 0; got {self.steps!r}.")
+        try:
+            steps = operator.index(self.steps)
+        except TypeError:
+            raise TypeError(f"delay: steps must be an integer >= 0; got {self.steps!r}.") from None
+        if steps < 0:
+            raise ValueError(f"delay: steps must be >= 0; got {steps}.")
+        object.__setattr__(self, "steps", steps)
+
+
+def init(params: optax.Params, hp: Hyperparams) -> DelayState:
     """An empty FIFO of τ = `steps` >= 1 updates; runs anywhere, as it does not communicate."""
     # zeros_like keeps the leaves' varying-ness under shard_map, like the updates'.
-    buffer = jax.tree.map(lambda p: jnp.zeros_like(p, shape=(steps, *p.shape)), params)
+    buffer = jax.tree.map(lambda p: jnp.zeros_like(p, shape=(hp.steps, *p.shape)), params)
     return DelayState(head=jnp.zeros((), jnp.int32), buffer=buffer)
 
 
 def step(
-    updates: optax.Updates, state: DelayState, *, steps: int
+    updates: optax.Updates,
+    state: DelayState,
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, DelayState]:
     """Returns the update from τ = `steps` steps ago and stores this one in its slot."""
     oldest = jax.tree.map(lambda b, u: b[state.head].astype(u.dtype), state.buffer, updates)
     buffer = jax.tree.map(
         lambda b, u: b.at[state.head].set(u.astype(b.dtype)), state.buffer, updates
     )
-    return oldest, DelayState(head=(state.head + 1) % steps, buffer=buffer)
+    return oldest, DelayState(head=(state.head + 1) % hp.steps, buffer=buffer)
 
 
 def delay(steps: int) -> optax.GradientTransformationExtraArgs:
@@ -91,35 +120,25 @@ def delay(steps: int) -> optax.GradientTransformationExtraArgs:
       >>> tx = optax.chain(
       ...     optax.sgd(0.1),
       ...     lpdec.delay(2),
-      ...     lpdec.moniqua(lpdec.random_matching(8, seed=0), bits=8, theta=0.5),
+      ...     lpdec.moniqua(lpdec.random_matching(8, seed=0), lpdec.modulo(8, 0.5)),
       ... )
 
     References:
       Lian et al., Asynchronous Decentralized Parallel Stochastic Gradient
       Descent, ICML 2018, https://arxiv.org/abs/1710.06952
     """
-    if isinstance(steps, jax.Array):
-        raise TypeError(
-            "delay: steps sets the buffer's shape, so it must be a Python int, not an array; "
-            "under optax.inject_hyperparams use "
-            f"optax.inject_hyperparams(lpdec.delay, static_args=('steps',)); got {steps!r}."
-        )
-    if isinstance(steps, bool):
-        raise TypeError(f"delay: steps must be an integer >= 0; got {steps!r}.")
-    try:
-        steps = operator.index(steps)
-    except TypeError:
-        raise TypeError(f"delay: steps must be an integer >= 0; got {steps!r}.") from None
-    if steps < 0:
-        raise ValueError(f"delay: steps must be >= 0; got {steps}.")
-    if steps == 0:
+    hp = Hyperparams(**locals())
+    if hp.steps == 0:
         return optax.with_extra_args_support(optax.identity())
 
     def init_fn(params):
-        return init(params, steps=steps)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        return step(updates, state, steps=steps)
+        return step(updates, state, hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(delay, "local", (DelayState,), Hyperparams)

@@ -66,6 +66,7 @@ round's start and the pending outer update (two more parameter-sized buffers).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -76,6 +77,7 @@ import optax
 from lpdec import gossip
 from lpdec import wire
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 
 PyTree = Any
@@ -107,43 +109,57 @@ class DiLoCoState(NamedTuple):
     health: health_lib.Health
 
 
-def init(
-    params: optax.Params,
-    *,
-    inner: optax.GradientTransformation,
-    outer: optax.GradientTransformation,
-    overlap: bool = False,
-    axis_name: gossip.AxisName = "nodes",
-) -> DiLoCoState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`diloco`'s arguments, validated on construction; `init` and `step` read them."""
+
+    inner: optax.GradientTransformation
+    outer: optax.GradientTransformation
+    local_steps: int
+    overlap: bool = False
+    axis_name: gossip.AxisName = "nodes"
+
+    def __post_init__(self):
+        for name, tx in (("inner", self.inner), ("outer", self.outer)):
+            if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
+                raise TypeError(f"diloco: {name} must be an optax transform; got {tx!r}.")
+        if (
+            isinstance(self.local_steps, bool)
+            or not isinstance(self.local_steps, int)
+            or self.local_steps < 1
+        ):
+            raise ValueError(f"diloco: local_steps must be an int >= 1; got {self.local_steps!r}.")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"diloco: overlap must be a bool; got {self.overlap!r}.")
+        object.__setattr__(self, "inner", optax.with_extra_args_support(self.inner))
+        object.__setattr__(self, "outer", optax.with_extra_args_support(self.outer))
+
+
+def init(params: optax.Params, hp: Hyperparams) -> DiLoCoState:
     """The state at step 0; must run under `axis_name` when `outer` communicates."""
-    anchor = _common.own_f32(params, axis_name)
+    anchor = _common.own_f32(params, hp.axis_name)
     state = DiLoCoState(
         count=jnp.zeros((), jnp.int32),
-        inner=inner.init(params),
-        outer=outer.init(anchor),
+        inner=hp.inner.init(params),
+        outer=hp.outer.init(anchor),
         anchor=anchor,
-        start=_common.own_f32(params, axis_name) if overlap else (),
-        pending=_common.zeros_f32(params, axis_name) if overlap else (),
-        health=health_lib.init(axis_name),
+        start=_common.own_f32(params, hp.axis_name) if hp.overlap else (),
+        pending=_common.zeros_f32(params, hp.axis_name) if hp.overlap else (),
+        health=health_lib.init(hp.axis_name),
     )
     # The exchange branch returns state varying over the nodes; the carry must start so.
-    return gossip.to_varying(state, axis_name)
+    return gossip.to_varying(state, hp.axis_name)
 
 
 def step(
     updates: optax.Updates,
     state: DiLoCoState,
     params: optax.Params,
-    *,
-    inner: optax.GradientTransformation,
-    outer: optax.GradientTransformation,
-    local_steps: int,
-    overlap: bool = False,
-    axis_name: gossip.AxisName = "nodes",
+    hp: Hyperparams,
     **extra_args,
 ) -> tuple[optax.Updates, DiLoCoState]:
     """One inner step; on every `local_steps`-th, the exchange and the outer step."""
-    inner_updates, inner_state = inner.update(updates, state.inner, params, **extra_args)
+    inner_updates, inner_state = hp.inner.update(updates, state.inner, params, **extra_args)
     local = jax.tree.map(
         lambda p, u: p.astype(jnp.float32) + u.astype(jnp.float32), params, inner_updates
     )
@@ -157,17 +173,17 @@ def step(
     count = state.count + 1
 
     def keep(carry):
-        return gossip.to_varying(carry, axis_name)
+        return gossip.to_varying(carry, hp.axis_name)
 
     def exchange(carry):
         local, inner_state, outer_state, anchor, start, pending, health = carry
-        begun = start if overlap else anchor
+        begun = start if hp.overlap else anchor
         delta = jax.tree.map(jnp.subtract, begun, local)
         # The wire meter averages over steps: this round's bytes are spent once per H steps.
-        with wire.share(1.0 / local_steps):
-            out, outer_state = outer.update(delta, outer_state, anchor)
+        with wire.share(1.0 / hp.local_steps):
+            out, outer_state = hp.outer.update(delta, outer_state, anchor)
         out = _common.f32(out)
-        if overlap:
+        if hp.overlap:
             anchor = jax.tree.map(jnp.add, anchor, pending)
             local = jax.tree.map(lambda a, x, s: a + (x - s), anchor, local, start)
             start, pending = local, out
@@ -175,10 +191,10 @@ def step(
             anchor = jax.tree.map(jnp.add, anchor, out)
             local = anchor
         carry = (local, inner_state, outer_state, anchor, start, pending, health)
-        return gossip.to_varying(carry, axis_name)
+        return gossip.to_varying(carry, hp.axis_name)
 
     carry = (local, inner_state, state.outer, state.anchor, state.start, state.pending, health)
-    local, *rest = jax.lax.cond(count % local_steps == 0, exchange, keep, carry)
+    local, *rest = jax.lax.cond(count % hp.local_steps == 0, exchange, keep, carry)
     return _common.as_updates(local, params), DiLoCoState(count, *rest)
 
 
@@ -243,23 +259,17 @@ def diloco(
       Douillard et al., Streaming DiLoCo with overlapping communication, 2025,
       https://arxiv.org/abs/2501.18512
     """
-    for name, tx in (("inner", inner), ("outer", outer)):
-        if not (callable(getattr(tx, "init", None)) and callable(getattr(tx, "update", None))):
-            raise TypeError(f"diloco: {name} must be an optax transform; got {tx!r}.")
-    if isinstance(local_steps, bool) or not isinstance(local_steps, int) or local_steps < 1:
-        raise ValueError(f"diloco: local_steps must be an int >= 1; got {local_steps!r}.")
-    if not isinstance(overlap, bool):
-        raise TypeError(f"diloco: overlap must be a bool; got {overlap!r}.")
-    inner = optax.with_extra_args_support(inner)
-    outer = optax.with_extra_args_support(outer)
-    options = dict(inner=inner, outer=outer, overlap=overlap, axis_name=axis_name)
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "diloco")
-        return init(params, **options)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         params = _common.require_params(params, "diloco")
-        return step(updates, state, params, local_steps=local_steps, **options, **extra_args)
+        return step(updates, state, params, hp, **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(diloco, "whole", (DiLoCoState,), Hyperparams)

@@ -10,6 +10,7 @@ can overlap with the backward pass). Extra memory: none beyond a step counter.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -18,6 +19,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.topology import Topology
 
@@ -35,28 +37,35 @@ class DPSGDState(NamedTuple):
     health: health_lib.Health
 
 
-def init(
-    params: optax.Params, *, topology: Topology, axis_name: gossip.AxisName = "nodes"
-) -> DPSGDState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`dpsgd`'s arguments, validated on construction; `init` and `step` read them."""
+
+    topology: Topology
+    axis_name: gossip.AxisName = "nodes"
+
+    def __post_init__(self):
+        _common.check_topology(self.topology, "dpsgd", require="row_stochastic")
+
+
+def init(params: optax.Params, hp: Hyperparams) -> DPSGDState:
     """The state at step 0; must run under `axis_name`."""
     del params
-    gossip.require_axis(axis_name, "dpsgd's init", topology=topology)
-    return DPSGDState(count=jnp.zeros((), jnp.int32), health=health_lib.init(axis_name))
+    gossip.require_axis(hp.axis_name, "dpsgd's init", topology=hp.topology)
+    return DPSGDState(count=jnp.zeros((), jnp.int32), health=health_lib.init(hp.axis_name))
 
 
 def step(
     updates: optax.Updates,
     state: DPSGDState,
     params: optax.Params,
-    *,
-    topology: Topology,
-    axis_name: gossip.AxisName = "nodes",
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, DPSGDState]:
     """One D-PSGD step; must run under the named axis `axis_name`."""
-    gossip.require_axis(axis_name, "dpsgd", topology=topology)
+    gossip.require_axis(hp.axis_name, "dpsgd", topology=hp.topology)
     updates, _, health = _common.guard_updates(updates, state.health)
     mixed, skipped = gossip.in_round(
-        topology, state.count, lambda r: gossip.mix(params, r, axis_name=axis_name)
+        hp.topology, state.count, lambda r: gossip.mix(params, r, axis_name=hp.axis_name)
     )
     new = jax.tree.map(lambda m, u: m + u.astype(jnp.float32), mixed, updates)
     health = health_lib.count_received(health, skipped)
@@ -93,15 +102,17 @@ def dpsgd(
       Lian et al., Can Decentralized Algorithms Outperform Centralized
       Algorithms?, NeurIPS 2017, https://arxiv.org/abs/1705.09056
     """
-    _common.check_topology(topology, "dpsgd", require="row_stochastic")
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "dpsgd")
-        return init(params, topology=topology, axis_name=axis_name)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        params = _common.require_params(params, "dpsgd")
-        return step(updates, state, params, topology=topology, axis_name=axis_name)
+        return step(updates, state, _common.require_params(params, "dpsgd"), hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(dpsgd, "gossip", (DPSGDState,), Hyperparams)

@@ -1,4 +1,4 @@
-"""Keeping one non-finite step from costing a node for ever, and chains in the right order.
+"""Keeping one non-finite step from costing a node for ever: a guard for the local optimizer.
 
 lpdec's algorithms drop a non-finite local update (the node takes no local step
 and `Health` counts it), but by then the NaN has gone through the local
@@ -17,13 +17,8 @@ its neighbours keep their copies of it, and under `shard_map` it cannot trace
 is element-wise (`jnp.where`), never a branch, and the wrapped transform must
 not communicate.
 
-`chain(local, *algorithms)` is `optax.chain(local_apply_if_finite(local),
-*algorithms)`: the order the algorithms need (they gossip the local update and
-read `params`), with the guard built in. `check_chain(opt_state)` finds, in an
-initialised state, the misuses a state shows (`lpdec.init_nodes` runs it): a
-gossip algorithm before a stateful local optimizer, and a per-node guard
-(`optax.apply_if_finite`, `local_apply_if_finite`) around a transform that
-communicates.
+`lpdec.chain` (`chain_order`) builds chains with the guard in place, and
+`lpdec.check_chain` refuses a guard around a transform that communicates.
 """
 
 from __future__ import annotations
@@ -37,21 +32,8 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
-from lpdec.algorithms import choco
-from lpdec.algorithms import clipped_gossip
-from lpdec.algorithms import compressed_mean
-from lpdec.algorithms import d2
-from lpdec.algorithms import dcd
-from lpdec.algorithms import deepsqueeze
-from lpdec.algorithms import diloco
-from lpdec.algorithms import dpsgd
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
-from lpdec.algorithms import local_mean
-from lpdec.algorithms import master_weights
-from lpdec.algorithms import moniqua
-from lpdec.algorithms import naive_quantized
-from lpdec.algorithms import quant_sgp
-from lpdec.algorithms import sparse_push
 
 PyTree = Any
 
@@ -121,136 +103,4 @@ def local_apply_if_finite(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-def chain(
-    local: optax.GradientTransformation, *algorithms: optax.GradientTransformation
-) -> optax.GradientTransformationExtraArgs:
-    """The local optimizer, guarded, then lpdec's algorithm(s), on a float32 model.
-
-    `optax.chain(lpdec.choco(...), optax.adam(...))` (gossip first) is accepted by
-    optax but gossips raw gradients and lets Adam rescale the consensus step:
-    consensus was 253x worse in a test. Here the local optimizer comes first and
-    is wrapped in `local_apply_if_finite`. Low-precision (e.g. bfloat16)
-    parameters get a float32 master copy (`master_weights`): without it gossip
-    moves below a bfloat16 unit in the last place are lost and consensus stalls.
-
-    Args:
-      local: the local optimizer (must not communicate).
-      *algorithms: lpdec transforms applied to its update, e.g. `lpdec.choco(...)`.
-
-    Returns:
-      `master_weights(optax.chain(local_apply_if_finite(local), *algorithms))`;
-      with float32 parameters that is the chain itself, state included.
-    """
-    return master_weights.master_weights(optax.chain(local_apply_if_finite(local), *algorithms))
-
-
-# The states of the transforms that gossip the model: they come after the local
-# optimizer, on its update, and read `params`.
-GOSSIP_STATES = (
-    choco.ChocoState,
-    choco.ChocoPerPeerState,
-    clipped_gossip.ClippedGossipState,
-    d2.D2State,
-    dcd.DCDState,
-    deepsqueeze.DeepSqueezeState,
-    dpsgd.DPSGDState,
-    moniqua.MoniquaState,
-    naive_quantized.NaiveQuantizedState,
-    quant_sgp.QuantSGPState,
-    sparse_push.SparsePushState,
-)
-# The states of the centralized transforms: they come first, on gradients.
-MEAN_STATES = (compressed_mean.CompressedMeanState, local_mean.LocalMeanState)
-# Whole optimizers that communicate (they hold their local optimizer inside).
-WHOLE_STATES = (diloco.DiLoCoState,)
-_COMMUNICATING = GOSSIP_STATES + MEAN_STATES + WHOLE_STATES
-# Per-node guards: a communicating transform inside one is the unsafe wrapping.
-_GUARDS = {
-    optax.ApplyIfFiniteState: "optax.apply_if_finite",
-    LocalIfFiniteState: "lpdec.local_apply_if_finite",
-}
-# Fields through which optax's wrappers hold the state of the transform they wrap.
-_INNER_FIELDS = ("inner_state", "inner_opt_state", "inner_states", "inner")
-
-
-def _parts(state: PyTree, where: str):
-    """(kind, name, where) for each transform's state in chain order.
-
-    kind is "gossip", "mean", "whole", "local" (a non-lpdec state holding
-    arrays) or "stateless"; a communicating state inside a per-node guard
-    raises here.
-    """
-    if isinstance(state, _COMMUNICATING):
-        kind = (
-            "gossip"
-            if isinstance(state, GOSSIP_STATES)
-            else "mean"
-            if isinstance(state, MEAN_STATES)
-            else "whole"
-        )
-        yield kind, type(state).__name__, where
-        return
-    guard = _GUARDS.get(type(state))
-    if guard is not None:
-        inner = state.inner_state
-        for kind, name, inner_where in _parts(inner, f"{where}.inner_state"):
-            if kind in ("gossip", "mean", "whole"):
-                raise ValueError(
-                    f"opt_state{inner_where} ({name}) is wrapped in {guard}, a per-node "
-                    "conditional around a transform that communicates (a node reverted "
-                    "alone leaves its neighbours' copies of it wrong, or a collective "
-                    "deadlocks): wrap only the local optimizer, "
-                    "lpdec.chain(local_opt, gossip) does."
-                )
-        yield "local", type(state).__name__, where
-        return
-    if isinstance(state, dict):
-        for key in sorted(state):
-            yield from _parts(state[key], f"{where}[{key!r}]")
-        return
-    fields = getattr(state, "_fields", None)
-    if fields is None and isinstance(state, (tuple, list)):
-        for i, part in enumerate(state):
-            yield from _parts(part, f"{where}[{i}]")
-        return
-    if fields is not None:
-        inner = [f for f in fields if f in _INNER_FIELDS]
-        if inner:
-            for f in inner:
-                yield from _parts(getattr(state, f), f"{where}.{f}")
-            return
-    kind = "local" if jax.tree.leaves(state) else "stateless"
-    yield kind, type(state).__name__, where
-
-
-def check_chain(opt_state: PyTree) -> None:
-    """Raises a one-line ValueError for a chain order or wrapping lpdec can see is wrong.
-
-    Looks at an initialised optimizer state (`lpdec.init_nodes` calls this):
-
-    - a gossip algorithm's state before a local optimizer's that holds arrays
-      (``optax.chain(lpdec.choco(...), optax.adam(...))``): gossip then runs on
-      raw gradients and the optimizer rescales the consensus step;
-    - a transform that communicates inside ``optax.apply_if_finite`` or
-      ``lpdec.local_apply_if_finite`` (a per-node conditional around a
-      collective).
-
-    It cannot see a stateless transform after gossip (``optax.scale(-lr)`` in
-    ``optax.chain(lpdec.dpsgd(...), optax.sgd(lr))``, no momentum): the rule is
-    in README "Composing with optax".
-
-    Args:
-      opt_state: the state ``tx.init`` returned (per node or stacked).
-    """
-    parts = list(_parts(opt_state, ""))
-    gossip_seen = None
-    for kind, name, where in parts:
-        if kind == "gossip" and gossip_seen is None:
-            gossip_seen = (name, where)
-        elif kind == "local" and gossip_seen is not None:
-            raise ValueError(
-                f"opt_state{gossip_seen[1]} ({gossip_seen[0]}) comes before "
-                f"opt_state{where} ({name}) in the chain: a gossip algorithm must come "
-                "after the local optimizer (it gossips the local update and reads params); "
-                "build it with lpdec.chain(local_opt, gossip)"
-            )
+DECLARATION = declaration.Declaration(local_apply_if_finite, "wrapper", (LocalIfFiniteState,))

@@ -7,6 +7,7 @@ accelerators before a decentralized algorithm gossips between the nodes.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -15,6 +16,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 
 
@@ -30,23 +32,39 @@ class LocalMeanState(NamedTuple):
     health: health_lib.Health
 
 
-def init(params: optax.Params, *, axis_name: gossip.AxisName) -> LocalMeanState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`local_mean`'s arguments, validated on construction; `init` and `step` read them."""
+
+    axis_name: gossip.AxisName
+
+    def __post_init__(self):
+        if not _common.is_axis_name(self.axis_name):
+            raise TypeError(
+                "local_mean: axis_name must be an axis name or a tuple of distinct axis names; "
+                f"got {self.axis_name!r}."
+            )
+
+
+def init(params: optax.Params, hp: Hyperparams) -> LocalMeanState:
     """The state at step 0; must run under `axis_name`."""
     del params
-    gossip.require_axis(axis_name, "local_mean's init")
-    return LocalMeanState(health=health_lib.init(axis_name))
+    gossip.require_axis(hp.axis_name, "local_mean's init")
+    return LocalMeanState(health=health_lib.init(hp.axis_name))
 
 
 def step(
-    updates: optax.Updates, state: LocalMeanState, *, axis_name: gossip.AxisName
+    updates: optax.Updates,
+    state: LocalMeanState,
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, LocalMeanState]:
     """The mean of `updates` over `axis_name`; must run under that named axis."""
-    size = gossip.require_axis(axis_name, "local_mean")
+    size = gossip.require_axis(hp.axis_name, "local_mean")
     updates, ok, health = _common.guard_updates(updates, state.health)
     # A rank with NaN/Inf sends zeros and is left out of the count, so the others'
     # mean is unaffected; sum and count travel in one all-reduce.
     total, contributors = gossip.local_sum(
-        (_common.f32(updates), ok.astype(jnp.float32)), axis_name=axis_name
+        (_common.f32(updates), ok.astype(jnp.float32)), axis_name=hp.axis_name
     )
     scale = 1.0 / jnp.maximum(contributors, 1.0)
     mean = jax.tree.map(lambda t, u: (t * scale).astype(u.dtype), total, updates)
@@ -85,18 +103,17 @@ def local_mean(*, axis_name: gossip.AxisName) -> optax.GradientTransformationExt
       ...     lpdec.dpsgd(lpdec.ring(4), axis_name="nodes"),
       ... )
     """
-    if not _common.is_axis_name(axis_name):
-        raise TypeError(
-            "local_mean: axis_name must be an axis name or a tuple of distinct axis names; "
-            f"got {axis_name!r}."
-        )
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "local_mean")
-        return init(params, axis_name=axis_name)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del params, extra_args
-        return step(updates, state, axis_name=axis_name)
+        return step(updates, state, hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(local_mean, "mean", (LocalMeanState,), Hyperparams)

@@ -29,6 +29,7 @@ import jax.numpy as jnp
 import optax
 
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 
 PyTree = Any
 
@@ -95,3 +96,6 @@ def master_weights(inner: optax.GradientTransformation) -> optax.GradientTransfo
         return to_master, MasterWeightsState(master, inner_state)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(master_weights, "wrapper", (MasterWeightsState,))

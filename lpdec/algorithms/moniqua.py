@@ -73,6 +73,7 @@ steps.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -84,6 +85,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
 from lpdec.compress.modulo import Modulo
@@ -108,20 +110,54 @@ class MoniquaState(NamedTuple):
     health: health_lib.Health
 
 
-def init(
-    params: optax.Params,
-    *,
-    topology: Topology,
-    seed: int | jax.Array = 0,
-    axis_name: gossip.AxisName = "nodes",
-) -> MoniquaState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`moniqua`'s arguments, validated on construction; `init` and `step` read them.
+
+    A number θ is folded into the compressor (its own θ) and `theta` is then None;
+    a scalar array or a schedule stays in `theta` and overrides the compressor's θ
+    at every encode and decode.
+    """
+
+    topology: Topology
+    compressor: Modulo
+    theta: _common.Scalar | None = None
+    slack: _common.Scalar = 1.0
+    axis_name: gossip.AxisName = "nodes"
+    seed: int | jax.Array = 0
+
+    def __post_init__(self):
+        _common.check_topology(self.topology, "moniqua", require="doubly_stochastic")
+        if not isinstance(self.compressor, Modulo):
+            raise TypeError(
+                "moniqua sends its models modulo B_theta: its compressor must be "
+                f"lpdec.modulo(bits, theta) (e.g. lpdec.modulo(8, 0.5)); got {self.compressor!r}."
+            )
+        _common.check_scalar(
+            self.slack,
+            "moniqua",
+            "slack",
+            low=0.0,
+            high=1.0,
+            what=" (alpha in W' = alpha W + (1 - alpha) I)",
+        )
+        if self.theta is not None:
+            theta = _check_theta(self.theta)
+            if isinstance(theta, float):
+                # A number is the compressor's own θ, which it then never needs passed.
+                compressor = dataclasses.replace(self.compressor, theta=theta)
+                object.__setattr__(self, "compressor", compressor)
+                object.__setattr__(self, "theta", None)
+
+
+def init(params: optax.Params, hp: Hyperparams) -> MoniquaState:
     """The state at step 0; must run under `axis_name`."""
     del params
-    gossip.require_axis(axis_name, "moniqua's init", topology=topology)
+    gossip.require_axis(hp.axis_name, "moniqua's init", topology=hp.topology)
     return MoniquaState(
         count=jnp.zeros((), jnp.int32),
-        key=_common.key_from_seed(seed),
-        health=health_lib.init(axis_name),
+        key=_common.key_from_seed(hp.seed),
+        health=health_lib.init(hp.axis_name),
     )
 
 
@@ -137,7 +173,7 @@ def _encode(
     *,
     theta: jax.Array | None = None,
 ) -> PyTree:
-    """`_common.encode` (one key per leaf, split from `key`) with an optional θ override."""
+    """`lpdec.compress.tree.encode_tree` (one key per leaf, split from `key`), with a θ override."""
     leaves, treedef = jax.tree.flatten(tree)
     keys = list(jax.random.split(key, len(leaves)))
     kwargs = _leaf_kwargs(theta)
@@ -216,47 +252,39 @@ def step(
     updates: optax.Updates,
     state: MoniquaState,
     params: optax.Params,
-    *,
-    topology: Topology,
-    compressor: Modulo,
-    theta: _common.Scalar | None = None,
-    slack: _common.Scalar = 1.0,
-    axis_name: gossip.AxisName = "nodes",
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, MoniquaState]:
-    """One Moniqua step; must run under the named axis `axis_name`.
+    """One Moniqua step; must run under the named axis `hp.axis_name`.
 
     Args:
       updates: u_i, the incoming update.
       state: the state from `init` or the previous step.
       params: x_i, this node's model.
-      topology: W, before the slack.
-      compressor: Q_delta, the modulo quantizer.
-      theta: None to use the compressor's own θ; otherwise a number, a scalar
-        array or a schedule of `state.count` that overrides it.
-      slack: α of W' = α W + (1 - α) I: a number, a scalar array or a schedule.
-      axis_name: the named axis whose instances are the nodes.
+      hp: W (`topology`, before the slack), Q_delta (`compressor`), a θ
+        override (`theta`: None, a scalar array or a schedule of
+        `state.count`), α (`slack`) and the nodes' axis.
 
     Returns:
       (the update that lands the node on x_i^+, the next state).
     """
-    gossip.require_axis(axis_name, "moniqua", topology=topology)
-    me = gossip.node_index(axis_name)
+    gossip.require_axis(hp.axis_name, "moniqua", topology=hp.topology)
+    me = gossip.node_index(hp.axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     x = _common.f32(params)
-    theta_t = None if theta is None else _common.at_step(theta, state.count)
-    if isinstance(slack, (int, float)):
+    theta_t = None if hp.theta is None else _common.at_step(hp.theta, state.count)
+    if isinstance(hp.slack, (int, float)):
         # A known α goes into the weights, rounded once as W' itself.
-        mixing, alpha = topology.with_slack(slack), 1.0
+        mixing, alpha = hp.topology.with_slack(hp.slack), 1.0
     else:
         # sum_j W'_ij (x^_j - x^_i) = α sum_j W_ij (x^_j - x^_i): the j = i term is zero.
-        mixing, alpha = topology, _common.at_step(slack, state.count)
+        mixing, alpha = hp.topology, _common.at_step(hp.slack, state.count)
 
     # q_i = Q((x_i / B) mod 1), and the own biased term x^_i = decode(q_i, reference=x_i).
     key = _common.node_key(state.key, state.count, me)
-    payload = _encode(compressor, x, key, theta=theta_t)
+    payload = _encode(hp.compressor, x, key, theta=theta_t)
     kwargs = _leaf_kwargs(theta_t)
     x_hat = jax.tree.map(
-        lambda p, r: compressor.decode(p, reference=r, **kwargs).astype(jnp.float32),
+        lambda p, r: hp.compressor.decode(p, reference=r, **kwargs).astype(jnp.float32),
         payload,
         x,
         is_leaf=compress_base.is_payload,
@@ -264,13 +292,13 @@ def step(
 
     # A decode is within delta B of the true model (Lemma 2): beyond theta/2 + delta B the
     # two models are certainly more than theta/2 apart (or the decode wrapped).
-    theta_now = compressor.theta if theta_t is None else theta_t
-    half_theta = 0.5 * theta_now + compressor.delta * compressor.modulus(theta_t)
+    theta_now = hp.compressor.theta if theta_t is None else theta_t
+    half_theta = 0.5 * theta_now + hp.compressor.delta * hp.compressor.modulus(theta_t)
 
     def combine(round_):
-        received = gossip.exchange(payload, round_, axis_name=axis_name)
+        received = gossip.exchange(payload, round_, axis_name=hp.axis_name)
         return consensus_step(
-            compressor, received, x_hat, reference=x, theta=theta_t, warn_beyond=half_theta
+            hp.compressor, received, x_hat, reference=x, theta=theta_t, warn_beyond=half_theta
         )
 
     correction, skipped, warnings = gossip.in_round(mixing, state.count, combine)
@@ -280,18 +308,6 @@ def step(
     )
     health = health_lib.count_theta_warnings(health_lib.count_received(health, skipped), warnings)
     return _common.as_updates(new, params), MoniquaState(state.count + 1, state.key, health)
-
-
-def _check_bits(bits: int) -> int:
-    if isinstance(bits, (jax.Array, np.ndarray)):
-        raise ValueError(
-            "moniqua: bits sets the payload's shapes, so it must be a Python int in 1..8, not an "
-            "array; under optax.inject_hyperparams use "
-            f"optax.inject_hyperparams(lpdec.moniqua, static_args=('bits',)); got {bits!r}."
-        )
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"moniqua: bits must be an integer in 1..8; got {bits!r}.")
-    return bits
 
 
 def _check_theta(theta: _common.Scalar) -> _common.Scalar:
@@ -311,15 +327,14 @@ def _check_theta(theta: _common.Scalar) -> _common.Scalar:
 
 def moniqua(
     topology: Topology,
-    bits: int = 8,
-    theta: _common.Scalar = 1.0,
+    compressor: Modulo,
     *,
-    axis_name: gossip.AxisName = "nodes",
+    theta: _common.Scalar | None = None,
     slack: _common.Scalar = 1.0,
-    rounding: str = "nearest",
+    axis_name: gossip.AxisName = "nodes",
     seed: int | jax.Array = 0,
 ) -> optax.GradientTransformationExtraArgs:
-    r"""Moniqua: D-PSGD that sends each model modulo B_θ, quantized to `bits` bits.
+    r"""Moniqua: D-PSGD that sends each model modulo B_θ, quantized (`lpdec.modulo`).
 
     .. math::
 
@@ -328,9 +343,10 @@ def moniqua(
       x_i^{+} = x_i + \sum_j W'_{ij} (\hat x_{j|i} - \hat x_{i|i}) + u_i
 
     :math:`x_i` is params, :math:`u_i` the incoming update, :math:`Q_\delta`
-    rounds onto the :math:`2^{bits}` points of the unit circle (`rounding`;
-    :math:`\delta = 2^{-(bits+1)}` nearest, :math:`2^{-bits}` stochastic),
-    :math:`B_\theta = 2\theta/(1 - 2\delta)` with θ = `theta`, and
+    rounds onto the :math:`2^{bits}` points of the unit circle (`compressor`'s
+    bits and rounding; :math:`\delta = 2^{-(bits+1)}` nearest, :math:`2^{-bits}`
+    stochastic), :math:`B_\theta = 2\theta/(1 - 2\delta)` with θ the
+    compressor's (or `theta`, which overrides it), and
     :math:`W' = \alpha W + (1-\alpha) I` with α = `slack` and W `topology`'s
     mixing matrix. Decoding is exact up to :math:`\delta B_\theta` while
     neighbours differ by less than θ elementwise (Lemma 2); beyond it a model
@@ -345,22 +361,22 @@ def moniqua(
     Args:
       topology: a doubly stochastic `Topology` (seed 003, (A2)); static or
         time-varying (``random_matching``, ``one_peer_exponential``).
-      bits: code width, a Python int in 1..8 (it sets the payload's shapes:
-        ``optax.inject_hyperparams(lpdec.moniqua, static_args=("bits",))``).
-      theta: θ > 0, the a-priori bound on |x_i - x_j|: a number, a scalar
-        array, or a schedule step -> θ (evaluated on the step count, traced);
-        works with ``optax.inject_hyperparams``.
-      axis_name: the named axis whose instances are the nodes; `init` and
-        `update` must run under it (`jax.shard_map` or
-        `jax.vmap(axis_name=...)`).
+      compressor: Q_δ, ``lpdec.modulo(bits, theta, rounding)``: the code width
+        (1..8), θ > 0 (the a-priori bound on |x_i - x_j|) and the rounding,
+        "nearest" or "stochastic". Stochastic one-bit codes (seed 003's
+        experiments) are unbiased only where two neighbours lie within one
+        half-cell (`lpdec.modulo`), and their decode error can reach B/2 = 2θ,
+        so `Health.theta_warnings` (threshold θ/2 + δB) never fires for them.
+      theta: None (the compressor's θ), or θ > 0 overriding it: a number, a
+        scalar array, or a schedule step -> θ (evaluated on the step count,
+        traced); works with ``optax.inject_hyperparams``.
       slack: α in (0, 1]; 1 uses W itself, smaller values the lazier W' of
         Theorem 3, which 1-bit codes need: each 1-bit correction moves a model
         by 2θ W'_ij, which must not push neighbours θ apart. A number, a scalar
         array or a schedule, like `theta`.
-      rounding: "nearest" or "stochastic". Stochastic one-bit codes (seed 003's
-        experiments) are unbiased only where two neighbours lie within one
-        half-cell (`lpdec.modulo`), and their decode error can reach B/2 = 2θ,
-        so `Health.theta_warnings` (threshold θ/2 + δB) never fires for them.
+      axis_name: the named axis whose instances are the nodes; `init` and
+        `update` must run under it (`jax.shard_map` or
+        `jax.vmap(axis_name=...)`).
       seed: seeds the shared key for stochastic rounding (an int or an int
         scalar array).
 
@@ -370,49 +386,25 @@ def moniqua(
     Example:
       >>> tx = optax.chain(
       ...     optax.sgd(0.1),
-      ...     lpdec.moniqua(lpdec.ring(8), bits=1, theta=0.5, slack=0.2, axis_name="nodes"),
+      ...     lpdec.moniqua(lpdec.ring(8), lpdec.modulo(1, 0.5), slack=0.2, axis_name="nodes"),
       ... )
-      >>> scheduled = optax.inject_hyperparams(lpdec.moniqua, static_args=("bits",))(
-      ...     lpdec.ring(8), bits=8, theta=optax.linear_schedule(0.5, 0.1, 1000)
+      >>> scheduled = optax.inject_hyperparams(lpdec.moniqua)(
+      ...     lpdec.ring(8), lpdec.modulo(8), theta=optax.linear_schedule(0.5, 0.1, 1000)
       ... )
 
     References:
       Lu & De Sa, Moniqua: Modulo Quantized Communication in Decentralized
       SGD, ICML 2020, https://arxiv.org/abs/2002.11787
     """
-    _common.check_topology(topology, "moniqua", require="doubly_stochastic")
-    slack = _common.check_scalar(
-        slack,
-        "moniqua",
-        "slack",
-        low=0.0,
-        high=1.0,
-        what=" (alpha in W' = alpha W + (1 - alpha) I)",
-    )
-    bits = _check_bits(bits)
-    theta = _check_theta(theta)
-    # A number is the compressor's own θ. An array or a schedule is passed to every
-    # encode and decode instead, and the compressor's θ is never read.
-    static_theta = isinstance(theta, float)
-    compressor = Modulo(bits, theta if static_theta else 1.0, rounding)
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "moniqua")
-        return init(params, topology=topology, seed=seed, axis_name=axis_name)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        params = _common.require_params(params, "moniqua")
-        return step(
-            updates,
-            state,
-            params,
-            topology=topology,
-            compressor=compressor,
-            theta=None if static_theta else theta,
-            slack=slack,
-            axis_name=axis_name,
-        )
+        return step(updates, state, _common.require_params(params, "moniqua"), hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -447,3 +439,8 @@ def suggest_theta(params: PyTree, topology: Topology, *, margin: float = 2.0) ->
     src, dst = (np.array(side) for side in zip(*sorted(pairs), strict=True))
     widest = max(float(np.abs(x[src] - x[dst]).max()) for x in leaves)
     return margin * widest
+
+
+DECLARATION = declaration.Declaration(
+    moniqua, "gossip", (MoniquaState,), Hyperparams, also=(suggest_theta,)
+)

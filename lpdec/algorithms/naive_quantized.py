@@ -14,6 +14,7 @@ what Moniqua, CHOCO and DCD fix. Memory: none beyond a step counter and a key.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import NamedTuple
 
 import jax
@@ -22,8 +23,10 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
+from lpdec.compress import tree as compress_tree
 from lpdec.compress.modulo import Modulo
 from lpdec.topology import Topology
 
@@ -43,20 +46,33 @@ class NaiveQuantizedState(NamedTuple):
     health: health_lib.Health
 
 
-def init(
-    params: optax.Params,
-    *,
-    topology: Topology,
-    seed: int = 0,
-    axis_name: gossip.AxisName = "nodes",
-) -> NaiveQuantizedState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`naive_quantized`'s arguments, validated on construction; `init` and `step` read them."""
+
+    topology: Topology
+    compressor: compress_base.Compressor
+    axis_name: gossip.AxisName = "nodes"
+    seed: int = 0
+
+    def __post_init__(self):
+        _common.check_topology(self.topology, "naive_quantized", require="row_stochastic")
+        _common.check_compressor(self.compressor, "naive_quantized", "lpdec.minmax(8)")
+        if isinstance(self.compressor, Modulo):
+            raise TypeError(
+                "naive_quantized decodes each Q(x_j) on its own, but lpdec.modulo decodes against "
+                "the receiver's model; use lpdec.moniqua for modulo quantization."
+            )
+
+
+def init(params: optax.Params, hp: Hyperparams) -> NaiveQuantizedState:
     """The state at step 0; must run under `axis_name`."""
     del params
-    gossip.require_axis(axis_name, "naive_quantized's init", topology=topology)
+    gossip.require_axis(hp.axis_name, "naive_quantized's init", topology=hp.topology)
     return NaiveQuantizedState(
         count=jnp.zeros((), jnp.int32),
-        key=_common.key_from_seed(seed),
-        health=health_lib.init(axis_name),
+        key=_common.key_from_seed(hp.seed),
+        health=health_lib.init(hp.axis_name),
     )
 
 
@@ -64,28 +80,27 @@ def step(
     updates: optax.Updates,
     state: NaiveQuantizedState,
     params: optax.Params,
-    *,
-    topology: Topology,
-    compressor: compress_base.Compressor,
-    axis_name: gossip.AxisName = "nodes",
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, NaiveQuantizedState]:
     """One naive quantized gossip step; must run under the named axis `axis_name`."""
-    gossip.require_axis(axis_name, "naive_quantized", topology=topology)
-    me = gossip.node_index(axis_name)
+    gossip.require_axis(hp.axis_name, "naive_quantized", topology=hp.topology)
+    me = gossip.node_index(hp.axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     x = _common.f32(params)
-    payload = _common.encode(compressor, x, _common.node_key(state.key, state.count, me))
+    payload = compress_tree.encode_tree(
+        hp.compressor, x, _common.node_key(state.key, state.count, me)
+    )
 
     def sender_key(sender):
         return _common.node_key(state.key, state.count, sender)
 
     def combine(round_):
-        received = gossip.exchange(payload, round_, axis_name=axis_name)
+        received = gossip.exchange(payload, round_, axis_name=hp.axis_name)
         own = jax.tree.map(lambda v: received.self_weight * v, x)
         # A non-finite neighbour counts as the node's own model: rows of W keep their sums.
-        return gossip.accumulate(compressor, received, own, sender_key=sender_key, substitute=x)
+        return gossip.accumulate(hp.compressor, received, own, sender_key=sender_key, substitute=x)
 
-    mixed, skipped = gossip.in_round(topology, state.count, combine)
+    mixed, skipped = gossip.in_round(hp.topology, state.count, combine)
     new = jax.tree.map(lambda m, u: m + u.astype(jnp.float32), mixed, updates)
     health = health_lib.count_received(health, skipped)
     return _common.as_updates(new, params), NaiveQuantizedState(state.count + 1, state.key, health)
@@ -131,23 +146,19 @@ def naive_quantized(
       Lu & De Sa, Moniqua: Modulo Quantized Communication in Decentralized
       SGD, ICML 2020, https://arxiv.org/abs/2002.11787 (Section 3)
     """
-    _common.check_topology(topology, "naive_quantized", require="row_stochastic")
-    _common.check_compressor(compressor, "naive_quantized", "lpdec.minmax(8)")
-    if isinstance(compressor, Modulo):
-        raise TypeError(
-            "naive_quantized decodes each Q(x_j) on its own, but lpdec.modulo decodes against "
-            "the receiver's model; use lpdec.moniqua for modulo quantization."
-        )
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "naive_quantized")
-        return init(params, topology=topology, seed=seed, axis_name=axis_name)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        params = _common.require_params(params, "naive_quantized")
-        return step(
-            updates, state, params, topology=topology, compressor=compressor, axis_name=axis_name
-        )
+        return step(updates, state, _common.require_params(params, "naive_quantized"), hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(
+    naive_quantized, "gossip", (NaiveQuantizedState,), Hyperparams
+)

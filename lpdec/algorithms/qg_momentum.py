@@ -33,6 +33,7 @@ dtype, :math:`\hat m` in float32). No communication.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import numbers
 from typing import Any
@@ -44,6 +45,7 @@ import numpy as np
 import optax
 
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 
 
 class QGMomentumState(NamedTuple):
@@ -64,7 +66,29 @@ class QGMomentumState(NamedTuple):
     m_hat: Any
 
 
-def init(params: optax.Params) -> QGMomentumState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`qg_momentum`'s arguments, validated on construction; `init` and `step` read them."""
+
+    learning_rate: _common.Scalar
+    momentum: _common.Scalar = 0.9
+    nesterov: bool = False
+
+    def __post_init__(self):
+        lr = _known(self.learning_rate, "learning_rate")
+        if lr is not None and not (math.isfinite(lr) and lr >= 0):
+            raise ValueError(
+                "qg_momentum: learning_rate must be a finite number "
+                f">= 0; got {self.learning_rate!r}."
+            )
+        beta = _known(self.momentum, "momentum")
+        if beta is not None and not 0 <= beta < 1:
+            raise ValueError(f"qg_momentum: momentum must be in [0, 1); got {self.momentum!r}.")
+        if not isinstance(self.nesterov, bool):
+            raise TypeError(f"qg_momentum: nesterov must be True or False; got {self.nesterov!r}.")
+
+
+def init(params: optax.Params, hp: Hyperparams) -> QGMomentumState:
     """The state at step 0 (m_hat = 0); runs anywhere, as it does not communicate."""
     return QGMomentumState(
         count=jnp.zeros((), jnp.int32),
@@ -79,18 +103,15 @@ def step(
     updates: optax.Updates,
     state: QGMomentumState,
     params: optax.Params,
-    *,
-    learning_rate: _common.Scalar,
-    momentum: _common.Scalar,
-    nesterov: bool = False,
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, QGMomentumState]:
     """One QG-DSGDm step: `updates` are the gradients g, `params` are x^(t).
 
     `learning_rate` and `momentum` are numbers, scalar arrays or schedules of
     `state.count`.
     """
-    lr = _common.at_step(learning_rate, state.count)
-    beta = mu = _common.at_step(momentum, state.count)
+    lr = _common.at_step(hp.learning_rate, state.count)
+    beta = mu = _common.at_step(hp.momentum, state.count)
 
     # d^(t-1) = (x^(t-1) - x^(t)) / eta_(t-1) exists from the second step on, and only
     # after a step that moved (a schedule warming up from 0 has eta_0 = 0).
@@ -106,7 +127,7 @@ def step(
     def direction(grad, h):
         g = grad.astype(jnp.float32)
         m = g + beta * h
-        return (-lr * (g + beta * m if nesterov else m)).astype(grad.dtype)
+        return (-lr * (g + beta * m if hp.nesterov else m)).astype(grad.dtype)
 
     new_updates = jax.tree.map(direction, updates, m_hat)
     return new_updates, QGMomentumState(state.count + 1, params, lr, m_hat)
@@ -170,30 +191,16 @@ def qg_momentum(
       Lin et al., Quasi-Global Momentum: Accelerating Decentralized Deep
       Learning on Heterogeneous Data, ICML 2021, https://arxiv.org/abs/2102.04761
     """
-    lr = _known(learning_rate, "learning_rate")
-    if lr is not None and not (math.isfinite(lr) and lr >= 0):
-        raise ValueError(
-            f"qg_momentum: learning_rate must be a finite number >= 0; got {learning_rate!r}."
-        )
-    beta = _known(momentum, "momentum")
-    if beta is not None and not 0 <= beta < 1:
-        raise ValueError(f"qg_momentum: momentum must be in [0, 1); got {momentum!r}.")
-    if not isinstance(nesterov, bool):
-        raise TypeError(f"qg_momentum: nesterov must be True or False; got {nesterov!r}.")
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
-        return init(params)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        params = _common.require_params(params, "qg_momentum")
-        return step(
-            updates,
-            state,
-            params,
-            learning_rate=learning_rate,
-            momentum=momentum,
-            nesterov=nesterov,
-        )
+        return step(updates, state, _common.require_params(params, "qg_momentum"), hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(qg_momentum, "local", (QGMomentumState,), Hyperparams)

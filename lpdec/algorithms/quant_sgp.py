@@ -43,6 +43,7 @@ so :math:`s_i` always equals the weighted sum of the owners' public copies.
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -52,9 +53,11 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.algorithms import sparse_push
 from lpdec.compress import base as compress_base
+from lpdec.compress import tree as compress_tree
 from lpdec.topology import Topology
 
 
@@ -80,24 +83,34 @@ class QuantSGPState(NamedTuple):
     health: health_lib.Health
 
 
-def init(
-    params: optax.Params,
-    *,
-    topology: Topology,
-    seed: int = 0,
-    axis_name: gossip.AxisName = "nodes",
-) -> QuantSGPState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`quant_sgp`'s arguments, validated on construction; `init` and `step` read them."""
+
+    topology: Topology
+    compressor: compress_base.Compressor
+    gamma: _common.Scalar = 1.0
+    axis_name: gossip.AxisName = "nodes"
+    seed: int = 0
+
+    def __post_init__(self):
+        _common.check_topology(self.topology, "quant_sgp", require="column_stochastic", static=True)
+        _common.check_gamma(self.gamma, "quant_sgp")
+        _common.check_compressor(self.compressor, "quant_sgp", "lpdec.minmax(8)")
+
+
+def init(params: optax.Params, hp: Hyperparams) -> QuantSGPState:
     """The state at step 0 (x = params, w = 1, x_hat = s = 0); must run under `axis_name`."""
-    gossip.require_axis(axis_name, "quant_sgp's init", topology=topology)
-    zeros = _common.zeros_f32(params, axis_name)
+    gossip.require_axis(hp.axis_name, "quant_sgp's init", topology=hp.topology)
+    zeros = _common.zeros_f32(params, hp.axis_name)
     return QuantSGPState(
         count=jnp.zeros((), jnp.int32),
-        key=_common.key_from_seed(seed),
-        x=_common.own_f32(params, axis_name),
-        push_weight=sparse_push.init_push_weight(axis_name),
+        key=_common.key_from_seed(hp.seed),
+        x=_common.own_f32(params, hp.axis_name),
+        push_weight=sparse_push.init_push_weight(hp.axis_name),
         x_hat=zeros,
         neighbors=zeros,
-        health=health_lib.init(axis_name),
+        health=health_lib.init(hp.axis_name),
     )
 
 
@@ -105,17 +118,13 @@ def step(
     updates: optax.Updates,
     state: QuantSGPState,
     params: optax.Params,
-    *,
-    topology: Topology,
-    compressor: compress_base.Compressor,
-    gamma: _common.Scalar = 1.0,
-    axis_name: gossip.AxisName = "nodes",
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, QuantSGPState]:
     """One Quant-SGP step; must run under the named axis `axis_name`."""
-    gossip.require_axis(axis_name, "quant_sgp", topology=topology)
-    gamma = _common.at_step(gamma, state.count)
-    round_ = topology.rounds[0]
-    me = gossip.node_index(axis_name)
+    gossip.require_axis(hp.axis_name, "quant_sgp", topology=hp.topology)
+    gamma = _common.at_step(hp.gamma, state.count)
+    round_ = hp.topology.rounds[0]
+    me = gossip.node_index(hp.axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     # The update was computed at z_i = params, but it moves the biased model x_i.
     x_tilde = jax.tree.map(lambda x, u: x + u.astype(jnp.float32), state.x, updates)
@@ -123,14 +132,14 @@ def step(
     # q_i = C[x~_i - x^_i], sent with w_i along every edge class.
     key = _common.node_key(state.key, state.count, me)
     diff = jax.tree.map(jnp.subtract, x_tilde, state.x_hat)
-    payload = _common.encode(compressor, diff, key)
+    payload = compress_tree.encode_tree(hp.compressor, diff, key)
     received, neighbor_weights = sparse_push.exchange_with_weight(
-        payload, state.push_weight, round_, axis_name=axis_name
+        payload, state.push_weight, round_, axis_name=hp.axis_name
     )
 
     # x^_i += q_i, unless q_i is not finite: the receivers drop it as well.
-    sent_ok = gossip.payload_is_finite(compressor, payload)
-    q = _common.decode(compressor, payload, diff, key=key)
+    sent_ok = gossip.payload_is_finite(hp.compressor, payload)
+    q = _common.decode(hp.compressor, payload, diff, key=key)
     x_hat = jax.tree.map(lambda h, d: jnp.where(sent_ok, h + d, h), state.x_hat, q)
 
     def sender_key(sender):
@@ -138,7 +147,7 @@ def step(
 
     # s_i += sum_{j != i} W_ij q_j.
     neighbors, skipped = gossip.accumulate(
-        compressor, received, state.neighbors, sender_key=sender_key
+        hp.compressor, received, state.neighbors, sender_key=sender_key
     )
     # q_j and w_j are used independently: s_i must follow the senders' x^_j whatever w_j is.
     usable = [jnp.isfinite(w) for w in neighbor_weights]
@@ -162,8 +171,8 @@ def step(
 def quant_sgp(
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: _common.Scalar = 1.0,
     *,
+    gamma: _common.Scalar = 1.0,
     axis_name: gossip.AxisName = "nodes",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -219,25 +228,17 @@ def quant_sgp(
       Aketi et al., Low Precision Decentralized Distributed Training over IID
       and non-IID Data, 2021, https://arxiv.org/abs/2111.09389 (Algorithm 5)
     """
-    _common.check_topology(topology, "quant_sgp", require="column_stochastic", static=True)
-    gamma = _common.check_gamma(gamma, "quant_sgp")
-    _common.check_compressor(compressor, "quant_sgp", "lpdec.minmax(8)")
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "quant_sgp")
-        return init(params, topology=topology, seed=seed, axis_name=axis_name)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        params = _common.require_params(params, "quant_sgp")
-        return step(
-            updates,
-            state,
-            params,
-            topology=topology,
-            compressor=compressor,
-            gamma=gamma,
-            axis_name=axis_name,
-        )
+        return step(updates, state, _common.require_params(params, "quant_sgp"), hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(quant_sgp, "gossip", (QuantSGPState,), Hyperparams)

@@ -36,6 +36,7 @@ slice).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 from typing import NamedTuple
 
@@ -45,6 +46,7 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 
 PyTree = Any
 
@@ -89,33 +91,47 @@ def _unflatten(vector: jax.Array, like: PyTree) -> PyTree:
     return treedef.unflatten(out)
 
 
-def init(
-    params: optax.Params, *, inner: optax.GradientTransformation, axis_name: gossip.AxisName
-) -> ShardOverState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`shard_over`'s arguments, validated on construction; `init` and `step` read them."""
+
+    inner: optax.GradientTransformation
+    axis_name: gossip.AxisName
+
+    def __post_init__(self):
+        if not isinstance(self.inner, optax.GradientTransformation):
+            raise TypeError(
+                "shard_over needs an optax transform to run between the machines (e.g. lpdec.choco("
+                "lpdec.ring(2), lpdec.minmax(8), axis_name='machines')); "
+                f"got {self.inner!r}."
+            )
+        if not isinstance(self.axis_name, (str, tuple)):
+            raise TypeError(f"shard_over: axis_name must be an axis name; got {self.axis_name!r}.")
+
+
+def init(params: optax.Params, hp: Hyperparams) -> ShardOverState:
     """`inner`'s state for this worker's slice of `params`; must run under `axis_name`."""
-    gossip.require_axis(axis_name, "shard_over's init")
-    return ShardOverState(inner.init(_my_slice(params, axis_name)))
+    gossip.require_axis(hp.axis_name, "shard_over's init")
+    return ShardOverState(hp.inner.init(_my_slice(params, hp.axis_name)))
 
 
 def step(
     updates: optax.Updates,
     state: ShardOverState,
     params: optax.Params,
-    *,
-    inner: optax.GradientTransformation,
-    axis_name: gossip.AxisName,
+    hp: Hyperparams,
     **extra_args: Any,
 ) -> tuple[optax.Updates, ShardOverState]:
     """`inner` on this worker's slice, then the slices gathered over `axis_name`."""
-    gossip.require_axis(axis_name, "shard_over")
-    sliced, inner_state = inner.update(
-        _my_slice(updates, axis_name), state.inner, _my_slice(params, axis_name), **extra_args
+    gossip.require_axis(hp.axis_name, "shard_over")
+    sliced, inner_state = hp.inner.update(
+        _my_slice(updates, hp.axis_name), state.inner, _my_slice(params, hp.axis_name), **extra_args
     )
     # Every worker ends with the same full update: the machine's model stays one model.
     # Over a pair of axes (workers, nested vmap) the inner axis is gathered first, which
     # is the row-major order of the slices (jax cannot gather a mesh and a vmap axis at once).
     whole = sliced
-    for name in reversed((axis_name,) if isinstance(axis_name, str) else axis_name):
+    for name in reversed((hp.axis_name,) if isinstance(hp.axis_name, str) else hp.axis_name):
         whole = gossip.local_all_gather(whole, axis_name=name)
     return _unflatten(whole, updates), ShardOverState(inner_state)
 
@@ -160,19 +176,16 @@ def shard_over(
       Seed 004's hierarchy (reduce inside a machine, exchange between), applied
       to gossip; Koloskova et al., CHOCO-SGD, https://arxiv.org/abs/1907.09356
     """
-    if not isinstance(inner, optax.GradientTransformation):
-        raise TypeError(
-            "shard_over needs an optax transform to run between the machines (e.g. "
-            f"lpdec.choco(lpdec.ring(2), lpdec.minmax(8), axis_name='machines')); got {inner!r}."
-        )
-    if not isinstance(axis_name, (str, tuple)):
-        raise TypeError(f"shard_over: axis_name must be an axis name; got {axis_name!r}.")
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
-        return init(params, inner=inner, axis_name=axis_name)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         params = _common.require_params(params, "shard_over")
-        return step(updates, state, params, inner=inner, axis_name=axis_name, **extra_args)
+        return step(updates, state, params, hp, **extra_args)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(shard_over, "wrapper", (ShardOverState,), Hyperparams)

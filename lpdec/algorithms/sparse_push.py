@@ -32,6 +32,7 @@ u; here it is `push_weight`, as u is the incoming update.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 from typing import NamedTuple
@@ -42,8 +43,10 @@ import optax
 
 from lpdec import gossip
 from lpdec.algorithms import _common
+from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.compress import base as compress_base
+from lpdec.compress import tree as compress_tree
 from lpdec.topology import Round
 from lpdec.topology import Topology
 
@@ -115,22 +118,32 @@ def push_weight_correction(
     return correction
 
 
-def init(
-    params: optax.Params,
-    *,
-    topology: Topology,
-    seed: int = 0,
-    axis_name: gossip.AxisName = "nodes",
-) -> SparsePushState:
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Hyperparams:
+    """`sparse_push`'s arguments, validated on construction; `init` and `step` read them."""
+
+    topology: Topology
+    compressor: compress_base.Compressor
+    gamma: _common.Scalar = 1.0
+    axis_name: gossip.AxisName = "nodes"
+    seed: int = 0
+
+    def __post_init__(self):
+        _common.check_topology(self.topology, "sparse_push", require="column_stochastic")
+        _common.check_gamma(self.gamma, "sparse_push")
+        _common.check_compressor(self.compressor, "sparse_push", "lpdec.top_k(0.1)")
+
+
+def init(params: optax.Params, hp: Hyperparams) -> SparsePushState:
     """The state at step 0 (x = params, w = 1, delta = 0); must run under `axis_name`."""
-    gossip.require_axis(axis_name, "sparse_push's init", topology=topology)
+    gossip.require_axis(hp.axis_name, "sparse_push's init", topology=hp.topology)
     return SparsePushState(
         count=jnp.zeros((), jnp.int32),
-        key=_common.key_from_seed(seed),
-        x=_common.own_f32(params, axis_name),
-        push_weight=init_push_weight(axis_name),
-        error=_common.zeros_f32(params, axis_name),
-        health=health_lib.init(axis_name),
+        key=_common.key_from_seed(hp.seed),
+        x=_common.own_f32(params, hp.axis_name),
+        push_weight=init_push_weight(hp.axis_name),
+        error=_common.zeros_f32(params, hp.axis_name),
+        health=health_lib.init(hp.axis_name),
     )
 
 
@@ -138,16 +151,12 @@ def step(
     updates: optax.Updates,
     state: SparsePushState,
     params: optax.Params,
-    *,
-    topology: Topology,
-    compressor: compress_base.Compressor,
-    gamma: _common.Scalar = 1.0,
-    axis_name: gossip.AxisName = "nodes",
+    hp: Hyperparams,
 ) -> tuple[optax.Updates, SparsePushState]:
     """One Sparse-Push step; must run under the named axis `axis_name`."""
-    gossip.require_axis(axis_name, "sparse_push", topology=topology)
-    gamma = _common.at_step(gamma, state.count)
-    me = gossip.node_index(axis_name)
+    gossip.require_axis(hp.axis_name, "sparse_push", topology=hp.topology)
+    gamma = _common.at_step(hp.gamma, state.count)
+    me = gossip.node_index(hp.axis_name)
     updates, _, health = _common.guard_updates(updates, state.health)
     # The update was computed at z_i = params, but it moves the biased model x_i.
     x_tilde = jax.tree.map(lambda x, u: x + u.astype(jnp.float32), state.x, updates)
@@ -155,8 +164,8 @@ def step(
     # v_i = x~_i + delta_i; c_i = C[v_i]; delta_i = v_i - c_i.
     key = _common.node_key(state.key, state.count, me)
     v = jax.tree.map(jnp.add, x_tilde, state.error)
-    payload = _common.encode(compressor, v, key)
-    c = _common.decode(compressor, payload, v, key=key)
+    payload = compress_tree.encode_tree(hp.compressor, v, key)
+    c = _common.decode(hp.compressor, payload, v, key=key)
     error = jax.tree.map(jnp.subtract, v, c)
 
     def sender_key(sender):
@@ -164,11 +173,11 @@ def step(
 
     def consensus_step(round_):
         received, neighbor_weights = exchange_with_weight(
-            payload, state.push_weight, round_, axis_name=axis_name
+            payload, state.push_weight, round_, axis_name=hp.axis_name
         )
         # (c_j, w_j) is used whole or not at all, so that x_i and w_i stay biased alike.
         usable = [
-            gossip.payload_is_finite(compressor, p) & jnp.isfinite(w)
+            gossip.payload_is_finite(hp.compressor, p) & jnp.isfinite(w)
             for p, w in zip(received.payloads, neighbor_weights, strict=True)
         ]
         coefficient = self_coefficient(received, usable)
@@ -176,13 +185,13 @@ def step(
         # A refused message's share is already in `own`; weight 0 keeps it out of the sum.
         weights = [jnp.where(ok, w, 0.0) for w, ok in zip(received.weights, usable, strict=True)]
         correction, _ = gossip.accumulate(
-            compressor, received._replace(weights=weights), own, sender_key=sender_key
+            hp.compressor, received._replace(weights=weights), own, sender_key=sender_key
         )
         w_correction = push_weight_correction(state.push_weight, received, neighbor_weights, usable)
         skipped = sum((1 - ok.astype(jnp.int32) for ok in usable), jnp.int32(0))
         return correction, w_correction, skipped
 
-    correction, w_correction, skipped = gossip.in_round(topology, state.count, consensus_step)
+    correction, w_correction, skipped = gossip.in_round(hp.topology, state.count, consensus_step)
     health = health_lib.count_received(health, skipped)
     x = jax.tree.map(lambda xt, d: xt + gamma * d, x_tilde, correction)
     push_weight = state.push_weight + gamma * w_correction
@@ -194,8 +203,8 @@ def step(
 def sparse_push(
     topology: Topology,
     compressor: compress_base.Compressor,
-    gamma: _common.Scalar = 1.0,
     *,
+    gamma: _common.Scalar = 1.0,
     axis_name: gossip.AxisName = "nodes",
     seed: int = 0,
 ) -> optax.GradientTransformationExtraArgs:
@@ -253,25 +262,17 @@ def sparse_push(
       Aketi et al., Low Precision Decentralized Distributed Training over IID
       and non-IID Data, 2021, https://arxiv.org/abs/2111.09389 (Algorithm 4)
     """
-    _common.check_topology(topology, "sparse_push", require="column_stochastic")
-    gamma = _common.check_gamma(gamma, "sparse_push")
-    _common.check_compressor(compressor, "sparse_push", "lpdec.top_k(0.1)")
+    hp = Hyperparams(**locals())
 
     def init_fn(params):
         _common.check_float_params(params, "sparse_push")
-        return init(params, topology=topology, seed=seed, axis_name=axis_name)
+        return init(params, hp)
 
     def update_fn(updates, state, params=None, **extra_args):
         del extra_args
-        params = _common.require_params(params, "sparse_push")
-        return step(
-            updates,
-            state,
-            params,
-            topology=topology,
-            compressor=compressor,
-            gamma=gamma,
-            axis_name=axis_name,
-        )
+        return step(updates, state, _common.require_params(params, "sparse_push"), hp)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+DECLARATION = declaration.Declaration(sparse_push, "gossip", (SparsePushState,), Hyperparams)
