@@ -16,10 +16,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from lpdec.kernels_pallas import _common
 from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import minmax
 from lpdec.kernels_pallas import modulo
+from lpdec.kernels_pallas import numerics
+from lpdec.kernels_pallas import platforms
 
 SHAPES = [(1, 1), (1, 7), (5, 1), (3, 1000), (37, 128), (130, 33)]
 FLOAT_DTYPES = [jnp.float32, jnp.bfloat16, jnp.float16]
@@ -108,7 +109,7 @@ class _KernelChecks:
         Triton blocks need power-of-two extents; elsewhere the jnp path runs.
         """
         on_gpu = jax.default_backend() in ("gpu", "cuda", "rocm")
-        if not self.interpret and on_gpu and not all(map(_common.is_power_of_two, extents)):
+        if not self.interpret and on_gpu and not all(map(platforms.is_power_of_two, extents)):
             pytest.skip("Triton takes power-of-two blocks only: the dispatch picks jnp here")
 
     @pytest.mark.parametrize("shape", SHAPES)
@@ -239,7 +240,7 @@ if jax.default_backend() != "cpu":
 
 @pytest.mark.parametrize(
     "implementation, expected",
-    [("xla", None), (None, None), ("pallas", _common.Target("cpu", True))],
+    [("xla", None), (None, None), ("pallas", platforms.Target("cpu", True))],
 )
 def test_eager_dispatch_on_cpu_picks_the_default_backends_branch(implementation, expected):
     seen = []
@@ -248,13 +249,13 @@ def test_eager_dispatch_on_cpu_picks_the_default_backends_branch(implementation,
         seen.append(target)
         return x
 
-    _common.dispatch(implementation, body, jnp.zeros(3))
+    platforms.dispatch(implementation, body, jnp.zeros(3))
     assert seen == [expected]
 
 
 def test_dispatch_rejects_unknown_implementation():
     with pytest.raises(ValueError, match="implementation"):
-        _common.dispatch("cuda", lambda x, *, target: x, jnp.zeros(3))
+        platforms.dispatch("cuda", lambda x, *, target: x, jnp.zeros(3))
 
 
 @pytest.mark.parametrize("implementation", ["xla", "pallas"])
@@ -272,14 +273,14 @@ def test_hash_uniform_is_uniform_and_seed_dependent(rng):
     """Chi-square over 64 bins of 2**16 draws, and two seeds give unrelated streams."""
     index = jnp.arange(1 << 16, dtype=jnp.uint32)
     s = random_seeds(rng)
-    u = np.asarray(_common.hash_uniform(jnp.uint32(s[0, 0]), jnp.uint32(s[0, 1]), index))
+    u = np.asarray(numerics.hash_uniform(jnp.uint32(s[0, 0]), jnp.uint32(s[0, 1]), index))
     assert u.min() >= 0.0 and u.max() < 1.0
     counts = np.histogram(u, bins=64, range=(0, 1))[0]
     expected = u.size / 64
     chi2 = ((counts - expected) ** 2 / expected).sum()
     # 63 degrees of freedom: P(chi2 > 120) < 1e-5.
     assert chi2 < 120, chi2
-    v = np.asarray(_common.hash_uniform(jnp.uint32(s[0, 0] ^ 1), jnp.uint32(s[0, 1]), index))
+    v = np.asarray(numerics.hash_uniform(jnp.uint32(s[0, 0] ^ 1), jnp.uint32(s[0, 1]), index))
     assert abs(np.corrcoef(u, v)[0, 1]) < 0.03
     np.testing.assert_array_equal(u, np_uniform(s, (1, 1 << 16)).reshape(-1))
 
@@ -399,7 +400,7 @@ class TestPlatformKernels:
 
     def test_blocks_split_the_rows(self, platform):
         """The shapes above span several blocks of this platform's kernels."""
-        target = _common.Target(platform)
+        target = platforms.Target(platform)
         assert any(target.block_rows(r, c, (jnp.uint8,)) < r for r, c in PLATFORM_SHAPES)
         assert target.block_rows(40, 4096) < 40  # dequantize
         assert target.block_rows(80, 1024) < 80  # modulo

@@ -2,7 +2,7 @@
 
 The programs are traced on this CPU-only machine and lowered with
 `lowering_platforms=("cuda",)` or `("tpu",)`: no accelerator is needed to see
-which implementation each platform gets (`lpdec.kernels_pallas._common.dispatch`).
+which implementation each platform gets (`lpdec.kernels_pallas.platforms.dispatch`).
 A compiled Pallas kernel lowers to one custom call (Triton's on CUDA, Mosaic's on
 TPU). An interpreted kernel lowers to an XLA while loop over its grid and no custom
 call, so each check also asserts that no `stablehlo.while` is left
@@ -22,9 +22,9 @@ from jax.experimental.pallas import triton as pallas_triton
 
 import lpdec
 from lpdec import gossip
-from lpdec.kernels_pallas import _common
 from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import minmax as minmax_kernels
+from lpdec.kernels_pallas import platforms
 
 PLATFORMS = ("cuda", "tpu")
 # jax 0.11 names the Triton custom call's target; jax 0.10 emits this one.
@@ -130,7 +130,7 @@ def test_gpu_packs_odd_bit_widths_with_jnp(bits):
     """Triton blocks need power-of-two extents: a [G, bits] byte block has none."""
     comp = lpdec.minmax(bits)
     x = jax.ShapeDtypeStruct((SIZES[0],), jnp.float32)
-    assert not bitpack.pack_lowers(_common.Target("gpu"), SIZES[0] // 8, bits)
+    assert not bitpack.pack_lowers(platforms.Target("gpu"), SIZES[0] // 8, bits)
     # cuda: the quantize kernel only; tpu: quantize and pack.
     assert_kernels(trace(comp.encode, x), {"cuda": 1, "tpu": 2})
     payload = jax.eval_shape(comp.encode, x)
@@ -141,8 +141,8 @@ def test_gpu_quantizes_a_chunk_that_is_not_a_power_of_two_with_jnp():
     """A 1000-element leaf is one 1000-element chunk: jnp on GPU, the kernel on TPU."""
     comp = lpdec.minmax(8)
     x = jax.ShapeDtypeStruct((1000,), jnp.float32)
-    assert not minmax_kernels.quantize_lowers(_common.Target("gpu"), 1, 1000, jnp.float32)
-    assert minmax_kernels.quantize_lowers(_common.Target("tpu"), 1, 1000, jnp.float32)
+    assert not minmax_kernels.quantize_lowers(platforms.Target("gpu"), 1, 1000, jnp.float32)
+    assert minmax_kernels.quantize_lowers(platforms.Target("tpu"), 1, 1000, jnp.float32)
     assert_kernels(trace(comp.encode, x), {"cuda": 0, "tpu": 1})
     payload = jax.eval_shape(comp.encode, x)
     assert_kernels(trace(comp.decode, payload), {"cuda": 0, "tpu": 1})
@@ -172,21 +172,21 @@ F32, BF16, U8 = jnp.float32, jnp.bfloat16, jnp.uint8
     ],
 )
 def test_block_rules(platform, block, shape, dtype, lowers):
-    assert _common.Target(platform).lowers((block, shape, dtype)) == lowers
+    assert platforms.Target(platform).lowers((block, shape, dtype)) == lowers
 
 
 def test_tpu_blocks_are_whole_tiles():
     """A 16384-element chunk makes 4-row blocks; TPU rounds them up to 32 rows (uint8 tiles)."""
     comp = lpdec.minmax(1, chunk_size=16384)
     size = 16384 * 40 + 5
-    assert _common.Target("tpu").block_rows(41, 16384, (jnp.uint8,)) == 32
+    assert platforms.Target("tpu").block_rows(41, 16384, (jnp.uint8,)) == 32
     x = jax.ShapeDtypeStruct((size,), jnp.float32)
     assert_kernels(trace(comp.encode, x), {"cuda": 2, "tpu": 2})
 
 
 def test_without_pallas_triton_the_gpu_takes_jnp(monkeypatch):
     """A jax without the Triton lowering (it is deprecated from 0.11) still lowers for cuda."""
-    monkeypatch.setattr(_common, "pallas_triton", None)
+    monkeypatch.setattr(platforms, "pallas_triton", None)
     comp = lpdec.minmax(4)
     x = jax.ShapeDtypeStruct((SIZES[0],), jnp.float32)
     assert_kernels(trace(comp.encode, x), {"cuda": 0, "tpu": 2})

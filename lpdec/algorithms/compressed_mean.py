@@ -54,8 +54,8 @@ from lpdec import gossip
 from lpdec.algorithms import _common
 from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
+from lpdec.compress import Modulo
 from lpdec.compress import base as compress_base
-from lpdec.compress.modulo import Modulo
 
 _SCATTER_REDUCE = 1
 _ALL_GATHER = 2

@@ -52,9 +52,9 @@ from lpdec.algorithms import _common
 from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.algorithms import moniqua
+from lpdec.compress import Identity
 from lpdec.compress import base as compress_base
 from lpdec.compress import tree as compress_tree
-from lpdec.compress.identity import Identity
 from lpdec.topology import Topology
 
 # Tang et al. (2018) need every eigenvalue of W above -1/3. ring(n) with even n

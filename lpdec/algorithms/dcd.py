@@ -42,10 +42,10 @@ from lpdec import gossip
 from lpdec.algorithms import _common
 from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
+from lpdec.compress import Modulo
 from lpdec.compress import base as compress_base
 from lpdec.compress import tree as compress_tree
-from lpdec.compress.modulo import Modulo
-from lpdec.kernels_pallas._common import rounded
+from lpdec.kernels_pallas import rounded
 from lpdec.topology import Topology
 
 REPLICAS = ("sum", "per_peer")

@@ -98,14 +98,9 @@ class Compressor(abc.ABC):
 
 
 # ----------------------------------------------------------------------------
-# Argument validation shared by the factories.
+# Argument validation shared by the factories (the bit-width and `implementation=`
+# rules are the kernels' own: `lpdec.kernels_pallas.check_bits`, `check_implementation`).
 # ----------------------------------------------------------------------------
-
-
-def check_bits(bits) -> int:
-    if isinstance(bits, bool) or not isinstance(bits, (int, np.integer)) or not 1 <= bits <= 8:
-        raise ValueError(f"bits must be an integer in 1..8; got {bits!r}.")
-    return int(bits)
 
 
 def check_rounding(rounding) -> str:
@@ -122,11 +117,6 @@ def check_ratio(ratio) -> float:
     ):
         raise ValueError(f"ratio must be a number in (0, 1]; got {ratio!r}.")
     return float(ratio)
-
-
-def check_implementation(implementation) -> None:
-    if implementation not in (None, "xla", "pallas"):
-        raise ValueError(f"implementation must be None, 'xla' or 'pallas'; got {implementation!r}.")
 
 
 def check_float_input(x, who: str) -> jax.Array:

@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lpdec.kernels_pallas import _common
+from lpdec.kernels_pallas import numerics
+from lpdec.kernels_pallas import platforms
 
 _GROUP = 8
 
@@ -24,11 +25,6 @@ _GROUP = 8
 def packed_size(num_elements: int, bits: int) -> int:
     """Bytes of `num_elements` codes of `bits` bits: ceil(num_elements * bits / 8)."""
     return -(-num_elements * bits // 8)
-
-
-def _check_bits(bits: int) -> None:
-    if not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise ValueError(f"bits must be an integer in 1..8; got {bits!r}.")
 
 
 def _or_disjoint(piece: jax.Array) -> jax.Array:
@@ -96,7 +92,7 @@ def _group_blocks(target, groups: int, bits: int, block_groups: int | None = Non
     16 elements per group.
     """
     bg = block_groups or target.block_rows(groups, 2 * _GROUP, (jnp.uint8,))
-    padded = _common.num_rows(groups, bg) * bg
+    padded = platforms.num_rows(groups, bg) * bg
     blocks = [((bg, _GROUP), (padded, _GROUP), jnp.uint8), ((bg, bits), (padded, bits), jnp.uint8)]
     return bg, padded, blocks
 
@@ -121,7 +117,7 @@ def _group_call(kernel, grouped, *, width_in, width_out, bits, block_groups, tar
         grid=(padded // bg,),
         in_specs=[pl.BlockSpec((bg, width_in), lambda i: (i, 0))],
         out_specs=pl.BlockSpec((bg, width_out), lambda i: (i, 0)),
-        out_shape=_common.out_struct((padded, width_out), jnp.uint8, grouped),
+        out_shape=platforms.out_struct((padded, width_out), jnp.uint8, grouped),
     )(jnp.pad(grouped, ((0, padded - groups), (0, 0))))
     return out[:groups]
 
@@ -133,12 +129,12 @@ def pack_pallas(
     bits: int,
     block_groups: int | None = None,
     interpret: bool = False,
-    platform: _common.Platform | None = None,
+    platform: platforms.Platform | None = None,
 ) -> jax.Array:
     """Pallas kernel: [G, 8] uint8 codes -> [G, bits] uint8 bytes.
 
     `platform` ("cpu", "gpu", "tpu") builds the kernel that platform compiles
-    (`_common.Target`); None takes the lowering platform's, interpreted on CPU.
+    (`platforms.Target`); None takes the lowering platform's, interpreted on CPU.
     `interpret` interprets it.
     """
     body = functools.partial(
@@ -150,8 +146,8 @@ def pack_pallas(
         block_groups=block_groups,
     )
     if platform is None:
-        return _common.on_each_platform(body, codes, interpret=interpret)
-    return body(codes, target=_common.Target(platform, interpret))
+        return platforms.on_each_platform(body, codes, interpret=interpret)
+    return body(codes, target=platforms.Target(platform, interpret))
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "block_groups", "interpret", "platform"))
@@ -161,7 +157,7 @@ def unpack_pallas(
     bits: int,
     block_groups: int | None = None,
     interpret: bool = False,
-    platform: _common.Platform | None = None,
+    platform: platforms.Platform | None = None,
 ) -> jax.Array:
     """Pallas kernel: [G, bits] uint8 bytes -> [G, 8] uint8 codes (see pack_pallas)."""
     body = functools.partial(
@@ -173,19 +169,18 @@ def unpack_pallas(
         block_groups=block_groups,
     )
     if platform is None:
-        return _common.on_each_platform(body, packed, interpret=interpret)
-    return body(packed, target=_common.Target(platform, interpret))
+        return platforms.on_each_platform(body, packed, interpret=interpret)
+    return body(packed, target=platforms.Target(platform, interpret))
 
 
-def pack_bits_on(codes: jax.Array, *, bits: int, target) -> jax.Array:
+def _pack_bits_on(codes: jax.Array, *, bits: int, target) -> jax.Array:
     """The `pack_bits` that `target` runs: its kernel, or the jnp reference (`pack_lowers`)."""
-    _check_bits(bits)
     if codes.ndim != 1:
         raise ValueError(f"codes must be 1-D; got shape {codes.shape}.")
     d = codes.shape[0]
     if bits == 8:
         return codes.astype(jnp.uint8)
-    groups = _common.num_rows(d, _GROUP)
+    groups = platforms.num_rows(d, _GROUP)
     grouped = jnp.pad(codes.astype(jnp.uint8), (0, groups * _GROUP - d)).reshape(groups, _GROUP)
     if pack_lowers(target, groups, bits):
         out = pack_pallas(grouped, bits=bits, interpret=target.interpret, platform=target.platform)
@@ -194,9 +189,8 @@ def pack_bits_on(codes: jax.Array, *, bits: int, target) -> jax.Array:
     return out.reshape(-1)[: packed_size(d, bits)]
 
 
-def unpack_bits_on(packed: jax.Array, *, bits: int, num_elements: int, target) -> jax.Array:
+def _unpack_bits_on(packed: jax.Array, *, bits: int, num_elements: int, target) -> jax.Array:
     """The `unpack_bits` that `target` runs: its kernel, or the jnp reference."""
-    _check_bits(bits)
     expected = packed_size(num_elements, bits)
     if packed.shape != (expected,):
         raise ValueError(
@@ -205,7 +199,7 @@ def unpack_bits_on(packed: jax.Array, *, bits: int, num_elements: int, target) -
         )
     if bits == 8:
         return packed
-    groups = _common.num_rows(num_elements, _GROUP)
+    groups = platforms.num_rows(num_elements, _GROUP)
     grouped = jnp.pad(packed, (0, groups * bits - expected)).reshape(groups, bits)
     if pack_lowers(target, groups, bits):
         out = unpack_pallas(
@@ -220,7 +214,7 @@ def pack_bits(
     codes: jax.Array,
     *,
     bits: int,
-    implementation: _common.Implementation = None,
+    implementation: platforms.Implementation = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Packs a flat uint8 array of `bits`-bit codes into ceil(d * bits / 8) bytes.
@@ -229,14 +223,14 @@ def pack_bits(
       codes: uint8[d], each value < 2**bits (higher bits are ignored).
       bits: code width, 1..8.
       implementation: None (Pallas on GPU/TPU, jnp on CPU), "xla" or "pallas",
-        chosen per lowering platform (`_common.dispatch`).
+        chosen per lowering platform (`platforms.dispatch`).
       interpret: run the Pallas kernel in interpret mode (tests on CPU).
 
     Returns:
       uint8[ceil(d * bits / 8)].
     """
-    body = functools.partial(pack_bits_on, bits=bits)
-    return _common.dispatch(implementation, body, codes, interpret=interpret)
+    body = functools.partial(_pack_bits_on, bits=numerics.check_bits(bits))
+    return platforms.dispatch(implementation, body, codes, interpret=interpret)
 
 
 def unpack_bits(
@@ -244,9 +238,11 @@ def unpack_bits(
     *,
     bits: int,
     num_elements: int,
-    implementation: _common.Implementation = None,
+    implementation: platforms.Implementation = None,
     interpret: bool = False,
 ) -> jax.Array:
     """Inverse of `pack_bits`: uint8[ceil(d * bits / 8)] -> uint8[d] codes."""
-    body = functools.partial(unpack_bits_on, bits=bits, num_elements=num_elements)
-    return _common.dispatch(implementation, body, packed, interpret=interpret)
+    body = functools.partial(
+        _unpack_bits_on, bits=numerics.check_bits(bits), num_elements=num_elements
+    )
+    return platforms.dispatch(implementation, body, packed, interpret=interpret)

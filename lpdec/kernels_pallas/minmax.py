@@ -20,8 +20,8 @@ kernels, so they agree bit for bit.
 On CPU there is no kernel: XLA runs the same math as two passes over x, one
 reduction producing each row's (min, max), then one element-wise loop producing
 the codes; both are written for that (`_row_min_max`, `_codes_from_levels`).
-The compressor calls the `*_elementwise` ops there, which keep the caller's
-layout (see the section that defines them for why).
+The public ops (`quantize`, `dequantize`, `dequantize_accumulate`) take that
+path there in the caller's layout (see the section that defines it for why).
 
 Reading x once by quantizing cache-sized blocks of chunks in a loop (reduce a
 block, then write its codes into the output with a dynamic-update-slice) was
@@ -36,12 +36,14 @@ use every core.
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lpdec.kernels_pallas import _common
+from lpdec.kernels_pallas import numerics
+from lpdec.kernels_pallas import platforms
 
 
 def _order_key(v):
@@ -118,7 +120,7 @@ def _row_scales(x, *, bits: int, variadic: bool):
     lo, hi = _row_min_max(x, variadic=variadic)
     # Multiply by a rounded reciprocal rather than divide by a constant: XLA rewrites
     # x / c as x * (1 / c) in some fusions and not others, which would change the last bit.
-    unit = (hi - lo) * jnp.float32(1.0 / _common.levels(bits))
+    unit = (hi - lo) * jnp.float32(1.0 / numerics.levels(bits))
     # 1 / unit, or 0 where unit is 0 or NaN. Written with the division last (1/inf = 0)
     # so XLA keeps it in its own small fusion: the element-wise loop then loads one
     # scale per row instead of recomputing unit and the select for every vector.
@@ -134,26 +136,26 @@ def _codes(x, lo, inv_unit, seeds, index, *, bits: int):
     """
     t = (x - lo) * inv_unit
     if index is not None:
-        t = jnp.floor(_common.rounded(t) + _common.hash_uniform(seeds[0, 0], seeds[0, 1], index))
+        t = jnp.floor(numerics.rounded(t) + numerics.hash_uniform(seeds[0, 0], seeds[0, 1], index))
     # Rounding error can push t just outside [0, top]: the codes clamp at both ends.
     # A NaN t (the row's scales already carry the NaN) gets code 0.
-    return _codes_from_levels(t, _common.levels(bits))
+    return _codes_from_levels(t, numerics.levels(bits))
 
 
 def _quantize_rows(x, seeds, row0, *, bits: int, stochastic: bool, variadic: bool):
     """[r, c] float -> (uint8 codes [r, c], float32 lo [r, 1], float32 unit [r, 1])."""
     x = x.astype(jnp.float32)
     lo, unit, inv_unit = _row_scales(x, bits=bits, variadic=variadic)
-    index = _common.element_index(x.shape, row0, x.shape[1]) if stochastic else None
+    index = numerics.element_index(x.shape, row0, x.shape[1]) if stochastic else None
     return _codes(x, lo, inv_unit, seeds, index, bits=bits), lo, unit
 
 
 def _dequantize_rows(codes, lo, unit):
-    return lo + _common.rounded(codes.astype(jnp.float32) * unit)
+    return lo + numerics.rounded(codes.astype(jnp.float32) * unit)
 
 
 def _accumulate_rows(acc, weight, codes, lo, unit):
-    return acc + _common.rounded(weight * _dequantize_rows(codes, lo, unit))
+    return acc + numerics.rounded(weight * _dequantize_rows(codes, lo, unit))
 
 
 # ----------------------------------------------------------------------------
@@ -183,39 +185,60 @@ def dequantize_accumulate_reference(acc, weight, codes, lo, unit):
 # `lax.scan`) in place only when the fusion that writes it reads the old value
 # element for element in the same shape. Viewing a state leaf as [rows, chunk]
 # breaks that, and XLA then copies the leaf every step: two model-sized copies
-# per CHOCO step. These ops take per-element scales (the per-row scales spread
-# over the caller's shape) and do the same arithmetic as the row functions
-# above, so they give the same bits.
+# per CHOCO step. These functions take per-element scales (the per-chunk scales
+# spread over the caller's shape) and do the same arithmetic as the row
+# functions above, so they give the same bits.
 # ----------------------------------------------------------------------------
 
 
-def row_scales(x2d, *, bits: int):
-    """Per-row (lo, unit, 1 / unit or 0) of a [rows, chunk] float array, each float32 [rows, 1]."""
-    return _row_scales(x2d.astype(jnp.float32), bits=bits, variadic=True)
+def _spread(per_chunk, chunk: int, shape: tuple[int, ...]):
+    """Per-chunk values -> one per element of `shape` (chunks of `chunk` row-major elements).
+
+    Only the scales are broadcast and reshaped; the data keeps its own shape.
+    """
+    d = math.prod(shape)
+    rows = per_chunk.size
+    spread = jnp.broadcast_to(per_chunk.reshape(rows, 1), (rows, chunk)).reshape(-1)
+    return spread[:d].reshape(shape)
 
 
-def quantize_elementwise(x, lo, inv_unit, seeds=None, *, bits: int, stochastic: bool):
-    """Codes of `x` (any shape) given per-element lo and 1 / unit of x's shape.
+def _chunk_scales(flat, chunk: int, *, bits: int):
+    """Per-chunk (lo, unit, 1 / unit or 0) of a flat float array, each float32 [rows, 1].
+
+    The full chunks and the partial last one are reduced as two views of `flat`,
+    so a ragged size costs no padded copy.
+    """
+    full = flat.size // chunk
+    views = []
+    if full:
+        views.append(flat[: full * chunk].reshape(full, chunk))
+    if full * chunk != flat.size:
+        views.append(flat[full * chunk :].reshape(1, -1))
+    parts = [_row_scales(v.astype(jnp.float32), bits=bits, variadic=True) for v in views]
+    if not parts:  # an empty array: no chunks
+        return tuple(jnp.zeros((0, 1), jnp.float32) for _ in range(3))
+    if len(parts) == 1:
+        return parts[0]
+    return tuple(jnp.concatenate(p, axis=0) for p in zip(*parts, strict=True))
+
+
+def _quantize_elementwise(x, seeds, *, chunk: int, bits: int, stochastic: bool):
+    """(codes in x's shape, lo, unit) with the scales spread over x's shape.
 
     Stochastic rounding draws element i's bits from its flat (row-major) index,
     as the [rows, chunk] kernels do.
     """
-    if stochastic and seeds is None:
-        raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
-    index = None
-    if stochastic:
-        index = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape)
-    return _codes(x.astype(jnp.float32), lo, inv_unit, seeds, index, bits=bits)
-
-
-def dequantize_elementwise(codes, lo, unit, *, dtype=jnp.float32):
-    """lo + codes * unit with per-element scales, cast to `dtype`."""
-    return _dequantize_rows(codes, lo, unit).astype(dtype)
-
-
-def dequantize_accumulate_elementwise(acc, weight, codes, lo, unit):
-    """acc + weight * (lo + codes * unit) in float32, with per-element scales."""
-    return _accumulate_rows(acc, jnp.asarray(weight, jnp.float32), codes, lo, unit)
+    lo, unit, inv_unit = _chunk_scales(x.reshape(-1), chunk, bits=bits)
+    index = jax.lax.iota(jnp.uint32, x.size).reshape(x.shape) if stochastic else None
+    codes = _codes(
+        x.astype(jnp.float32),
+        _spread(lo, chunk, x.shape),
+        _spread(inv_unit, chunk, x.shape),
+        seeds,
+        index,
+        bits=bits,
+    )
+    return codes, lo, unit
 
 
 # ----------------------------------------------------------------------------
@@ -256,7 +279,7 @@ def _row_blocks(target, rows: int, chunk: int, dtypes, block_rows: int | None = 
     [br, chunk] block of every dtype in `dtypes` and the [br, 1] float32 scales.
     """
     br = block_rows or target.block_rows(rows, chunk, (*dtypes, jnp.float32))
-    padded = _common.num_rows(rows, br) * br
+    padded = platforms.num_rows(rows, br) * br
     blocks = [((br, chunk), (padded, chunk), d) for d in dtypes]
     blocks.append(((br, 1), (padded, 1), jnp.float32))
     return br, padded, blocks
@@ -295,12 +318,12 @@ def quantize_pallas(
     stochastic: bool,
     block_rows: int | None = None,
     interpret: bool = False,
-    platform: _common.Platform | None = None,
+    platform: platforms.Platform | None = None,
 ):
     """Pallas kernel of the fused per-chunk quantize (one read of x per block).
 
     `platform` ("cpu", "gpu", "tpu") builds the kernel that platform compiles
-    (`_common.Target`); None takes the lowering platform's, interpreted on CPU.
+    (`platforms.Target`); None takes the lowering platform's, interpreted on CPU.
     `interpret` interprets it: tests run each platform's kernel on CPU this way.
     """
     if seeds is None:
@@ -309,8 +332,8 @@ def quantize_pallas(
         _quantize_call, bits=bits, stochastic=stochastic, block_rows=block_rows
     )
     if platform is None:
-        return _common.on_each_platform(body, x2d, seeds, interpret=interpret)
-    return body(x2d, seeds, target=_common.Target(platform, interpret))
+        return platforms.on_each_platform(body, x2d, seeds, interpret=interpret)
+    return body(x2d, seeds, target=platforms.Target(platform, interpret))
 
 
 def _quantize_call(x2d, seeds, *, bits, stochastic, block_rows, target):
@@ -332,11 +355,11 @@ def _quantize_call(x2d, seeds, *, bits, stochastic, block_rows, target):
         in_specs=[target.scalar_spec((1, 2)), _row_spec(br, chunk)],
         out_specs=[_row_spec(br, chunk), _row_spec(br, 1), _row_spec(br, 1)],
         out_shape=[
-            _common.out_struct((padded, chunk), jnp.uint8, x2d),
-            _common.out_struct((padded, 1), jnp.float32, x2d),
-            _common.out_struct((padded, 1), jnp.float32, x2d),
+            platforms.out_struct((padded, chunk), jnp.uint8, x2d),
+            platforms.out_struct((padded, 1), jnp.float32, x2d),
+            platforms.out_struct((padded, 1), jnp.float32, x2d),
         ],
-    )(seeds, _common.pad_rows(x2d, padded))
+    )(seeds, platforms.pad_rows(x2d, padded))
     return codes[:rows], lo[:rows], unit[:rows]
 
 
@@ -349,13 +372,13 @@ def dequantize_pallas(
     dtype=jnp.float32,
     block_rows=None,
     interpret: bool = False,
-    platform: _common.Platform | None = None,
+    platform: platforms.Platform | None = None,
 ):
     """Pallas kernel: lo + codes * unit per row (`platform`, `interpret`: see quantize_pallas)."""
     body = functools.partial(_dequantize_call, dtype=jnp.dtype(dtype), block_rows=block_rows)
     if platform is None:
-        return _common.on_each_platform(body, codes, lo, unit, interpret=interpret)
-    return body(codes, lo, unit, target=_common.Target(platform, interpret))
+        return platforms.on_each_platform(body, codes, lo, unit, interpret=interpret)
+    return body(codes, lo, unit, target=platforms.Target(platform, interpret))
 
 
 def _dequantize_call(codes, lo, unit, *, dtype, block_rows, target):
@@ -367,8 +390,12 @@ def _dequantize_call(codes, lo, unit, *, dtype, block_rows, target):
         grid=(padded // br,),
         in_specs=[_row_spec(br, chunk), _row_spec(br, 1), _row_spec(br, 1)],
         out_specs=_row_spec(br, chunk),
-        out_shape=_common.out_struct((padded, chunk), dtype, codes),
-    )(_common.pad_rows(codes, padded), _common.pad_rows(lo, padded), _common.pad_rows(unit, padded))
+        out_shape=platforms.out_struct((padded, chunk), dtype, codes),
+    )(
+        platforms.pad_rows(codes, padded),
+        platforms.pad_rows(lo, padded),
+        platforms.pad_rows(unit, padded),
+    )
     return out[:rows]
 
 
@@ -382,7 +409,7 @@ def dequantize_accumulate_pallas(
     *,
     block_rows=None,
     interpret: bool = False,
-    platform: _common.Platform | None = None,
+    platform: platforms.Platform | None = None,
 ):
     """Pallas kernel: acc + weight * (lo + codes * unit), accumulating in place.
 
@@ -391,8 +418,8 @@ def dequantize_accumulate_pallas(
     weight = jnp.asarray(weight, jnp.float32).reshape(1, 1)
     body = functools.partial(_accumulate_call, block_rows=block_rows)
     if platform is None:
-        return _common.on_each_platform(body, acc, weight, codes, lo, unit, interpret=interpret)
-    return body(acc, weight, codes, lo, unit, target=_common.Target(platform, interpret))
+        return platforms.on_each_platform(body, acc, weight, codes, lo, unit, interpret=interpret)
+    return body(acc, weight, codes, lo, unit, target=platforms.Target(platform, interpret))
 
 
 def _accumulate_call(acc, weight, codes, lo, unit, *, block_rows, target):
@@ -410,105 +437,161 @@ def _accumulate_call(acc, weight, codes, lo, unit, *, block_rows, target):
             _row_spec(br, 1),
         ],
         out_specs=_row_spec(br, chunk),
-        out_shape=_common.out_struct((padded, chunk), jnp.float32, acc),
+        out_shape=platforms.out_struct((padded, chunk), jnp.float32, acc),
         input_output_aliases={1: 0},
     )(
         weight,
-        _common.pad_rows(acc.astype(jnp.float32), padded),
-        _common.pad_rows(codes, padded),
-        _common.pad_rows(lo, padded),
-        _common.pad_rows(unit, padded),
+        platforms.pad_rows(acc.astype(jnp.float32), padded),
+        platforms.pad_rows(codes, padded),
+        platforms.pad_rows(lo, padded),
+        platforms.pad_rows(unit, padded),
     )
     return out[:rows]
 
 
 # ----------------------------------------------------------------------------
-# Public ops with `implementation=` dispatch (`_common.dispatch`).
+# Public ops with `implementation=` dispatch (`platforms.dispatch`).
+#
+# They quantize an array of any shape in chunks of `chunk` consecutive
+# (row-major) elements, the last one possibly shorter: the kernels see the
+# chunks as the rows of a padded [rows, chunk] view, the jnp path keeps the
+# caller's shape (see the CPU path above). Both give the bits of the references.
 # ----------------------------------------------------------------------------
 
 
-def quantize_on(x2d, seeds, *, bits: int, stochastic: bool, target):
-    """The quantize `target` runs: its kernel, or the jnp reference (see quantize_lowers)."""
-    rows, chunk = x2d.shape
-    if quantize_lowers(target, rows, chunk, x2d.dtype):
-        return quantize_pallas(
-            x2d,
-            seeds,
-            bits=bits,
-            stochastic=stochastic,
-            interpret=target.interpret,
-            platform=target.platform,
+def _layout(size: int, chunk: int | None, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, chunk) of `size` elements; chunk None: the last axis of `shape` is a chunk."""
+    if chunk is None:
+        chunk = shape[-1] if shape else 1
+    chunk = max(1, chunk)
+    return platforms.num_rows(size, chunk), chunk
+
+
+def _as_rows(x, rows: int, chunk: int, mode: str):
+    """x flattened and padded (numpy pad `mode`) to [rows, chunk]."""
+    flat = x.reshape(-1)
+    if rows * chunk != flat.size:
+        flat = jnp.pad(flat, (0, rows * chunk - flat.size), mode=mode)
+    return flat.reshape(rows, chunk)
+
+
+def _from_rows(x2d, shape: tuple[int, ...]):
+    return x2d.reshape(-1)[: math.prod(shape)].reshape(shape)
+
+
+def _quantize_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
+    """The quantize `target` runs: its kernel, or the jnp path (see quantize_lowers)."""
+    rows, chunk = _layout(x.size, chunk, x.shape)
+    if not quantize_lowers(target, rows, chunk, x.dtype):
+        return _quantize_elementwise(x, seeds, chunk=chunk, bits=bits, stochastic=stochastic)
+    # Repeat the last element: a partial chunk's min and max are unchanged.
+    codes, lo, unit = quantize_pallas(
+        _as_rows(x, rows, chunk, "edge"),
+        seeds,
+        bits=bits,
+        stochastic=stochastic,
+        interpret=target.interpret,
+        platform=target.platform,
+    )
+    return _from_rows(codes, x.shape), lo, unit
+
+
+def _dequantize_on(codes, lo, unit, *, chunk, dtype, target):
+    """The dequantize `target` runs: its kernel, or the jnp path."""
+    rows, chunk = _layout(codes.size, chunk, codes.shape)
+    if not dequantize_lowers(target, rows, chunk, dtype):
+        return dequantize_reference(
+            codes, _spread(lo, chunk, codes.shape), _spread(unit, chunk, codes.shape), dtype=dtype
         )
-    return quantize_reference(x2d, seeds, bits=bits, stochastic=stochastic)
+    x = dequantize_pallas(
+        _as_rows(codes, rows, chunk, "constant"),
+        lo.reshape(rows, 1),
+        unit.reshape(rows, 1),
+        dtype=dtype,
+        interpret=target.interpret,
+        platform=target.platform,
+    )
+    return _from_rows(x, codes.shape)
 
 
-def dequantize_on(codes, lo, unit, *, dtype, target):
-    """The dequantize `target` runs: its kernel, or the jnp reference."""
-    rows, chunk = codes.shape
-    if dequantize_lowers(target, rows, chunk, dtype):
-        return dequantize_pallas(
-            codes, lo, unit, dtype=dtype, interpret=target.interpret, platform=target.platform
+def _dequantize_accumulate_on(acc, weight, codes, lo, unit, *, chunk, target):
+    """The dequantize-accumulate `target` runs: its kernel, or the jnp path."""
+    rows, chunk = _layout(codes.size, chunk, codes.shape)
+    acc = acc.astype(jnp.float32)
+    if not dequantize_lowers(target, rows, chunk, jnp.float32):
+        return _accumulate_rows(
+            acc, weight, codes, _spread(lo, chunk, codes.shape), _spread(unit, chunk, codes.shape)
         )
-    return dequantize_reference(codes, lo, unit, dtype=dtype)
-
-
-def dequantize_accumulate_on(acc, weight, codes, lo, unit, *, target):
-    """The dequantize-accumulate `target` runs: its kernel, or the jnp reference."""
-    rows, chunk = codes.shape
-    if dequantize_lowers(target, rows, chunk, jnp.float32):
-        return dequantize_accumulate_pallas(
-            acc, weight, codes, lo, unit, interpret=target.interpret, platform=target.platform
-        )
-    return dequantize_accumulate_reference(acc, weight, codes, lo, unit)
+    out = dequantize_accumulate_pallas(
+        _as_rows(acc, rows, chunk, "constant"),
+        weight,
+        _as_rows(codes, rows, chunk, "constant"),
+        lo.reshape(rows, 1),
+        unit.reshape(rows, 1),
+        interpret=target.interpret,
+        platform=target.platform,
+    )
+    return _from_rows(out, codes.shape)
 
 
 def quantize(
-    x2d,
+    x,
     seeds=None,
     *,
     bits: int,
     stochastic: bool,
-    implementation: _common.Implementation = None,
+    chunk: int | None = None,
+    implementation: platforms.Implementation = None,
     interpret: bool = False,
 ):
-    """Fused per-row min-max quantize of a [rows, chunk] float array.
+    """Fused per-chunk min-max quantize of a float array.
 
     Args:
-      x2d: float array [rows, chunk] (float32, bfloat16 or float16).
+      x: float array (float32, bfloat16 or float16) of any shape.
       seeds: uint32[1, 2] hash seeds (`seeds_from_key`); required when `stochastic`.
       bits: code width, 1..8.
       stochastic: stochastic rounding from the counter-based hash; else nearest.
+      chunk: elements per (lo, unit) pair: consecutive elements of the flattened
+        x, the last chunk possibly shorter. None: x's last axis (the rows of a
+        [rows, chunk] array).
       implementation: None (Pallas on GPU/TPU, jnp on CPU), "xla" or "pallas",
-        chosen per lowering platform (`_common.dispatch`).
+        chosen per lowering platform (`platforms.dispatch`).
       interpret: run the Pallas kernel in interpret mode.
 
     Returns:
-      (codes uint8 [rows, chunk], lo float32 [rows, 1], unit float32 [rows, 1]).
+      (codes uint8 in x's shape, lo float32 [rows, 1], unit float32 [rows, 1]),
+      one (lo, unit) row per chunk.
     """
     if stochastic and seeds is None:
         raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
-    body = functools.partial(quantize_on, bits=bits, stochastic=stochastic)
-    return _common.dispatch(implementation, body, x2d, seeds, interpret=interpret)
+    body = functools.partial(
+        _quantize_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
+    )
+    return platforms.dispatch(implementation, body, x, seeds, interpret=interpret)
 
 
-def dequantize(codes, lo, unit, *, dtype=jnp.float32, implementation=None, interpret=False):
-    """lo + codes * unit per row, cast to `dtype`."""
-    body = functools.partial(dequantize_on, dtype=jnp.dtype(dtype))
-    return _common.dispatch(implementation, body, codes, lo, unit, interpret=interpret)
+def dequantize(
+    codes, lo, unit, *, chunk=None, dtype=jnp.float32, implementation=None, interpret=False
+):
+    """lo + codes * unit per chunk, cast to `dtype`, in the codes' shape.
+
+    `lo` and `unit` hold one value per chunk (any shape); `chunk` as in `quantize`.
+    """
+    body = functools.partial(_dequantize_on, chunk=chunk, dtype=jnp.dtype(dtype))
+    return platforms.dispatch(implementation, body, codes, lo, unit, interpret=interpret)
 
 
-def dequantize_accumulate(acc, weight, codes, lo, unit, *, implementation=None, interpret=False):
-    """acc + weight * (lo + codes * unit) in float32: the gossip inner loop."""
+def dequantize_accumulate(
+    acc, weight, codes, lo, unit, *, chunk=None, implementation=None, interpret=False
+):
+    """acc + weight * (lo + codes * unit) in float32, in the codes' shape: the gossip inner loop.
+
+    `acc` has the codes' shape; `lo`, `unit` and `chunk` as in `dequantize`.
+    """
     weight = jnp.asarray(weight, jnp.float32)
-    return _common.dispatch(
-        implementation,
-        dequantize_accumulate_on,
-        acc,
-        weight,
-        codes,
-        lo,
-        unit,
-        interpret=interpret,
+    body = functools.partial(_dequantize_accumulate_on, chunk=chunk)
+    return platforms.dispatch(
+        implementation, body, acc, weight, codes, lo, unit, interpret=interpret
     )

@@ -19,11 +19,14 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lpdec.kernels_pallas import _common
+from lpdec.kernels_pallas import numerics
+from lpdec.kernels_pallas import platforms
 
 # Adding 2**23 to a float32 in [0, 2**23) rounds it to an integer (ties to even)
 # held in the low mantissa bits: the sum's spacing is exactly 1.
 _MAGIC = 2.0**23
+# Row length of the kernel's view of x; modulo codes have no per-row scales, so any works.
+_ROW = 1024
 
 
 def _encode_rows(x, seeds, scale, row0, *, bits: int, stochastic: bool):
@@ -35,11 +38,11 @@ def _encode_rows(x, seeds, scale, row0, *, bits: int, stochastic: bool):
     points = float(1 << bits)
     mask = (1 << bits) - 1
     # s is x / B measured in circle steps; m = s mod 2**bits lies in [0, 2**bits].
-    s = _common.rounded(x.astype(jnp.float32) * scale)
+    s = numerics.rounded(x.astype(jnp.float32) * scale)
     m = s - jnp.float32(points) * jnp.floor(s * jnp.float32(1.0 / points))
     if stochastic:
-        index = _common.element_index(x.shape, row0, x.shape[1])
-        r = jnp.floor(m + _common.hash_uniform(seeds[0, 0], seeds[0, 1], index))
+        index = numerics.element_index(x.shape, row0, x.shape[1])
+        r = jnp.floor(m + numerics.hash_uniform(seeds[0, 0], seeds[0, 1], index))
         r = jnp.where(jnp.isfinite(r), r, 0.0)
         # r is in [0, 2**bits]; the mask maps the point 2**bits back to 0 (the circle wraps).
         return (r.astype(jnp.int32) & mask).astype(jnp.uint8)
@@ -66,7 +69,7 @@ def _encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochastic, 
 def _row_blocks(target, rows: int, width: int, dtype, block_rows: int | None = None):
     """(rows per block, padded rows, the blocks) of the encode kernel."""
     br = block_rows or target.block_rows(rows, width, (dtype, jnp.uint8))
-    padded = _common.num_rows(rows, br) * br
+    padded = platforms.num_rows(rows, br) * br
     blocks = [((br, width), (padded, width), d) for d in (dtype, jnp.uint8)]
     return br, padded, blocks
 
@@ -94,12 +97,12 @@ def encode_pallas(
     stochastic: bool,
     block_rows: int | None = None,
     interpret: bool = False,
-    platform: _common.Platform | None = None,
+    platform: platforms.Platform | None = None,
 ):
     """Pallas kernel of the modulo encode.
 
     `platform` ("cpu", "gpu", "tpu") builds the kernel that platform compiles
-    (`_common.Target`); None takes the lowering platform's, interpreted on CPU.
+    (`platforms.Target`); None takes the lowering platform's, interpreted on CPU.
     `interpret` interprets it.
     """
     if seeds is None:
@@ -107,8 +110,8 @@ def encode_pallas(
     scale = jnp.asarray(scale, jnp.float32).reshape(1, 1)
     body = functools.partial(_encode_call, bits=bits, stochastic=stochastic, block_rows=block_rows)
     if platform is None:
-        return _common.on_each_platform(body, x2d, seeds, scale, interpret=interpret)
-    return body(x2d, seeds, scale, target=_common.Target(platform, interpret))
+        return platforms.on_each_platform(body, x2d, seeds, scale, interpret=interpret)
+    return body(x2d, seeds, scale, target=platforms.Target(platform, interpret))
 
 
 def _encode_call(x2d, seeds, scale, *, bits, stochastic, block_rows, target):
@@ -124,16 +127,22 @@ def _encode_call(x2d, seeds, scale, *, bits, stochastic, block_rows, target):
             pl.BlockSpec((br, width), lambda i: (i, 0)),
         ],
         out_specs=pl.BlockSpec((br, width), lambda i: (i, 0)),
-        out_shape=_common.out_struct((padded, width), jnp.uint8, x2d),
-    )(seeds, scale, _common.pad_rows(x2d, padded))
+        out_shape=platforms.out_struct((padded, width), jnp.uint8, x2d),
+    )(seeds, scale, platforms.pad_rows(x2d, padded))
     return codes[:rows]
 
 
-def encode_on(x2d, seeds, scale, *, bits: int, stochastic: bool, target):
-    """The encode `target` runs: its kernel, or the jnp reference (see encode_lowers)."""
-    rows, width = x2d.shape
-    if encode_lowers(target, rows, width, x2d.dtype):
-        return encode_pallas(
+def _encode_on(x, seeds, scale, *, bits: int, stochastic: bool, target):
+    """The encode `target` runs on x viewed as rows of `_ROW`: its kernel, or the jnp reference."""
+    d = x.size
+    width = max(1, min(_ROW, d))
+    rows = platforms.num_rows(d, width)
+    flat = x.reshape(-1)
+    if rows * width != d:
+        flat = jnp.pad(flat, (0, rows * width - d))
+    x2d = flat.reshape(rows, width)
+    if encode_lowers(target, rows, width, x.dtype):
+        codes = encode_pallas(
             x2d,
             seeds,
             scale,
@@ -142,35 +151,43 @@ def encode_on(x2d, seeds, scale, *, bits: int, stochastic: bool, target):
             interpret=target.interpret,
             platform=target.platform,
         )
-    return encode_reference(x2d, seeds, scale, bits=bits, stochastic=stochastic)
+    else:
+        codes = encode_reference(x2d, seeds, scale, bits=bits, stochastic=stochastic)
+    return codes.reshape(-1)[:d].reshape(x.shape)
 
 
 def encode(
-    x2d,
+    x,
     seeds,
     scale,
     *,
     bits: int,
     stochastic: bool,
-    implementation: _common.Implementation = None,
+    implementation: platforms.Implementation = None,
     interpret: bool = False,
 ):
-    """Modulo encode of a [rows, width] float array into uint8 codes in [0, 2**bits).
+    """Modulo encode of a float array of any shape into uint8 codes in [0, 2**bits).
+
+    A code depends only on its element and its flat (row-major) index, so the
+    kernel's [rows, width] view of x (rows of `_ROW` elements) does not change it.
 
     Args:
-      x2d: float array [rows, width].
+      x: float array of any shape.
       seeds: uint32[1, 2] hash seeds; required when `stochastic`.
       scale: float32 scalar 2**bits / B, with B Moniqua's modulo range B_theta.
       bits: code width, 1..8.
       stochastic: stochastic rounding; else nearest.
       implementation: None (Pallas on GPU/TPU, jnp on CPU), "xla" or "pallas",
-        chosen per lowering platform (`_common.dispatch`).
+        chosen per lowering platform (`platforms.dispatch`).
       interpret: run the Pallas kernel in interpret mode.
+
+    Returns:
+      uint8 codes in x's shape.
     """
     if stochastic and seeds is None:
         raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     scale = jnp.asarray(scale, jnp.float32)
-    body = functools.partial(encode_on, bits=bits, stochastic=stochastic)
-    return _common.dispatch(implementation, body, x2d, seeds, scale, interpret=interpret)
+    body = functools.partial(_encode_on, bits=numerics.check_bits(bits), stochastic=stochastic)
+    return platforms.dispatch(implementation, body, x, seeds, scale, interpret=interpret)

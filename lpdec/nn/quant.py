@@ -14,9 +14,9 @@ one handed to the previous layer, is quantized; that split is the "gradient
 bifurcation" that seed 002 and Banner et al. found necessary for accuracy. The
 bias stays float32.
 
-Q is `lpdec.kernels_pallas.minmax`'s quantizer with the whole tensor as one chunk:
+Q is `lpdec.kernels_pallas.minmax_quantize_reference` with the whole tensor as one chunk:
 lo = min v, unit = (max v - lo) / (2^b - 1), Q(v) = lo + round((v - lo)/unit) unit.
-Stochastic rounding draws its bits from that module's counter-based hash, seeded
+Stochastic rounding draws its bits from the kernels' counter-based hash, seeded
 from the flax rng stream "quant".
 
 Where this differs from the authors' PyTorch code (github.com/aparna-aketi/Low_Precision_DL),
@@ -49,9 +49,7 @@ from flax.linen.linear import PaddingLike
 from flax.linen.linear import canonicalize_padding
 from flax.linen.linear import default_kernel_init
 
-from lpdec.compress import base
-from lpdec.kernels_pallas import _common
-from lpdec.kernels_pallas import minmax as minmax_kernels
+from lpdec import kernels_pallas
 
 PRECISIONS = ("fp32", "int8")
 
@@ -88,12 +86,14 @@ def fake_quant(x: jax.Array, key: jax.Array | None = None, *, bits: int = 8) -> 
     Returns:
       Q(x), x's shape and dtype, on the 2^b-level grid lo + k u.
     """
-    bits = base.check_bits(bits)
-    seeds = None if key is None else _common.seeds_from_key(key)
-    codes, lo, unit = minmax_kernels.quantize_reference(
+    bits = kernels_pallas.check_bits(bits)
+    seeds = None if key is None else kernels_pallas.seeds_from_key(key)
+    codes, lo, unit = kernels_pallas.minmax_quantize_reference(
         x.reshape(1, -1), seeds, bits=bits, stochastic=key is not None
     )
-    return minmax_kernels.dequantize_reference(codes, lo, unit).reshape(x.shape).astype(x.dtype)
+    return (
+        kernels_pallas.minmax_dequantize_reference(codes, lo, unit).reshape(x.shape).astype(x.dtype)
+    )
 
 
 def bifurcated_product(
@@ -178,10 +178,10 @@ def int8_matmul(x: jax.Array, kernel: jax.Array, *, bits: int = 8) -> jax.Array:
     Returns:
       float32 [..., N].
     """
-    bits = base.check_bits(bits)
+    bits = kernels_pallas.check_bits(bits)
 
     def codes(v):
-        c, lo, unit = minmax_kernels.quantize_reference(
+        c, lo, unit = kernels_pallas.minmax_quantize_reference(
             v.reshape(1, -1), None, bits=bits, stochastic=False
         )
         return c.reshape(v.shape), lo[0, 0], unit[0, 0]
@@ -244,7 +244,7 @@ class QuantDense(nn.Module):
 
     def __post_init__(self):
         check_precision(self.precision)
-        base.check_bits(self.bits)
+        kernels_pallas.check_bits(self.bits)
         super().__post_init__()
 
     @nn.compact
@@ -313,7 +313,7 @@ class QuantConv(nn.Module):
 
     def __post_init__(self):
         check_precision(self.precision)
-        base.check_bits(self.bits)
+        kernels_pallas.check_bits(self.bits)
         super().__post_init__()
 
     @nn.compact

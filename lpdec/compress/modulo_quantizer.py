@@ -8,12 +8,8 @@ import math
 import jax
 import jax.numpy as jnp
 
+from lpdec import kernels_pallas as kernels
 from lpdec.compress import base
-from lpdec.kernels_pallas import _common
-from lpdec.kernels_pallas import bitpack
-from lpdec.kernels_pallas import modulo as kernels
-
-_ROW = 1024  # kernel row length; modulo codes have no per-row scales, so any width works.
 
 
 @base.payload_dataclass(data=("codes", "nonfinite"))
@@ -42,9 +38,9 @@ class Modulo(base.Compressor):
     implementation: str | None = None
 
     def __post_init__(self):
-        base.check_bits(self.bits)
+        kernels.check_bits(self.bits)
         base.check_rounding(self.rounding)
-        base.check_implementation(self.implementation)
+        kernels.check_implementation(self.implementation)
         _check_theta(self.theta)
 
     @property
@@ -69,42 +65,34 @@ class Modulo(base.Compressor):
 
         B is rounded up to 16 significant bits: Lemma 2 holds for any B at least
         this large, and then a code times B / 2**bits is exact in float32, so
-        decoding rounds identically in every program (see `_common.rounded`).
+        decoding rounds identically in every program (see `kernels_pallas.rounded`).
         """
         theta = self.theta if theta is None else theta
         delta = min(self.delta, 0.25)
-        return _common.round_up_significand(2.0 * theta / (1.0 - 2.0 * delta))
+        return kernels.round_up_significand(2.0 * theta / (1.0 - 2.0 * delta))
 
     def encode(self, x: jax.Array, key: jax.Array | None = None, *, theta=None) -> ModuloPayload:
         """Encodes q = Q((x / B) mod 1); `theta` overrides the constant (for schedules)."""
         x = base.check_float_input(x, "modulo")
         if isinstance(theta, (int, float)):
             _check_theta(theta)
-        seeds = jnp.zeros((1, 2), jnp.uint32)
+        seeds = None
         if self.needs_key:
-            seeds = _common.seeds_from_key(base.check_key(key, "modulo(rounding='stochastic')"))
+            seeds = kernels.seeds_from_key(base.check_key(key, "modulo(rounding='stochastic')"))
         scale = jnp.float32(2**self.bits) / jnp.asarray(self.modulus(theta), jnp.float32)
-        packed = _common.dispatch(self.implementation, self._encode, x, seeds, scale)
-        nonfinite = jnp.any(~jnp.isfinite(x)).astype(jnp.uint8)
-        return ModuloPayload(packed, nonfinite, tuple(x.shape), x.dtype)
-
-    def _encode(self, x: jax.Array, seeds: jax.Array, scale: jax.Array, *, target) -> jax.Array:
-        """Packed codes as `target` computes them (`_common.dispatch`)."""
-        d = x.size
-        width = max(1, min(_ROW, d))
-        rows = _common.num_rows(d, width)
-        flat = x.reshape(-1)
-        if rows * width != d:
-            flat = jnp.pad(flat, (0, rows * width - d))
-        codes = kernels.encode_on(
-            flat.reshape(rows, width),
+        codes = kernels.modulo_encode(
+            x,
             seeds,
             scale,
             bits=self.bits,
             stochastic=self.needs_key,
-            target=target,
+            implementation=self.implementation,
         )
-        return bitpack.pack_bits_on(codes.reshape(-1)[:d], bits=self.bits, target=target)
+        packed = kernels.pack_bits(
+            codes.reshape(-1), bits=self.bits, implementation=self.implementation
+        )
+        nonfinite = jnp.any(~jnp.isfinite(x)).astype(jnp.uint8)
+        return ModuloPayload(packed, nonfinite, tuple(x.shape), x.dtype)
 
     def decode(
         self, payload: ModuloPayload, reference: jax.Array | None = None, *, key=None, theta=None
@@ -121,7 +109,7 @@ class Modulo(base.Compressor):
             raise ValueError(
                 f"reference must have the encoded shape {payload.shape}; got {reference.shape}."
             )
-        codes = bitpack.unpack_bits(
+        codes = kernels.unpack_bits(
             payload.codes, bits=self.bits, num_elements=d, implementation=self.implementation
         ).reshape(payload.shape)
         modulus = jnp.asarray(self.modulus(theta), jnp.float32)
@@ -130,10 +118,10 @@ class Modulo(base.Compressor):
         step = modulus * jnp.float32(2.0**-self.bits)
         inv_modulus = 1.0 / modulus
         y = reference.astype(jnp.float32)
-        r = _common.rounded(codes.astype(jnp.float32) * step) - y
+        r = kernels.rounded(codes.astype(jnp.float32) * step) - y
         # Centred modulo: r mod B in [-B/2, B/2).
-        turns = jnp.floor(_common.rounded(r * inv_modulus) + 0.5)
-        r = r - _common.rounded(modulus * turns)
+        turns = jnp.floor(kernels.rounded(r * inv_modulus) + 0.5)
+        r = r - kernels.rounded(modulus * turns)
         x_hat = y + r
         x_hat = jnp.where(payload.nonfinite > 0, jnp.nan, x_hat)
         return x_hat.astype(payload.dtype)
@@ -141,7 +129,7 @@ class Modulo(base.Compressor):
     def wire_bytes(self, num_elements: int, dtype=jnp.float32) -> int:
         """ceil(d * bits / 8) code bytes + 1 flag byte; independent of dtype."""
         del dtype
-        return bitpack.packed_size(num_elements, self.bits) + 1
+        return kernels.packed_size(num_elements, self.bits) + 1
 
     def is_finite(self, payload: ModuloPayload) -> jax.Array:
         return payload.nonfinite == 0
