@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+from typing import Any
 from typing import NoReturn
 
 import flax.linen as nn
@@ -29,35 +30,72 @@ from train_lib.registry import ConfigError
 PRECISIONS = ("fp32", "int8")
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """When the training loop logs, evaluates, saves and stops.
+
+    Attributes:
+      log_every: steps per compiled chunk; metrics and evaluation after each.
+      checkpoint_every: steps between checkpoints (a multiple of log_every; 0 = only
+        at the end, a halt or a stop).
+      halt_after_steps: stop (with a checkpoint) this many steps after the run's start
+        or resumption; 0 = run to the end.
+      eval_local_examples: test examples each node's own model is evaluated on.
+      divergence_factor: a loss above this times a uniform guess's counts as diverged
+        (0 = never stop a run for its loss).
+      divergence_patience: log intervals in a row of such a loss that stop the run.
+      save_final_params: export the final parameters (not after a stop by a signal).
+    """
+
+    log_every: int
+    checkpoint_every: int
+    halt_after_steps: int
+    eval_local_examples: int
+    divergence_factor: float
+    divergence_patience: int
+    save_final_params: bool
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Experiment:
     """Everything a run needs that the config determines.
 
     Attributes:
-      config: the config it was built from (kept for summary.json).
+      config_dict: the config as a plain dict, for summary.json and the checkpoints'
+        fingerprint; the loop reads the fields below, not this.
       dataset: the train/test split.
       partitions: one array of training-sample indices per node.
+      batch_size: examples per node and step.
+      augment: whether the batches are augmented (random crops and flips).
+      seed: the seed of the model's initialization and the algorithms' randomness.
       layout: the nodes on the devices.
       model: the flax model.
       topology: the gossip topology (built for every algorithm, used by gossip).
       compressor: what crosses the wire (used by the compressing algorithms).
       schedule: the learning rate by step.
       tx: the optax chain of the local optimizer and the lpdec algorithm.
+      exchange_every: steps per exchange between nodes (DiLoCo's local steps, else 1).
       total_steps: steps of the whole run.
       steps_per_epoch: steps for every node to see its partition once.
+      loop: when the loop logs, saves and stops.
     """
 
-    config: ml_collections.ConfigDict
+    config_dict: dict[str, Any]
     dataset: lpdec.data.Dataset
     partitions: tuple[np.ndarray, ...]
+    batch_size: int
+    augment: bool
+    seed: int
     layout: NodeLayout
     model: nn.Module
     topology: lpdec.Topology
     compressor: lpdec.Compressor
     schedule: optax.Schedule
     tx: optax.GradientTransformation
+    exchange_every: int
     total_steps: int
     steps_per_epoch: int
+    loop: LoopPlan
 
 
 def build(config: ml_collections.ConfigDict) -> Experiment:
@@ -105,18 +143,32 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         )
     except (TypeError, ValueError) as error:
         _fail(f"config.model={config.model!r} with config.model_kwargs: {error}")
+    loop = LoopPlan(
+        log_every=config.log_every,
+        checkpoint_every=config.checkpoint_every,
+        halt_after_steps=config.halt_after_steps,
+        eval_local_examples=config.eval_local_examples,
+        divergence_factor=config.divergence_factor,
+        divergence_patience=config.divergence_patience,
+        save_final_params=config.save_final_params,
+    )
     return Experiment(
-        config=config,
+        config_dict=config.to_dict(),
         dataset=dataset,
         partitions=tuple(partitions),
+        batch_size=config.batch_size,
+        augment=config.augment,
+        seed=config.seed,
         layout=layout,
         model=model,
         topology=topology,
         compressor=compressor,
         schedule=schedule,
         tx=tx,
+        exchange_every=config.local_steps,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
+        loop=loop,
     )
 
 
