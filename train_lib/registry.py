@@ -5,6 +5,10 @@ factory gets a view of the config holding those fields only, so the table
 cannot drift from the code: to follow `config.gamma` from the command line to
 its use, find "gamma" here. `train_lib.setup` is the only user.
 
+A rule about one entry's values is the entry's own: its `check`, run before
+anything is built, or the library factory's ValueError, which `build` turns
+into one ConfigError line. Rules about the run as a whole are in `setup`.
+
 Objects built from other tables (the topology, the compressor, the
 learning-rate schedule) and the layout's axis names reach the algorithms
 through `Built`.
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 import types
 from collections.abc import Callable
 from typing import Any
@@ -43,10 +48,17 @@ def fields_view(config, fields: tuple[str, ...]) -> types.SimpleNamespace:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """A choice by name: `build(view, *args)` reads only the config fields in `fields`."""
+    """A choice by name: `build(view, *args)` reads only the config fields in `fields`.
+
+    `check(view)`, if given, raises a ConfigError for values the entry cannot use;
+    its view holds `fields` and `check_fields` (fields it checks but `build` does
+    not read).
+    """
 
     build: Callable[..., Any]
     fields: tuple[str, ...] = ()
+    check: Callable[[types.SimpleNamespace], None] | None = None
+    check_fields: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +97,24 @@ def choose(config: ml_collections.ConfigDict, field: str, table: dict[str, Any])
     return table[name]
 
 
+def check(
+    config: ml_collections.ConfigDict,
+    field: str,
+    table: dict[str, Entry],
+    overrides: dict[str, Any] | None = None,
+) -> Entry:
+    """The entry `table[config[field]]` after its own `check` of the config's values.
+
+    Builds nothing, so `setup` runs it for every choice before any object exists.
+    """
+    entry = choose(config, field, table)
+    if entry.check is not None:
+        names = entry.fields + entry.check_fields
+        values = {f: config[f] for f in names} | dict(overrides or {})
+        entry.check(fields_view(values, names))
+    return entry
+
+
 def build(
     config: ml_collections.ConfigDict,
     field: str,
@@ -92,12 +122,12 @@ def build(
     *args,
     overrides: dict[str, Any] | None = None,
 ):
-    """Builds `table[config[field]]`; its ValueError/TypeError become one ConfigError line.
+    """Checks and builds `table[config[field]]`; a ValueError/TypeError becomes one ConfigError.
 
     `overrides` replaces config values the entry reads (a hierarchical run sizes the
     topology to its machines: ``overrides={"num_nodes": machines}``).
     """
-    entry = choose(config, field, table)
+    entry = check(config, field, table, overrides)
     values = {f: config[f] for f in entry.fields} | dict(overrides or {})
     try:
         return entry.build(fields_view(values, entry.fields), *args)
@@ -111,8 +141,21 @@ def build(
 # Data sets (`setup` caches the loaded ones).
 # ----------------------------------------------------------------------------
 
+
+def _check_cifar10(c) -> None:
+    if not c.data_dir:
+        raise ConfigError(
+            "config.dataset='cifar10' needs config.data_dir: the CIFAR-10 binary files."
+        )
+    if not os.path.isdir(c.data_dir):
+        raise ConfigError(
+            f"config.data_dir={c.data_dir!r} is not a directory; it must hold the "
+            "CIFAR-10 binary version (data_batch_1.bin ... test_batch.bin)."
+        )
+
+
 DATASETS = {
-    "cifar10": Entry(lambda c: lpdec.data.cifar10(c.data_dir), ("data_dir",)),
+    "cifar10": Entry(lambda c: lpdec.data.cifar10(c.data_dir), ("data_dir",), check=_check_cifar10),
     "digits": Entry(lambda c: lpdec.data.digits()),
     "mnist1d": Entry(lambda c: lpdec.data.mnist1d(num_samples=c.num_samples), ("num_samples",)),
     "synthetic": Entry(
@@ -253,6 +296,26 @@ def _moniqua(c, b: Built) -> optax.GradientTransformation:
     )
 
 
+def _check_moniqua(c) -> None:
+    # Moniqua sends its own modulo codes of config.bits bits: another compressor
+    # (and its ratio) would be silently ignored.
+    if c.compressor not in ("minmax", "modulo"):
+        raise ConfigError(
+            f"config.algorithm='moniqua' quantizes with its own modulo codes (config.bits, "
+            f"config.theta); config.compressor={c.compressor!r} would be ignored: "
+            "leave config.compressor at 'minmax' or 'modulo'."
+        )
+
+
+def _check_flat(c) -> None:
+    """Algorithms with nothing compressed to send between a hierarchical run's machines."""
+    if c.hierarchical:
+        raise ConfigError(
+            "config.hierarchical=True needs compressed_mean or a gossip algorithm; "
+            f"config.algorithm={c.algorithm!r} has no compressed exchange between machines."
+        )
+
+
 def _d2(c, b: Built) -> optax.GradientTransformation:
     # The identity compressor means plain D2, with nothing to compress.
     comp = None if isinstance(b.compressor, lpdec.compress.Identity) else b.compressor
@@ -285,12 +348,23 @@ def _outer_optimizer(c) -> optax.GradientTransformation:
 OUTER = ("outer_lr", "outer_momentum")
 
 
-def _mean_exchange(c, b: Built) -> optax.GradientTransformation:
+def _check_outer(c) -> None:
+    if not c.outer_lr > 0:
+        raise ConfigError(f"config.outer_lr={c.outer_lr!r} must be > 0.")
+    if not 0 <= c.outer_momentum < 1:
+        raise ConfigError(f"config.outer_momentum={c.outer_momentum!r} must be in [0, 1).")
+
+
+def _check_mean_exchange(c) -> None:
+    _check_outer(c)
     if c.error_feedback:
         raise ConfigError(
             "config.error_feedback=True needs config.exchange='compressed_mean': "
             "exchange='mean' sends full precision and has no compression error to feed back."
         )
+
+
+def _mean_exchange(c, b: Built) -> optax.GradientTransformation:
     axes = b.axis_name if b.local_axis is None else (b.axis_name, b.local_axis)
     return optax.chain(lpdec.local_mean(axis_name=axes), _outer_optimizer(c))
 
@@ -306,12 +380,25 @@ def _compressed_mean_exchange(c, b: Built) -> optax.GradientTransformation:
     return optax.chain(mean, _outer_optimizer(c))
 
 
-def _gossip_exchange(c, b: Built) -> optax.GradientTransformation:
+def _check_compressed_mean_exchange(c) -> None:
+    _check_outer(c)
+    if c.compressor == "modulo":
+        raise ConfigError(
+            "config.compressor='modulo' cannot serve config.exchange='compressed_mean': it "
+            "decodes against the receiver's own model, and a mean of pseudo-gradients has none."
+        )
+
+
+def _check_gossip_exchange(c) -> None:
+    _check_outer(c)
     if c.error_feedback:
         raise ConfigError(
             "config.error_feedback=True does not apply to config.exchange='gossip': CHOCO's "
             "replicas already carry the compression error to the next exchange."
         )
+
+
+def _gossip_exchange(c, b: Built) -> optax.GradientTransformation:
     choco = lpdec.choco(b.topology, b.compressor, c.gamma, axis_name=b.axis_name, seed=c.seed)
     if b.local_axis is None:
         return optax.chain(_outer_optimizer(c), choco)
@@ -325,10 +412,28 @@ def _gossip_exchange(c, b: Built) -> optax.GradientTransformation:
 
 
 EXCHANGES = {
-    "mean": Entry(_mean_exchange, ("error_feedback", *OUTER)),
-    "compressed_mean": Entry(_compressed_mean_exchange, ("error_feedback", "seed", *OUTER)),
-    "gossip": Entry(_gossip_exchange, ("error_feedback", "gamma", "seed", *OUTER)),
+    "mean": Entry(_mean_exchange, ("error_feedback", *OUTER), check=_check_mean_exchange),
+    "compressed_mean": Entry(
+        _compressed_mean_exchange,
+        ("error_feedback", "seed", *OUTER),
+        check=_check_compressed_mean_exchange,
+        check_fields=("compressor",),
+    ),
+    "gossip": Entry(
+        _gossip_exchange, ("error_feedback", "gamma", "seed", *OUTER), check=_check_gossip_exchange
+    ),
 }
+
+
+def _check_diloco(c) -> None:
+    # lpdec.diloco checks local_steps too; this names the config field.
+    if not isinstance(c.local_steps, int) or c.local_steps < 1:
+        raise ConfigError(f"config.local_steps={c.local_steps!r} must be an integer >= 1 (H).")
+    if c.overlap and c.local_steps == 1:
+        raise ConfigError(
+            "config.overlap=True needs config.local_steps > 1: the exchange overlaps with "
+            "the next round's local steps, and with local_steps=1 there are none."
+        )
 
 
 def _diloco(c, b: Built, local, outer) -> optax.GradientTransformation:
@@ -360,6 +465,8 @@ ALGORITHMS = {
     "moniqua": AlgorithmEntry(
         _moniqua,
         ("bits", "theta", "theta_follows_lr", "learning_rate", "slack", "rounding", "seed"),
+        check=_check_moniqua,
+        check_fields=("compressor",),
     ),
     "naive_quantized": AlgorithmEntry(
         lambda c, b: lpdec.naive_quantized(
@@ -382,7 +489,10 @@ ALGORITHMS = {
     # Centralized: full-precision data parallelism (a mean of the gradients) and
     # seed 001/004's compressed mean, hierarchical when `local_axis` is set.
     "allreduce": AlgorithmEntry(
-        lambda c, b: lpdec.local_mean(axis_name=b.axis_name), position="first"
+        lambda c, b: lpdec.local_mean(axis_name=b.axis_name),
+        position="first",
+        check=_check_flat,
+        check_fields=("algorithm", "hierarchical"),
     ),
     "compressed_mean": AlgorithmEntry(
         lambda c, b: lpdec.compressed_mean(
@@ -393,9 +503,13 @@ ALGORITHMS = {
     ),
     # H local steps of the local optimizer, then config.exchange (EXCHANGES) and the
     # outer Nesterov step: the whole optimizer, `build(view, built, local, outer)`.
-    "diloco": AlgorithmEntry(_diloco, ("local_steps", "overlap"), position="whole"),
+    "diloco": AlgorithmEntry(
+        _diloco, ("local_steps", "overlap"), position="whole", check=_check_diloco
+    ),
     # Independent nodes: the local optimizer alone.
-    "none": AlgorithmEntry(lambda c, b: None),
+    "none": AlgorithmEntry(
+        lambda c, b: None, check=_check_flat, check_fields=("algorithm", "hierarchical")
+    ),
 }
 
 

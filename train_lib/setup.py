@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 from typing import Any
 from typing import NoReturn
 
@@ -177,16 +176,12 @@ def _fail(message: str) -> NoReturn:
 
 
 def check_values(config: ml_collections.ConfigDict) -> None:
-    """The checks that need no object built: names, ranges, and how nodes fit the devices."""
-    registry.choose(config, "dataset", registry.DATASETS)
-    if config.dataset == "cifar10":
-        if not config.data_dir:
-            _fail("config.dataset='cifar10' needs config.data_dir: the CIFAR-10 binary files.")
-        if not os.path.isdir(config.data_dir):
-            _fail(
-                f"config.data_dir={config.data_dir!r} is not a directory; it must hold the "
-                "CIFAR-10 binary version (data_batch_1.bin ... test_batch.bin)."
-            )
+    """The checks that need no object built: names, ranges, and how nodes fit the devices.
+
+    A choice's own rules are its registry entry's (`registry.check`); the rest,
+    about the run as a whole, are here.
+    """
+    registry.check(config, "dataset", registry.DATASETS)
     if config.model not in lpdec.models.MODELS:
         _fail(
             f"config.model={config.model!r} is not one of: "
@@ -218,19 +213,16 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             f"config.checkpoint_every={config.checkpoint_every} must be a multiple of "
             f"config.log_every={config.log_every} (steps run in chunks of log_every)."
         )
-    # Every name before any object, so a typo fails at once.
-    registry.choose(config, "algorithm", registry.ALGORITHMS)
-    registry.choose(config, "lr_schedule", registry.SCHEDULES)
-    registry.choose(config, "optimizer", registry.OPTIMIZERS)
+    # Every name, and the chosen entries' own rules, before any object: a typo fails at once.
+    for field, table in (
+        ("algorithm", registry.ALGORITHMS),
+        ("lr_schedule", registry.SCHEDULES),
+        ("optimizer", registry.OPTIMIZERS),
+        ("topology", registry.TOPOLOGIES),
+        ("compressor", registry.COMPRESSORS),
+    ):
+        registry.check(config, field, table)
     _check_local_steps(config)
-    if config.algorithm == "moniqua" and config.compressor not in ("minmax", "modulo"):
-        # Moniqua sends its own modulo codes of config.bits bits: another compressor
-        # (and its ratio) would be silently ignored.
-        _fail(
-            f"config.algorithm='moniqua' quantizes with its own modulo codes (config.bits, "
-            f"config.theta); config.compressor={config.compressor!r} would be ignored: "
-            "leave config.compressor at 'minmax' or 'modulo'."
-        )
     devices = jax.device_count()
     if config.devices and jax.process_count() > 1 and config.devices != devices:
         _fail(
@@ -248,11 +240,6 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             _fail(f"config.devices={config.devices} must be in 1..{devices} (0 = all devices).")
         devices = config.devices
     machines = machine_count(config)
-    if config.hierarchical and config.algorithm in ("allreduce", "none"):
-        _fail(
-            "config.hierarchical=True needs compressed_mean or a gossip algorithm; "
-            f"config.algorithm={config.algorithm!r} has no compressed exchange between machines."
-        )
     if machines is not None:
         if config.num_nodes % machines:
             _fail(
@@ -286,32 +273,16 @@ def check_values(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_local_steps(config: ml_collections.ConfigDict) -> None:
-    """DiLoCo's fields: H, the outer step, the exchange, and overlap only with local steps."""
-    if config.algorithm != "diloco":
-        for field, off in (("local_steps", 1), ("overlap", False), ("error_feedback", False)):
-            if config[field] != off:
-                _fail(
-                    f"config.{field}={config[field]!r} needs config.algorithm='diloco' "
-                    f"(local steps with an outer optimizer); got {config.algorithm!r}."
-                )
+    """DiLoCo's fields (H, overlap, error feedback) only with it; with it, its exchange."""
+    if config.algorithm == "diloco":
+        registry.check(config, "exchange", registry.EXCHANGES)
         return
-    if not isinstance(config.local_steps, int) or config.local_steps < 1:
-        _fail(f"config.local_steps={config.local_steps!r} must be an integer >= 1 (H).")
-    if not config.outer_lr > 0:
-        _fail(f"config.outer_lr={config.outer_lr!r} must be > 0.")
-    if not 0 <= config.outer_momentum < 1:
-        _fail(f"config.outer_momentum={config.outer_momentum!r} must be in [0, 1).")
-    registry.choose(config, "exchange", registry.EXCHANGES)
-    if config.overlap and config.local_steps == 1:
-        _fail(
-            "config.overlap=True needs config.local_steps > 1: the exchange overlaps with "
-            "the next round's local steps, and with local_steps=1 there are none."
-        )
-    if config.exchange == "compressed_mean" and config.compressor == "modulo":
-        _fail(
-            "config.compressor='modulo' cannot serve config.exchange='compressed_mean': it "
-            "decodes against the receiver's own model, and a mean of pseudo-gradients has none."
-        )
+    for field, off in (("local_steps", 1), ("overlap", False), ("error_feedback", False)):
+        if config[field] != off:
+            _fail(
+                f"config.{field}={config[field]!r} needs config.algorithm='diloco' "
+                f"(local steps with an outer optimizer); got {config.algorithm!r}."
+            )
 
 
 def machine_count(config: ml_collections.ConfigDict) -> int | None:
