@@ -66,7 +66,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.bits = 8
     config.rounding = "nearest"
     # min-max elements per (lo, unit) pair; None: 2048 * (8 // bits), the scales then
-    # add at most 0.63% to the codes at every width (lpdec.compress.minmax_quantizer.default_chunk_size).
+    # add at most 0.63% to the codes at every width
+    # (lpdec.compress.minmax_quantizer.default_chunk_size).
     config.chunk_size = ml_collections.config_dict.placeholder(int)
     config.ratio = 0.01  # top_k / random_k: fraction kept (0.01 = "99% compression")
 

@@ -115,3 +115,22 @@ def test_communicating_factories_take_the_uniform_arguments(declared):
     for name in ("gamma", "axis_name", "seed"):
         if name in parameters:
             assert parameters[name].kind is inspect.Parameter.KEYWORD_ONLY, name
+
+
+def test_the_training_registry_places_each_algorithm_by_its_declared_role():
+    """train_lib's chain positions are the declarations', not a second list."""
+    import pathlib  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from train_lib import registry  # noqa: PLC0415
+
+    for name, entry in registry.ALGORITHMS.items():
+        if entry.factory is None:
+            assert name == "none"
+            continue
+        assert entry.role == lpdec.algorithms.role_of(entry.factory), name
+    assert registry.ALGORITHMS["compressed_mean"].role == "mean"
+    assert registry.ALGORITHMS["allreduce"].role == "mean"
+    assert registry.ALGORITHMS["diloco"].role == "whole"
+    assert registry.ALGORITHMS["choco"].role == "gossip"

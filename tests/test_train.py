@@ -278,7 +278,7 @@ def test_every_registry_entry_declares_the_fields_it_reads(field, name):
         "algorithm": (built,),
         "exchange": (built,),
     }.get(field, ())
-    if field == "algorithm" and registry.ALGORITHMS[name].position == "whole":
+    if field == "algorithm" and registry.ALGORITHMS[name].role == "whole":
         extra = (built, optax.sgd(0.1), optax.sgd(0.7))
     table = dict(REGISTRY_TABLES)[field]
     built = registry.build(config, field, table, *extra)

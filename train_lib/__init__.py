@@ -1,5 +1,7 @@
 """The application code of `train.py`, beside it as in the flax examples (not installed).
 
+- `cli`: `train.py`'s command line: one-line flag errors, `--help`'s config fields, the
+  multi-process start and the exit statuses.
 - `loop`: `train_and_evaluate(config, workdir)`, the training loop.
 - `setup`: config -> `Experiment`, once; the checks of the config's values.
 - `registry`: what the configs choose by name, one table per kind.

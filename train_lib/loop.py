@@ -47,23 +47,24 @@ def train_and_evaluate(
     workdir = workdir_lib.prepare(workdir)
     processes.check_shared_workdir(workdir)
     with workdir_lib.Lock(workdir, jax.process_index()):
-        return _train(config, exp, workdir, started, stop)
+        return _train(exp, workdir, started, stop)
 
 
 def _train(
-    config, exp: setup.Experiment, workdir: str, started: float, stop: watchdog.StopSignals | None
+    exp: setup.Experiment, workdir: str, started: float, stop: watchdog.StopSignals | None
 ) -> dict[str, Any]:
-    layout, dataset, n = exp.layout, exp.dataset, config.num_nodes
+    """The loop itself: it reads the frozen `exp`, never the config."""
+    layout, dataset, n, plan = exp.layout, exp.dataset, exp.layout.num_nodes, exp.loop
     batcher = lpdec.data.NodeBatcher(
         dataset.x_train,
         dataset.y_train,
         exp.partitions,
-        config.batch_size,
-        config.seed,
-        augment=config.augment,
+        exp.batch_size,
+        exp.seed,
+        augment=exp.augment,
     )
 
-    init_key = jax.random.key(config.seed)
+    init_key = jax.random.key(exp.seed)
     variables = jax.jit(lambda x: exp.model.init(init_key, x, train=False))(dataset.x_train[:1])
     variables = jax.tree.map(np.asarray, variables)
     params = variables.pop("params")
@@ -72,15 +73,15 @@ def _train(
     params, model_state = layout.put(stack(params)), layout.put(stack(dict(variables)))
     programs = steps.make_programs(exp.model, exp.tx, layout)
     state = {"params": params, "opt_state": programs["init"](params), "model_state": model_state}
-    key = layout.put(jax.random.key_data(jax.random.key(config.seed + 1)), per_node=False)
+    key = layout.put(jax.random.key_data(jax.random.key(exp.seed + 1)), per_node=False)
 
     manager = checkpoint.manager(workdir)
-    state, meta = checkpoint.restore_latest(manager, state, config)
+    state, meta = checkpoint.restore_latest(manager, state, exp.config_dict)
     step = 0
     # The yardstick of a diverged loss: the cross-entropy of a uniform guess.
     divergence = metrics_lib.DivergenceMonitor(
-        config.divergence_factor,
-        config.divergence_patience,
+        plan.divergence_factor,
+        plan.divergence_patience,
         reference=math.log(dataset.num_classes),
     )
     if meta is not None:
@@ -96,18 +97,18 @@ def _train(
         layout.put(a[: per_node * n].reshape((n, per_node) + a.shape[1:]))
         for a in (dataset.x_test, dataset.y_test)
     )
-    local_count = min(config.eval_local_examples, len(dataset.x_test))
+    local_count = min(plan.eval_local_examples, len(dataset.x_test))
     local_x = layout.put(dataset.x_test[:local_count], per_node=False)
     local_y = layout.put(dataset.y_test[:local_count], per_node=False)
 
     writer = metrics_lib.MetricWriter(workdir, step, exp.total_steps)
     compiled: dict[int, Any] = {}
     wire_bytes, wire_source, collectives, bytes_by_axis = None, None, None, {}
-    halt_at = step + config.halt_after_steps if config.halt_after_steps else None
+    halt_at = step + plan.halt_after_steps if plan.halt_after_steps else None
     metrics: dict[str, Any] = {}
     stopped = diverged = interrupted = None
     while step < exp.total_steps:
-        length = min(config.log_every, exp.total_steps - step)
+        length = min(plan.log_every, exp.total_steps - step)
         xs, ys = zip(*(batcher.next() for _ in range(length)), strict=True)
         xs, ys = layout.put(np.stack(xs, axis=1)), layout.put(np.stack(ys, axis=1))
         step0 = layout.put(np.int32(step), per_node=False)
@@ -118,7 +119,7 @@ def _train(
             if wire_bytes is None:
                 collectives, bytes_by_axis = meter.collectives, dict(meter.bytes_by_axis)
                 wire_bytes, wire_source = metrics_lib.wire_bytes(
-                    compiled[length], meter, layout.per_device, config.local_steps
+                    compiled[length], meter, layout.per_device, exp.exchange_every
                 )
         chunk_started = time.time()
         params, opt_state, model_state, losses, accuracies = compiled[length](*args)
@@ -155,14 +156,14 @@ def _train(
             break
         interrupted = stop.agreed() if stop is not None else None
         if (
-            (config.checkpoint_every and step % config.checkpoint_every == 0)
+            (plan.checkpoint_every and step % plan.checkpoint_every == 0)
             or step == exp.total_steps
             or step == halt_at
             or interrupted
         ):
             state = {"params": params, "opt_state": opt_state, "model_state": model_state}
             meta = {"step": step, "batcher": batcher.state()}
-            checkpoint.save(manager, step, state, meta, config)
+            checkpoint.save(manager, step, state, meta, exp.config_dict)
         if interrupted:
             stopped = (
                 f"interrupted: {interrupted.name} to process {interrupted.process} "
@@ -171,9 +172,7 @@ def _train(
             logging.warning("stopping: %s", stopped)
             break
         if step == halt_at:
-            logging.info(
-                "halting after %d steps (config.halt_after_steps)", config.halt_after_steps
-            )
+            logging.info("halting after %d steps (config.halt_after_steps)", plan.halt_after_steps)
             break
     manager.wait_until_finished()
     writer.close()
@@ -195,9 +194,9 @@ def _train(
         "wire_bytes_source": wire_source,
         "collectives_per_step": collectives,
         "wire_bytes_by_axis": bytes_by_axis,
-        "config": config.to_dict(),
+        "config": exp.config_dict,
     }
     metrics_lib.write_summary(workdir, summary)
-    if config.save_final_params and not interrupted:
+    if plan.save_final_params and not interrupted:
         checkpoint.export_params(workdir, params)
     return summary

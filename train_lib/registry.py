@@ -5,6 +5,10 @@ factory gets a view of the config holding those fields only, so the table
 cannot drift from the code: to follow `config.gamma` from the command line to
 its use, find "gamma" here. `train_lib.setup` is the only user.
 
+A rule about one entry's values is the entry's own: its `check`, run before
+anything is built, or the library factory's ValueError, which `build` turns
+into one ConfigError line. Rules about the run as a whole are in `setup`.
+
 Objects built from other tables (the topology, the compressor, the
 learning-rate schedule) and the layout's axis names reach the algorithms
 through `Built`.
@@ -13,11 +17,12 @@ through `Built`.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
+import os
 import types
 from collections.abc import Callable
 from typing import Any
-from typing import Literal
 
 import ml_collections
 import optax
@@ -43,23 +48,55 @@ def fields_view(config, fields: tuple[str, ...]) -> types.SimpleNamespace:
 
 @dataclasses.dataclass(frozen=True)
 class Entry:
-    """A choice by name: `build(view, *args)` reads only the config fields in `fields`."""
+    """A choice by name: `build(view, *args)` reads only the config fields in `fields`.
+
+    `check(view)`, if given, raises a ConfigError for values the entry cannot use;
+    its view holds `fields` and `check_fields` (fields it checks but `build` does
+    not read).
+    """
 
     build: Callable[..., Any]
     fields: tuple[str, ...] = ()
+    check: Callable[[types.SimpleNamespace], None] | None = None
+    check_fields: tuple[str, ...] = ()
 
 
 @dataclasses.dataclass(frozen=True)
 class AlgorithmEntry(Entry):
-    """An lpdec algorithm: `build(view, built)`.
+    """An lpdec algorithm: `build(view, built)` calls `factory` (None: the local optimizer alone).
 
-    `position` is where it goes in the optax chain: "last", after the local
-    optimizer (gossip acts on the parameters' update), or "first", before it
-    (centralized means act on the gradients), or "whole": it wraps the local
-    optimizer (`lpdec.diloco`), `build(view, built, local, outer)`.
+    Its place in the chain is the factory's declared role (`lpdec.algorithms.declaration`):
+    "gossip" after the local optimizer, "mean" before it, on the gradients, and "whole"
+    (`lpdec.diloco`) wrapping it, `build(view, built, local, outer)`.
     """
 
-    position: Literal["first", "last", "whole"] = "last"
+    factory: Callable[..., optax.GradientTransformation] | None = None
+
+    @property
+    def role(self) -> str | None:
+        return None if self.factory is None else lpdec.algorithms.role_of(self.factory)
+
+
+def uniform(factory, **entry) -> AlgorithmEntry:
+    """The entry of a factory with the uniform signature (docs/DESIGN.md, "Anatomy").
+
+    Each of `topology, compressor, axis_name, local_axis` the factory takes comes from
+    `Built`, each of `gamma, seed` from the config: the entry is written once, here.
+    """
+    parameters = inspect.signature(factory).parameters
+    fields = tuple(name for name in ("gamma", "seed") if name in parameters)
+
+    def build_it(c, b: Built):
+        given = {
+            "topology": b.topology,
+            "compressor": b.compressor,
+            "axis_name": b.axis_name,
+            "local_axis": b.local_axis,
+        }
+        args = {name: value for name, value in given.items() if name in parameters}
+        return factory(**args, **{name: getattr(c, name) for name in fields})
+
+    return AlgorithmEntry(build_it, fields, factory=factory, **entry)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,6 +122,24 @@ def choose(config: ml_collections.ConfigDict, field: str, table: dict[str, Any])
     return table[name]
 
 
+def check(
+    config: ml_collections.ConfigDict,
+    field: str,
+    table: dict[str, Entry],
+    overrides: dict[str, Any] | None = None,
+) -> Entry:
+    """The entry `table[config[field]]` after its own `check` of the config's values.
+
+    Builds nothing, so `setup` runs it for every choice before any object exists.
+    """
+    entry = choose(config, field, table)
+    if entry.check is not None:
+        names = entry.fields + entry.check_fields
+        values = {f: config[f] for f in names} | dict(overrides or {})
+        entry.check(fields_view(values, names))
+    return entry
+
+
 def build(
     config: ml_collections.ConfigDict,
     field: str,
@@ -92,12 +147,12 @@ def build(
     *args,
     overrides: dict[str, Any] | None = None,
 ):
-    """Builds `table[config[field]]`; its ValueError/TypeError become one ConfigError line.
+    """Checks and builds `table[config[field]]`; a ValueError/TypeError becomes one ConfigError.
 
     `overrides` replaces config values the entry reads (a hierarchical run sizes the
     topology to its machines: ``overrides={"num_nodes": machines}``).
     """
-    entry = choose(config, field, table)
+    entry = check(config, field, table, overrides)
     values = {f: config[f] for f in entry.fields} | dict(overrides or {})
     try:
         return entry.build(fields_view(values, entry.fields), *args)
@@ -111,8 +166,21 @@ def build(
 # Data sets (`setup` caches the loaded ones).
 # ----------------------------------------------------------------------------
 
+
+def _check_cifar10(c) -> None:
+    if not c.data_dir:
+        raise ConfigError(
+            "config.dataset='cifar10' needs config.data_dir: the CIFAR-10 binary files."
+        )
+    if not os.path.isdir(c.data_dir):
+        raise ConfigError(
+            f"config.data_dir={c.data_dir!r} is not a directory; it must hold the "
+            "CIFAR-10 binary version (data_batch_1.bin ... test_batch.bin)."
+        )
+
+
 DATASETS = {
-    "cifar10": Entry(lambda c: lpdec.data.cifar10(c.data_dir), ("data_dir",)),
+    "cifar10": Entry(lambda c: lpdec.data.cifar10(c.data_dir), ("data_dir",), check=_check_cifar10),
     "digits": Entry(lambda c: lpdec.data.digits()),
     "mnist1d": Entry(lambda c: lpdec.data.mnist1d(num_samples=c.num_samples), ("num_samples",)),
     "synthetic": Entry(
@@ -252,6 +320,26 @@ def _moniqua(c, b: Built) -> optax.GradientTransformation:
     )
 
 
+def _check_moniqua(c) -> None:
+    # Moniqua sends its own modulo codes of config.bits bits: another compressor
+    # (and its ratio) would be silently ignored.
+    if c.compressor not in ("minmax", "modulo"):
+        raise ConfigError(
+            f"config.algorithm='moniqua' quantizes with its own modulo codes (config.bits, "
+            f"config.theta); config.compressor={c.compressor!r} would be ignored: "
+            "leave config.compressor at 'minmax' or 'modulo'."
+        )
+
+
+def _check_flat(c) -> None:
+    """Algorithms with nothing compressed to send between a hierarchical run's machines."""
+    if c.hierarchical:
+        raise ConfigError(
+            "config.hierarchical=True needs compressed_mean or a gossip algorithm; "
+            f"config.algorithm={c.algorithm!r} has no compressed exchange between machines."
+        )
+
+
 def _d2(c, b: Built) -> optax.GradientTransformation:
     # The identity compressor means plain D2, with nothing to compress.
     comp = None if isinstance(b.compressor, lpdec.compress.Identity) else b.compressor
@@ -284,12 +372,23 @@ def _outer_optimizer(c) -> optax.GradientTransformation:
 OUTER = ("outer_lr", "outer_momentum")
 
 
-def _mean_exchange(c, b: Built) -> optax.GradientTransformation:
+def _check_outer(c) -> None:
+    if not c.outer_lr > 0:
+        raise ConfigError(f"config.outer_lr={c.outer_lr!r} must be > 0.")
+    if not 0 <= c.outer_momentum < 1:
+        raise ConfigError(f"config.outer_momentum={c.outer_momentum!r} must be in [0, 1).")
+
+
+def _check_mean_exchange(c) -> None:
+    _check_outer(c)
     if c.error_feedback:
         raise ConfigError(
             "config.error_feedback=True needs config.exchange='compressed_mean': "
             "exchange='mean' sends full precision and has no compression error to feed back."
         )
+
+
+def _mean_exchange(c, b: Built) -> optax.GradientTransformation:
     axes = b.axis_name if b.local_axis is None else (b.axis_name, b.local_axis)
     return optax.chain(lpdec.local_mean(axis_name=axes), _outer_optimizer(c))
 
@@ -305,12 +404,25 @@ def _compressed_mean_exchange(c, b: Built) -> optax.GradientTransformation:
     return optax.chain(mean, _outer_optimizer(c))
 
 
-def _gossip_exchange(c, b: Built) -> optax.GradientTransformation:
+def _check_compressed_mean_exchange(c) -> None:
+    _check_outer(c)
+    if c.compressor == "modulo":
+        raise ConfigError(
+            "config.compressor='modulo' cannot serve config.exchange='compressed_mean': it "
+            "decodes against the receiver's own model, and a mean of pseudo-gradients has none."
+        )
+
+
+def _check_gossip_exchange(c) -> None:
+    _check_outer(c)
     if c.error_feedback:
         raise ConfigError(
             "config.error_feedback=True does not apply to config.exchange='gossip': CHOCO's "
             "replicas already carry the compression error to the next exchange."
         )
+
+
+def _gossip_exchange(c, b: Built) -> optax.GradientTransformation:
     choco = lpdec.choco(b.topology, b.compressor, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed)
     if b.local_axis is None:
         return optax.chain(_outer_optimizer(c), choco)
@@ -324,10 +436,28 @@ def _gossip_exchange(c, b: Built) -> optax.GradientTransformation:
 
 
 EXCHANGES = {
-    "mean": Entry(_mean_exchange, ("error_feedback", *OUTER)),
-    "compressed_mean": Entry(_compressed_mean_exchange, ("error_feedback", "seed", *OUTER)),
-    "gossip": Entry(_gossip_exchange, ("error_feedback", "gamma", "seed", *OUTER)),
+    "mean": Entry(_mean_exchange, ("error_feedback", *OUTER), check=_check_mean_exchange),
+    "compressed_mean": Entry(
+        _compressed_mean_exchange,
+        ("error_feedback", "seed", *OUTER),
+        check=_check_compressed_mean_exchange,
+        check_fields=("compressor",),
+    ),
+    "gossip": Entry(
+        _gossip_exchange, ("error_feedback", "gamma", "seed", *OUTER), check=_check_gossip_exchange
+    ),
 }
+
+
+def _check_diloco(c) -> None:
+    # lpdec.diloco checks local_steps too; this names the config field.
+    if not isinstance(c.local_steps, int) or c.local_steps < 1:
+        raise ConfigError(f"config.local_steps={c.local_steps!r} must be an integer >= 1 (H).")
+    if c.overlap and c.local_steps == 1:
+        raise ConfigError(
+            "config.overlap=True needs config.local_steps > 1: the exchange overlaps with "
+            "the next round's local steps, and with local_steps=1 there are none."
+        )
 
 
 def _diloco(c, b: Built, local, outer) -> optax.GradientTransformation:
@@ -336,97 +466,68 @@ def _diloco(c, b: Built, local, outer) -> optax.GradientTransformation:
 
 
 ALGORITHMS = {
-    "choco": AlgorithmEntry(
-        lambda c, b: lpdec.choco(
-            b.topology, b.compressor, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed
-        ),
-        ("gamma", "seed"),
-    ),
+    "choco": uniform(lpdec.choco),
     # Byzantine-robust: each neighbour's model difference clipped to the adaptive radius.
-    "clipped_gossip": AlgorithmEntry(_clipped_gossip, ("gamma", "seed")),
-    "d2": AlgorithmEntry(_d2, ("seed",)),
-    "dcd": AlgorithmEntry(
-        lambda c, b: lpdec.dcd(b.topology, b.compressor, axis_name=b.axis_name, seed=c.seed),
-        ("seed",),
+    "clipped_gossip": AlgorithmEntry(
+        _clipped_gossip, ("gamma", "seed"), factory=lpdec.clipped_gossip
     ),
-    "deepsqueeze": AlgorithmEntry(
-        lambda c, b: lpdec.deepsqueeze(
-            b.topology, b.compressor, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed
-        ),
-        ("gamma", "seed"),
-    ),
-    "dpsgd": AlgorithmEntry(lambda c, b: lpdec.dpsgd(b.topology, axis_name=b.axis_name)),
+    "d2": AlgorithmEntry(_d2, ("seed",), factory=lpdec.d2),
+    "dcd": uniform(lpdec.dcd),
+    "deepsqueeze": uniform(lpdec.deepsqueeze),
+    "dpsgd": uniform(lpdec.dpsgd),
     "moniqua": AlgorithmEntry(
         _moniqua,
         ("bits", "theta", "theta_follows_lr", "learning_rate", "slack", "rounding", "seed"),
+        check=_check_moniqua,
+        check_fields=("compressor",),
+        factory=lpdec.moniqua,
     ),
-    "naive_quantized": AlgorithmEntry(
-        lambda c, b: lpdec.naive_quantized(
-            b.topology, b.compressor, axis_name=b.axis_name, seed=c.seed
-        ),
-        ("seed",),
-    ),
-    "quant_sgp": AlgorithmEntry(
-        lambda c, b: lpdec.quant_sgp(
-            b.topology, b.compressor, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed
-        ),
-        ("gamma", "seed"),
-    ),
-    "sparse_push": AlgorithmEntry(
-        lambda c, b: lpdec.sparse_push(
-            b.topology, b.compressor, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed
-        ),
-        ("gamma", "seed"),
-    ),
+    "naive_quantized": uniform(lpdec.naive_quantized),
+    "quant_sgp": uniform(lpdec.quant_sgp),
+    "sparse_push": uniform(lpdec.sparse_push),
     # Centralized: full-precision data parallelism (a mean of the gradients) and
     # seed 001/004's compressed mean, hierarchical when `local_axis` is set.
     "allreduce": AlgorithmEntry(
-        lambda c, b: lpdec.local_mean(axis_name=b.axis_name), position="first"
+        lambda c, b: lpdec.local_mean(axis_name=b.axis_name),
+        check=_check_flat,
+        check_fields=("algorithm", "hierarchical"),
+        factory=lpdec.local_mean,
     ),
-    "compressed_mean": AlgorithmEntry(
-        lambda c, b: lpdec.compressed_mean(
-            b.compressor, axis_name=b.axis_name, local_axis=b.local_axis, seed=c.seed
-        ),
-        ("seed",),
-        position="first",
-    ),
+    "compressed_mean": uniform(lpdec.compressed_mean),
     # H local steps of the local optimizer, then config.exchange (EXCHANGES) and the
     # outer Nesterov step: the whole optimizer, `build(view, built, local, outer)`.
-    "diloco": AlgorithmEntry(_diloco, ("local_steps", "overlap"), position="whole"),
+    "diloco": AlgorithmEntry(
+        _diloco, ("local_steps", "overlap"), check=_check_diloco, factory=lpdec.diloco
+    ),
     # Independent nodes: the local optimizer alone.
-    "none": AlgorithmEntry(lambda c, b: None),
+    "none": AlgorithmEntry(
+        lambda c, b: None, check=_check_flat, check_fields=("algorithm", "hierarchical")
+    ),
 }
 
 
 def make_chain(
     config: ml_collections.ConfigDict, local: optax.GradientTransformation, built: Built
 ) -> optax.GradientTransformation:
-    """The local optimizer chained with `config.algorithm` at the entry's position.
+    """The local optimizer chained with `config.algorithm` where its role puts it (`lpdec.chain`).
 
     Hierarchical gossip (`built.local_axis` set): the workers of a machine average
     their gradients in full precision, take the same local step, and run the
     algorithm between the machines on 1/k of the model each (`lpdec.shard_over`).
+    Low-precision parameters train on a float32 master copy (`lpdec.chain` adds it;
+    for float32 parameters the chain is itself).
     """
-    # Low-precision parameters train on a float32 master copy (the chain itself for float32).
-    return lpdec.master_weights(_chain(config, local, built))
-
-
-def _chain(config, local, built):
-    if ALGORITHMS[config.algorithm].position == "whole":
+    entry = choose(config, "algorithm", ALGORITHMS)
+    if entry.role == "whole":
         outer = build(config, "exchange", EXCHANGES, built)
-        return build(config, "algorithm", ALGORITHMS, built, local, outer)
+        return lpdec.master_weights(build(config, "algorithm", ALGORITHMS, built, local, outer))
     algorithm = build(config, "algorithm", ALGORITHMS, built)
-    # A NaN gradient on one node skips that node's step and leaves its optimizer
-    # state as it was (lpdec.local_apply_if_finite), instead of poisoning its momentum.
-    local = lpdec.local_apply_if_finite(local)
     if algorithm is None:
-        return local
-    if ALGORITHMS[config.algorithm].position == "first":
-        return optax.chain(algorithm, local)
+        return lpdec.chain(local)
+    if entry.role == "mean":
+        return lpdec.chain(local, on_gradients=(algorithm,))
     if built.local_axis is not None:
-        return optax.chain(
-            lpdec.local_mean(axis_name=built.local_axis),
-            local,
-            lpdec.shard_over(algorithm, axis_name=built.local_axis),
-        )
-    return optax.chain(local, algorithm)
+        worker_mean = lpdec.local_mean(axis_name=built.local_axis)
+        between = lpdec.shard_over(algorithm, axis_name=built.local_axis)
+        return lpdec.chain(local, between, on_gradients=(worker_mean,))
+    return lpdec.chain(local, algorithm)

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
+from typing import Any
 from typing import NoReturn
 
 import flax.linen as nn
@@ -29,35 +29,72 @@ from train_lib.registry import ConfigError
 PRECISIONS = ("fp32", "int8")
 
 
+@dataclasses.dataclass(frozen=True)
+class LoopPlan:
+    """When the training loop logs, evaluates, saves and stops.
+
+    Attributes:
+      log_every: steps per compiled chunk; metrics and evaluation after each.
+      checkpoint_every: steps between checkpoints (a multiple of log_every; 0 = only
+        at the end, a halt or a stop).
+      halt_after_steps: stop (with a checkpoint) this many steps after the run's start
+        or resumption; 0 = run to the end.
+      eval_local_examples: test examples each node's own model is evaluated on.
+      divergence_factor: a loss above this times a uniform guess's counts as diverged
+        (0 = never stop a run for its loss).
+      divergence_patience: log intervals in a row of such a loss that stop the run.
+      save_final_params: export the final parameters (not after a stop by a signal).
+    """
+
+    log_every: int
+    checkpoint_every: int
+    halt_after_steps: int
+    eval_local_examples: int
+    divergence_factor: float
+    divergence_patience: int
+    save_final_params: bool
+
+
 @dataclasses.dataclass(frozen=True, eq=False)
 class Experiment:
     """Everything a run needs that the config determines.
 
     Attributes:
-      config: the config it was built from (kept for summary.json).
+      config_dict: the config as a plain dict, for summary.json and the checkpoints'
+        fingerprint; the loop reads the fields below, not this.
       dataset: the train/test split.
       partitions: one array of training-sample indices per node.
+      batch_size: examples per node and step.
+      augment: whether the batches are augmented (random crops and flips).
+      seed: the seed of the model's initialization and the algorithms' randomness.
       layout: the nodes on the devices.
       model: the flax model.
       topology: the gossip topology (built for every algorithm, used by gossip).
       compressor: what crosses the wire (used by the compressing algorithms).
       schedule: the learning rate by step.
       tx: the optax chain of the local optimizer and the lpdec algorithm.
+      exchange_every: steps per exchange between nodes (DiLoCo's local steps, else 1).
       total_steps: steps of the whole run.
       steps_per_epoch: steps for every node to see its partition once.
+      loop: when the loop logs, saves and stops.
     """
 
-    config: ml_collections.ConfigDict
+    config_dict: dict[str, Any]
     dataset: lpdec.data.Dataset
     partitions: tuple[np.ndarray, ...]
+    batch_size: int
+    augment: bool
+    seed: int
     layout: NodeLayout
     model: nn.Module
     topology: lpdec.Topology
     compressor: lpdec.Compressor
     schedule: optax.Schedule
     tx: optax.GradientTransformation
+    exchange_every: int
     total_steps: int
     steps_per_epoch: int
+    loop: LoopPlan
 
 
 def build(config: ml_collections.ConfigDict) -> Experiment:
@@ -105,18 +142,32 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         )
     except (TypeError, ValueError) as error:
         _fail(f"config.model={config.model!r} with config.model_kwargs: {error}")
+    loop = LoopPlan(
+        log_every=config.log_every,
+        checkpoint_every=config.checkpoint_every,
+        halt_after_steps=config.halt_after_steps,
+        eval_local_examples=config.eval_local_examples,
+        divergence_factor=config.divergence_factor,
+        divergence_patience=config.divergence_patience,
+        save_final_params=config.save_final_params,
+    )
     return Experiment(
-        config=config,
+        config_dict=config.to_dict(),
         dataset=dataset,
         partitions=tuple(partitions),
+        batch_size=config.batch_size,
+        augment=config.augment,
+        seed=config.seed,
         layout=layout,
         model=model,
         topology=topology,
         compressor=compressor,
         schedule=schedule,
         tx=tx,
+        exchange_every=config.local_steps,
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
+        loop=loop,
     )
 
 
@@ -125,16 +176,12 @@ def _fail(message: str) -> NoReturn:
 
 
 def check_values(config: ml_collections.ConfigDict) -> None:
-    """The checks that need no object built: names, ranges, and how nodes fit the devices."""
-    registry.choose(config, "dataset", registry.DATASETS)
-    if config.dataset == "cifar10":
-        if not config.data_dir:
-            _fail("config.dataset='cifar10' needs config.data_dir: the CIFAR-10 binary files.")
-        if not os.path.isdir(config.data_dir):
-            _fail(
-                f"config.data_dir={config.data_dir!r} is not a directory; it must hold the "
-                "CIFAR-10 binary version (data_batch_1.bin ... test_batch.bin)."
-            )
+    """The checks that need no object built: names, ranges, and how nodes fit the devices.
+
+    A choice's own rules are its registry entry's (`registry.check`); the rest,
+    about the run as a whole, are here.
+    """
+    registry.check(config, "dataset", registry.DATASETS)
     if config.model not in lpdec.models.MODELS:
         _fail(
             f"config.model={config.model!r} is not one of: "
@@ -166,19 +213,16 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             f"config.checkpoint_every={config.checkpoint_every} must be a multiple of "
             f"config.log_every={config.log_every} (steps run in chunks of log_every)."
         )
-    # Every name before any object, so a typo fails at once.
-    registry.choose(config, "algorithm", registry.ALGORITHMS)
-    registry.choose(config, "lr_schedule", registry.SCHEDULES)
-    registry.choose(config, "optimizer", registry.OPTIMIZERS)
+    # Every name, and the chosen entries' own rules, before any object: a typo fails at once.
+    for field, table in (
+        ("algorithm", registry.ALGORITHMS),
+        ("lr_schedule", registry.SCHEDULES),
+        ("optimizer", registry.OPTIMIZERS),
+        ("topology", registry.TOPOLOGIES),
+        ("compressor", registry.COMPRESSORS),
+    ):
+        registry.check(config, field, table)
     _check_local_steps(config)
-    if config.algorithm == "moniqua" and config.compressor not in ("minmax", "modulo"):
-        # Moniqua sends its own modulo codes of config.bits bits: another compressor
-        # (and its ratio) would be silently ignored.
-        _fail(
-            f"config.algorithm='moniqua' quantizes with its own modulo codes (config.bits, "
-            f"config.theta); config.compressor={config.compressor!r} would be ignored: "
-            "leave config.compressor at 'minmax' or 'modulo'."
-        )
     devices = jax.device_count()
     if config.devices and jax.process_count() > 1 and config.devices != devices:
         _fail(
@@ -196,11 +240,6 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             _fail(f"config.devices={config.devices} must be in 1..{devices} (0 = all devices).")
         devices = config.devices
     machines = machine_count(config)
-    if config.hierarchical and config.algorithm in ("allreduce", "none"):
-        _fail(
-            "config.hierarchical=True needs compressed_mean or a gossip algorithm; "
-            f"config.algorithm={config.algorithm!r} has no compressed exchange between machines."
-        )
     if machines is not None:
         if config.num_nodes % machines:
             _fail(
@@ -234,32 +273,16 @@ def check_values(config: ml_collections.ConfigDict) -> None:
 
 
 def _check_local_steps(config: ml_collections.ConfigDict) -> None:
-    """DiLoCo's fields: H, the outer step, the exchange, and overlap only with local steps."""
-    if config.algorithm != "diloco":
-        for field, off in (("local_steps", 1), ("overlap", False), ("error_feedback", False)):
-            if config[field] != off:
-                _fail(
-                    f"config.{field}={config[field]!r} needs config.algorithm='diloco' "
-                    f"(local steps with an outer optimizer); got {config.algorithm!r}."
-                )
+    """DiLoCo's fields (H, overlap, error feedback) only with it; with it, its exchange."""
+    if config.algorithm == "diloco":
+        registry.check(config, "exchange", registry.EXCHANGES)
         return
-    if not isinstance(config.local_steps, int) or config.local_steps < 1:
-        _fail(f"config.local_steps={config.local_steps!r} must be an integer >= 1 (H).")
-    if not config.outer_lr > 0:
-        _fail(f"config.outer_lr={config.outer_lr!r} must be > 0.")
-    if not 0 <= config.outer_momentum < 1:
-        _fail(f"config.outer_momentum={config.outer_momentum!r} must be in [0, 1).")
-    registry.choose(config, "exchange", registry.EXCHANGES)
-    if config.overlap and config.local_steps == 1:
-        _fail(
-            "config.overlap=True needs config.local_steps > 1: the exchange overlaps with "
-            "the next round's local steps, and with local_steps=1 there are none."
-        )
-    if config.exchange == "compressed_mean" and config.compressor == "modulo":
-        _fail(
-            "config.compressor='modulo' cannot serve config.exchange='compressed_mean': it "
-            "decodes against the receiver's own model, and a mean of pseudo-gradients has none."
-        )
+    for field, off in (("local_steps", 1), ("overlap", False), ("error_feedback", False)):
+        if config[field] != off:
+            _fail(
+                f"config.{field}={config[field]!r} needs config.algorithm='diloco' "
+                f"(local steps with an outer optimizer); got {config.algorithm!r}."
+            )
 
 
 def machine_count(config: ml_collections.ConfigDict) -> int | None:

@@ -53,8 +53,9 @@ def chain(
       `master_weights(optax.chain(*on_gradients, local_apply_if_finite(local),
       *algorithms))`; with float32 parameters that is the chain itself, state included.
     """
-    guarded = local_apply_if_finite.local_apply_if_finite(local)
-    return master_weights.master_weights(optax.chain(*on_gradients, guarded, *algorithms))
+    parts = (*on_gradients, local_apply_if_finite.local_apply_if_finite(local), *algorithms)
+    # The guarded optimizer alone is not wrapped in a chain of one (its state stays flat).
+    return master_weights.master_weights(optax.chain(*parts) if len(parts) > 1 else parts[0])
 
 
 # Per-node guards: a communicating transform inside one is the unsafe wrapping.

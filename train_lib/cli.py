@@ -1,0 +1,185 @@
+"""`train.py`'s command line: flag parsing, the start of a multi-process run, exit statuses.
+
+`train.py` defines the flags and calls these; each problem the user must fix is
+one `error:` line on stderr and an exit status:
+
+- 0: done, or halted by `config.halt_after_steps`;
+- `EXIT_BAD_INPUT` (2): a bad flag, config, workdir or checkpoint;
+- `EXIT_DIVERGED` (3): the loss diverged, summary.json says where;
+- `EXIT_PEER_LOST` (4): another process of the run was lost, the line names it;
+- 128 + the signal's number (143, 130) after SIGTERM/SIGINT, as the shell reports a death by it.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.util
+import os
+import signal
+import sys
+from typing import Any
+from typing import NoReturn
+
+import jax
+from absl import flags
+from absl import logging
+
+from train_lib import checkpoint
+from train_lib import processes
+from train_lib import watchdog
+from train_lib.registry import RunError
+
+EXIT_BAD_INPUT = 2
+EXIT_DIVERGED = 3
+EXIT_PEER_LOST = 4
+
+DEFAULT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "default.py")
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+    """absl's flag parsing, with a bad flag, config file or override reported in one line.
+
+    The config file is loaded here (absl loads it lazily, at first use), so a
+    missing file or a typo in `--config.FIELD` stops the run before anything
+    starts, naming the flag and, for a typo, the closest field. `--help` also
+    lists every `--config.FIELD` override with its default.
+    """
+    try:
+        rest = flags.FLAGS(argv)
+        flags.FLAGS.config.keys()  # loads the file and applies the overrides now
+        return rest
+    except SystemExit:
+        if any(a in ("-h", "--help", "--helpshort", "--helpfull") for a in argv[1:]):
+            _print_config_fields(argv)
+        raise
+    except Exception as error:  # noqa: BLE001 - ml_collections raises many types
+        sys.stderr.write(f"error: {_explain_flag_error(argv, error)}\n")
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def quiet_orbax() -> None:
+    """Orbax logs every checkpoint step at INFO through absl; keep lpdec's lines readable."""
+    logging.get_absl_handler().addFilter(lambda record: "orbax" not in record.pathname)
+
+
+def start_processes(flag_values: flags.FlagValues) -> watchdog.PeerWatch | None:
+    """The multi-process start the flags ask for (`--coordinator_address`...), or None.
+
+    Checks the flags, starts `jax.distributed` and the handshake, and returns
+    the watch over the other processes; a bad flag or a failed start exits 2.
+    """
+    f = flag_values
+    try:
+        processes.check_args(f.coordinator_address, f.num_processes, f.process_id)
+        if not f.coordinator_address:
+            return None
+        return processes.start(
+            f.coordinator_address,
+            f.num_processes,
+            f.process_id,
+            {f"config.{k}": v for k, v in checkpoint.flatten_config(f.config).items()},
+            bind=f.coordinator_bind_address,
+            timeout_s=f.peer_timeout,
+            heartbeat_timeout_s=f.heartbeat_timeout,
+            peer_lost_status=EXIT_PEER_LOST,
+        )
+    except RunError as error:
+        sys.stderr.write(f"error: {error}\n")
+        sys.exit(EXIT_BAD_INPUT)
+
+
+def log_devices() -> None:
+    """One line: this process among the others, and the devices it sees."""
+    logging.info(
+        "process %d of %d; %d local / %d global devices: %s",
+        jax.process_index(),
+        jax.process_count(),
+        jax.local_device_count(),
+        jax.device_count(),
+        jax.devices()[0].platform,
+    )
+
+
+def exit_for_error(error: RunError, peers: watchdog.PeerWatch | None) -> NoReturn:
+    """Tells the other processes, prints `error: <message>` and exits 2."""
+    if peers is not None:
+        peers.leave(error=str(error))
+    sys.stderr.write(f"error: {error}\n")
+    sys.exit(EXIT_BAD_INPUT)
+
+
+def exit_for_summary(summary: dict[str, Any], peers: watchdog.PeerWatch | None) -> None:
+    """Leaves the other processes; exits 3 for a diverged run, 128 + signal for a stopped one."""
+    if peers is not None:
+        peers.leave()
+    if summary["diverged"]:
+        sys.stderr.write(f"error: {summary['stopped']}\n")
+        sys.exit(EXIT_DIVERGED)
+    if summary["interrupted"]:
+        sys.stderr.write(f"{summary['stopped']}\n")
+        sys.exit(128 + signal.Signals[summary["interrupted"]])
+
+
+def _explain_flag_error(argv: list[str], error: Exception) -> str:
+    path = _config_path(argv)
+    if path and not os.path.isfile(path):
+        return f"--config={path}: no such file; expected a config file such as configs/default.py"
+    config = _load_config_quietly(argv)
+    if config is not None:
+        fields = sorted(_field_names(config.to_dict()))
+        for arg in argv[1:]:
+            if not arg.startswith("--config."):
+                continue
+            name = arg[len("--config.") :].split("=", 1)[0]
+            if name not in fields:
+                close = difflib.get_close_matches(name, fields, n=1, cutoff=0.6)
+                hint = f"; did you mean config.{close[0]}?" if close else ""
+                return f"{arg}: the config has no field {name!r}{hint}"
+    causes, cause = [], error
+    while cause is not None and len(causes) < 3:
+        text = " ".join(str(cause).split()).strip("'\"") or type(cause).__name__
+        if not any(text in earlier for earlier in causes):
+            causes.append(text)
+        cause = cause.__cause__ or cause.__context__
+    return " <- ".join(causes)[:500]
+
+
+def _load_config_quietly(argv: list[str]):
+    """The config `--config=FILE` names, built by its get_config(), or None."""
+    path = _config_path(argv)
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        spec = importlib.util.spec_from_file_location("lpdec_user_config", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        return module.get_config()
+    except Exception:  # noqa: BLE001 - the caller falls back to the error's own text
+        return None
+
+
+def _print_config_fields(argv: list[str]) -> None:
+    """After absl's help: every `--config.FIELD` override with its default."""
+    if not _config_path(argv):
+        argv = [*argv, f"--config={DEFAULT_CONFIG}"]
+    config = _load_config_quietly(argv)
+    if config is None:
+        return
+    print(f"\n  --config.FIELD=VALUE overrides (defaults from {_config_path(argv)}):")
+    for name, value in checkpoint.flatten_config(config).items():
+        print(f"    --config.{name}: {value!r}")
+
+
+def _config_path(argv: list[str]) -> str | None:
+    """The file of the last `--config=FILE[:ARG]` flag, or None."""
+    values = [a.split("=", 1)[1] for a in argv if a.startswith("--config=")]
+    return values[-1].split(":")[0] if values else None
+
+
+def _field_names(tree: dict, prefix: str = "") -> list[str]:
+    names = []
+    for key, value in tree.items():
+        names.append(prefix + key)
+        if isinstance(value, dict):
+            names += _field_names(value, f"{prefix}{key}.")
+    return names
