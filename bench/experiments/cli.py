@@ -40,7 +40,7 @@ STUDY_FUNCTIONS = {
 
 def main(argv=None) -> None:
     """Runs (or with --render, renders) the studies named in `argv`; see bench.experiments."""
-    parser = argparse.ArgumentParser(description=DESCRIPTION)
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments", description=DESCRIPTION)
     parser.add_argument("studies", nargs="+", choices=cache.STUDIES + ("all",))
     parser.add_argument("--quick", action="store_true", help="few steps, one seed (smoke test)")
     parser.add_argument("--seeds", type=int, default=3)
