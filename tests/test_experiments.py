@@ -145,6 +145,7 @@ def fake_training(monkeypatch) -> list:
 
 def test_cached_runs_of_other_code_or_config_are_not_reused(tmp_path, monkeypatch):
     from bench import experiments
+    from bench.experiments import cache
 
     trained = fake_training(monkeypatch)
     runner = experiments.Runner(quick=True, seeds=1, workdir=str(tmp_path))
@@ -156,7 +157,7 @@ def test_cached_runs_of_other_code_or_config_are_not_reused(tmp_path, monkeypatc
         "s", "m", experiments.seed002_config
     )
     assert trained == [0.1, 0.05]  # read back from results.json
-    monkeypatch.setattr(experiments, "code_fingerprint", lambda root=None: "changed")
+    monkeypatch.setattr(cache, "code_fingerprint", lambda root=None: "changed")
     experiments.Runner(quick=True, seeds=1, workdir=str(tmp_path)).repeat(
         "s", "m", experiments.seed002_config
     )
@@ -167,9 +168,10 @@ def test_cached_runs_of_other_code_or_config_are_not_reused(tmp_path, monkeypatc
 
 def test_published_runs_of_the_same_code_count_as_cached(tmp_path, monkeypatch):
     from bench import experiments
+    from bench.experiments import cache
 
     trained = fake_training(monkeypatch)
-    monkeypatch.setattr(experiments, "code_fingerprint", lambda root=None: "v1")
+    monkeypatch.setattr(cache, "code_fingerprint", lambda root=None: "v1")
     first = experiments.Runner(quick=True, seeds=1, workdir=str(tmp_path / "a"))
     (entry,) = first.repeat("s", "m", experiments.seed002_config)
     published = tmp_path / "experiments.json"
@@ -183,7 +185,7 @@ def test_published_runs_of_the_same_code_count_as_cached(tmp_path, monkeypatch):
     assert trained == [0.1]
     assert again["method"] == "other method" and again["final_test_accuracy"] == 0.1
     # Published runs of other code are stale like any cached run.
-    monkeypatch.setattr(experiments, "code_fingerprint", lambda root=None: "v2")
+    monkeypatch.setattr(cache, "code_fingerprint", lambda root=None: "v2")
     experiments.Runner(
         quick=True, seeds=1, workdir=str(tmp_path / "c"), published=str(published)
     ).repeat("s", "m", experiments.seed002_config)

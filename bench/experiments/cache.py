@@ -1,0 +1,120 @@
+"""The run cache: training records keyed by their config and the code that trained them.
+
+A record is stored under `config_key(config)` with the `code_fingerprint()` of the
+code that trained it. The workdir's `results.json` holds every record trained
+there; docs/experiments.json publishes the records behind EXPERIMENTS.md, each
+with its study and method. Records of other code are stale and never reused.
+"""
+
+from __future__ import annotations
+
+import ast
+import hashlib
+import json
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The code whose change invalidates cached runs (bench/ is not part of it: rewriting
+# a study's tables keeps its runs).
+CODE = ("train.py", "train_lib", "lpdec", os.path.join("configs", "default.py"))
+# The studies, in the order docs/experiments.json and EXPERIMENTS.md list them.
+STUDIES = ("gamma", "table2", "precision", "qgm", "moniqua", "theorem1", "centralized", "tradeoff")
+
+
+def code_fingerprint(root: str = ROOT) -> str:
+    """Hash of the training code's syntax trees, without comments and docstrings.
+
+    Editing a comment or a docstring keeps cached runs; any other change to
+    train.py, train_lib/, lpdec/ or configs/default.py discards them.
+    """
+    digest = hashlib.sha256()
+    files = []
+    for entry in CODE:
+        path = os.path.join(root, entry)
+        if os.path.isfile(path):
+            files.append(path)
+        for folder, _, names in sorted(os.walk(path)):
+            files += [os.path.join(folder, n) for n in sorted(names) if n.endswith(".py")]
+    for path in files:
+        tree = ast.parse(open(path).read())
+        for node in ast.walk(tree):
+            body = getattr(node, "body", None)
+            if (
+                isinstance(body, list)
+                and body
+                and isinstance(body[0], ast.Expr)
+                and isinstance(body[0].value, ast.Constant)
+                and isinstance(body[0].value.value, str)
+            ):
+                node.body = body[1:] or [ast.Pass()]
+        digest.update(os.path.relpath(path, root).encode())
+        digest.update(ast.dump(tree).encode())
+    return digest.hexdigest()[:16]
+
+
+def config_key(config) -> str:
+    """The key a run is cached under: a hash of its whole config."""
+    text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def load_results(path: str, code: str) -> dict[str, dict]:
+    """The records in a workdir's results.json that `code` trained (none without the file)."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        cached = json.load(f)
+    # Runs of other code are stale: drop them.
+    return {k: r for k, r in cached.items() if r.get("code") == code}
+
+
+def save_results(path: str, records: dict[str, dict]) -> None:
+    """Writes the records to a workdir's results.json."""
+    with open(path, "w") as f:
+        json.dump(records, f)
+
+
+def published_results(path: str, code: str) -> dict[str, dict]:
+    """The runs in docs/experiments.json that `code` trained, as cache records.
+
+    A run several studies share is listed once per study; the first listing is kept,
+    without the study and method it was listed under.
+    """
+    records: dict[str, dict] = {}
+    with open(path) as f:
+        for entry in json.load(f)["runs"]:
+            if entry.get("code") == code and entry.get("key") not in records:
+                records[entry["key"]] = {
+                    k: v for k, v in entry.items() if k not in ("study", "method")
+                }
+    return records
+
+
+def load_published(path: str) -> dict[str, dict]:
+    """Every run in docs/experiments.json by key, whatever code trained it (for --render)."""
+    with open(path) as f:
+        return {e["key"]: e for e in json.load(f)["runs"]}
+
+
+def publish(path: str, code: str, entries: list[dict], studies) -> None:
+    """Replaces the runs of `studies` in docs/experiments.json with `entries` of theirs."""
+    data = {"runs": []}
+    if os.path.exists(path):
+        with open(path) as f:
+            data = json.load(f)
+    kept = [e for e in data.get("runs", []) if e["study"] not in studies]
+    runs = kept + [e for e in entries if e["study"] in studies]
+    data = {
+        "description": (
+            "Every training run behind EXPERIMENTS.md: study, method, the config fields "
+            "that differ from configs/default.py (plus the seed), steps, schedule, final "
+            "test accuracy of the node-averaged model, bytes per node, wall-clock seconds "
+            "on this machine, the accuracy curve [step, accuracy, train loss], and the "
+            "fingerprint of the code that trained it (bench.experiments.code_fingerprint)."
+        ),
+        "code": code,
+        "runs": sorted(runs, key=lambda e: (STUDIES.index(e["study"]), e["method"], e["seed"])),
+    }
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1)
+        f.write("\n")

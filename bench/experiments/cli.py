@@ -1,0 +1,90 @@
+"""The command line: `python -m bench.experiments STUDY... [--quick] [--render]`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import jax
+
+from bench import _sections
+from bench.experiments import cache
+from bench.experiments import centralized
+from bench.experiments import gamma
+from bench.experiments import moniqua
+from bench.experiments import precision
+from bench.experiments import qgm
+from bench.experiments import render
+from bench.experiments import table2
+from bench.experiments import theorem1
+from bench.experiments import tradeoff
+from bench.experiments.runner import Runner
+
+DESCRIPTION = (
+    "Reproduce the seeds' claims at training length; "
+    "writes EXPERIMENTS.md, docs/experiments.json, docs/*.png."
+)
+# Each study takes the runner and the plot directory and returns its section's markdown.
+STUDY_FUNCTIONS = {
+    "gamma": gamma.gamma,
+    "table2": table2.table2,
+    "precision": precision.precision,
+    "qgm": qgm.qgm,
+    "moniqua": moniqua.moniqua,
+    "theorem1": theorem1.theorem1,
+    "centralized": centralized.centralized,
+    "tradeoff": tradeoff.tradeoff,
+}
+
+
+def main(argv=None) -> None:
+    """Runs (or with --render, renders) the studies named in `argv`; see bench.experiments."""
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments", description=DESCRIPTION)
+    parser.add_argument("studies", nargs="+", choices=cache.STUDIES + ("all",))
+    parser.add_argument("--quick", action="store_true", help="few steps, one seed (smoke test)")
+    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--output", default=os.path.join(cache.ROOT, "EXPERIMENTS.md"))
+    parser.add_argument(
+        "--docs", default=None, help="plot and experiments.json directory (default: docs/)"
+    )
+    parser.add_argument("--workdir", default=os.path.join(cache.ROOT, "runs", "experiments"))
+    parser.add_argument(
+        "--render", action="store_true", help="tables and plots from experiments.json only"
+    )
+    args = parser.parse_args(argv)
+
+    jax.config.update("jax_compilation_cache_dir", os.path.join(cache.ROOT, "runs", "jax_cache"))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    from absl import logging
+
+    logging.set_verbosity(logging.WARNING)
+    docs = args.docs or os.path.join(os.path.dirname(os.path.abspath(args.output)), "docs")
+    os.makedirs(docs, exist_ok=True)
+    json_path = os.path.join(docs, "experiments.json")
+    replay = None
+    if args.render:
+        if not os.path.exists(json_path):
+            raise SystemExit(f"error: --render needs {json_path}; run the studies first.")
+        replay = cache.load_published(json_path)
+    workdir = args.workdir + ("_quick" if args.quick else "")
+    runner = Runner(
+        args.quick, args.seeds, workdir, replay=replay, published=None if args.quick else json_path
+    )
+    studies = cache.STUDIES if "all" in args.studies else tuple(args.studies)
+    for name in studies:
+        started = time.time()
+        runner.study_keys, runner.trained_seconds = set(), 0.0
+        print(f"study {name}", flush=True)
+        body = STUDY_FUNCTIONS[name](runner, docs)
+        minutes = (time.time() - started) / 60
+        command = f"python -m bench.experiments {name}" + (" --quick" if args.quick else "")
+        body = render.with_command(body, command, render.timing(runner, minutes, args.render))
+        if not args.render:
+            cache.publish(json_path, runner.code, runner.entries, (name,))
+        _sections.replace_section(args.output, f"study:{name}", body, header=render.HEADER)
+        print(f"study {name} done in {minutes:.1f} min", flush=True)
+    if os.path.exists(json_path):
+        _sections.replace_section(
+            args.output, "runtime", render.runtime(json_path), header=render.HEADER
+        )

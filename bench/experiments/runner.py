@@ -1,0 +1,180 @@
+"""The papers' recipes scaled to MNIST-1D, and the Runner that trains them (or reads them back)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import time
+
+from bench.experiments import cache
+
+sys.path.insert(0, cache.ROOT)
+
+import train_lib  # noqa: E402
+from configs import default  # noqa: E402
+from configs import mnist1d_seed002  # noqa: E402
+from configs import mnist1d_seed003  # noqa: E402
+
+STEPS = 2000  # per run (about 64 epochs of 8,000 sequences on 8 nodes of batch 32)
+QUICK_STEPS = 20
+
+
+def _recipe(module, quick: bool):
+    config = module.get_config()
+    config.num_steps = QUICK_STEPS if quick else STEPS
+    config.log_every = config.num_steps // 10
+    config.checkpoint_every = 0
+    config.eval_local_examples = 500
+    return config
+
+
+def seed002_config(quick: bool):
+    """Seed 002's recipe (configs/mnist1d_seed002.py).
+
+    Nesterov 0.9, weight decay 1e-4, lr 0.1, x0.1 at 50% and 75% of the steps.
+    """
+    return _recipe(mnist1d_seed002, quick)
+
+
+def seed003_config(quick: bool):
+    """Seed 003's recipe (configs/mnist1d_seed003.py): heavy-ball 0.9, wd 5e-4, lr 0.1, ring."""
+    return _recipe(mnist1d_seed003, quick)
+
+
+def describe_schedule(config) -> str:
+    """The config's learning-rate schedule in words, as the tables state it."""
+    lr = config.learning_rate
+    if config.lr_schedule == "piecewise":
+        cuts = ", ".join(f"{int(f * config.num_steps)}" for f in config.lr_boundaries)
+        text = f"lr {lr:g} x{config.lr_decay:g} at steps {cuts}"
+    else:
+        text = f"lr {lr:g} {config.lr_schedule}"
+    if config.warmup_steps:
+        text += f", linear warm-up over {config.warmup_steps} steps"
+    return text
+
+
+class Runner:
+    """Trains configs through train_lib.train_and_evaluate; keeps their records.
+
+    `repeat(study, method, base, **overrides)` runs the config over the seeds; every
+    record used by a study goes into its entries of docs/experiments.json. With
+    `replay`, records come from that file instead of training (a missing run is an
+    error), so tables and plots can be regenerated from it alone.
+    """
+
+    def __init__(
+        self,
+        quick: bool,
+        seeds: int,
+        workdir: str,
+        replay: dict[str, dict] | None = None,
+        published: str | None = None,
+    ):
+        self.quick = quick
+        self.seeds = 1 if quick else seeds
+        self.workdir = workdir
+        self.replay = replay
+        self.code = cache.code_fingerprint()
+        self.cache: dict[str, dict] = {}
+        self.entries: list[dict] = []
+        self.trained_seconds = 0.0
+        self.study_keys: set[str] = set()
+        os.makedirs(workdir, exist_ok=True)
+        self.cache_path = os.path.join(workdir, "results.json")
+        if replay is None:
+            self.cache = cache.load_results(self.cache_path, self.code)
+        if replay is None and published and os.path.exists(published):
+            # The published records of this very code are as good as a local cache.
+            for key, record in cache.published_results(published, self.code).items():
+                self.cache.setdefault(key, record)
+
+    def config(self, base, **overrides):
+        """The recipe `base` with `overrides`; a field the config lacks is a KeyError."""
+        config = base(self.quick)
+        for field, value in overrides.items():
+            if field not in config:
+                raise KeyError(f"unknown config field {field!r}")
+            setattr(config, field, value)
+        return config
+
+    def key(self, config) -> str:
+        """The key the run of `config` is cached and published under."""
+        return cache.config_key(config)
+
+    def run(self, study: str, method: str, config) -> dict:
+        """The record of `config` (cached, replayed or trained now), listed under study/method."""
+        key = self.key(config)
+        if self.replay is not None:
+            if key not in self.replay:
+                raise SystemExit(
+                    f"error: docs/experiments.json has no run of {study} / {method} seed "
+                    f"{config.seed} with this config; run the study instead of --render."
+                )
+            record = self.replay[key]
+        elif key in self.cache:
+            record = self.cache[key]
+        else:
+            record = self._train(config)
+            record["key"], record["code"] = key, self.code
+            self.cache[key] = record
+            cache.save_results(self.cache_path, self.cache)
+            print(
+                f"  {study} | {method} seed {config.seed}: acc "
+                f"{record['final_test_accuracy']:.3f} ({record['wall_clock_s']:.1f} s)",
+                flush=True,
+            )
+        if key not in self.study_keys:  # a run two methods share counts once
+            self.study_keys.add(key)
+            self.trained_seconds += record["wall_clock_s"]
+        entry = dict(record, study=study, method=method)
+        self.entries.append(entry)
+        return entry
+
+    def _train(self, config) -> dict:
+        run_dir = os.path.join(self.workdir, "tmp_run")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        started = time.time()
+        summary = train_lib.train_and_evaluate(config, run_dir)
+        seconds = time.time() - started
+        with open(os.path.join(run_dir, "metrics.csv")) as f:
+            header, *rows = [line.strip().split(",") for line in f if line.strip()]
+        history = [dict(zip(header, map(float, row), strict=True)) for row in rows]
+        shutil.rmtree(run_dir, ignore_errors=True)
+        defaults = default.get_config().to_dict()
+        fields = {k: v for k, v in config.to_dict().items() if defaults.get(k) != v or k == "seed"}
+        final = summary["final"]
+        wire = float(final.get("wire_bytes_per_step", 0.0))
+        return {
+            "seed": config.seed,
+            "config": json.loads(json.dumps(fields, default=str)),
+            "steps": summary["steps"],
+            "total_steps": summary["total_steps"],
+            "epochs": history[-1]["epoch"],
+            "schedule": describe_schedule(config),
+            "diverged": summary["diverged"],
+            "final_test_accuracy": final["test_accuracy_avg_model"],
+            "final_local_accuracy": final["test_accuracy_local_mean"],
+            "final_train_loss": final["train_loss"],
+            "final_consensus_distance": final["consensus_distance"],
+            "theta_warnings": final.get("theta_warnings", 0),
+            "bytes_per_node_per_step": wire,
+            "bytes_per_node_total": wire * summary["steps"],
+            "bytes_by_axis": summary.get("wire_bytes_by_axis") or {},
+            "collectives_per_step": summary.get("collectives_per_step") or 0.0,
+            "step_time_s": final["step_time_s"],
+            "wall_clock_s": seconds,
+            "curve": [
+                [row["step"], row["test_accuracy_avg_model"], row["train_loss"]] for row in history
+            ],
+        }
+
+    def repeat(self, study: str, method: str, base, seeds: int | None = None, **overrides):
+        """The config over `seeds` seeds (default: the runner's)."""
+        count = 1 if self.quick else (seeds or self.seeds)
+        return [
+            self.run(study, method, self.config(base, seed=seed, **overrides))
+            for seed in range(count)
+        ]
