@@ -29,7 +29,9 @@ def theorem1(runner: Runner, docs: str) -> str:
     lr = 0.05
     methods = {
         "naive quantized 8-bit": lpdec.naive_quantized(ring, lpdec.minmax(8, "stochastic")),
-        "Moniqua 8-bit": lpdec.moniqua(ring, bits=8, theta=lambda t: 2.0 / (1.0 + t / 100.0)),
+        "Moniqua 8-bit": lpdec.moniqua(
+            ring, lpdec.modulo(8), theta=lambda t: 2.0 / (1.0 + t / 100.0)
+        ),
         "CHOCO 8-bit": lpdec.choco(ring, lpdec.minmax(8, "stochastic"), gamma=1.0),
         "D-PSGD fp32": lpdec.dpsgd(ring),
     }
