@@ -1,4 +1,4 @@
-"""Seed 002's training recipe on MNIST-1D, as the experiments run it (bench/experiments.py).
+"""Seed 002's training recipe on MNIST-1D, as the experiments run it (bench/experiments/).
 
     python train.py --config=configs/mnist1d_seed002.py --workdir=/tmp/seed002 \
         --config.algorithm=quant_sgp --config.topology=directed_ring \

@@ -328,7 +328,7 @@ def load_dataset(config: ml_collections.ConfigDict) -> lpdec.data.Dataset:
 @functools.lru_cache(maxsize=2)
 def _load_dataset(name: str, values: tuple) -> lpdec.data.Dataset:
     # Cached: the data sets are deterministic in their fields, and generating
-    # MNIST-1D takes longer than a short run (bench/experiments.py runs hundreds).
+    # MNIST-1D takes longer than a short run (bench/experiments/ runs hundreds).
     entry = registry.DATASETS[name]
     return entry.build(
         registry.fields_view(dict(zip(entry.fields, values, strict=True)), entry.fields)

@@ -2,7 +2,6 @@
 (hierarchical)."""
 
 # Markdown table rows are long lines by nature.
-# ruff: noqa: E501
 
 from __future__ import annotations
 

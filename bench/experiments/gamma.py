@@ -5,7 +5,6 @@ The compressors here (99% top-k, 8-bit) and the gamma each study picks for them
 """
 
 # Markdown table rows are long lines by nature.
-# ruff: noqa: E501
 
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 the ablations of what it needs below 8 bits on this model."""
 
 # Markdown table rows are long lines by nature.
-# ruff: noqa: E501
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Study "precision": where Table 2's 8-bit training gap comes from (seed 002, an ablation)."""
 
 # Markdown table rows are long lines by nature.
-# ruff: noqa: E501
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Study "qgm": seed 002's Table 3 analog, CHOCO with and without quasi-global momentum."""
 
 # Markdown table rows are long lines by nature.
-# ruff: noqa: E501
 
 from __future__ import annotations
 

@@ -1,7 +1,6 @@
 """Study "table2": seed 002's Table 2 analog (skew, compression, 8-bit training, DS vs CHOCO)."""
 
 # Markdown table rows are long lines by nature.
-# ruff: noqa: E501
 
 from __future__ import annotations
 

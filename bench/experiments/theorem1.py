@@ -1,7 +1,6 @@
 """Study "theorem1": seed 003's Theorem 1 on a quadratic (naive quantized gossip stalls)."""
 
 # Markdown table rows are long lines by nature.
-# ruff: noqa: E501
 
 from __future__ import annotations
 

@@ -2,7 +2,6 @@
 gossip, all-reduce and the local-step methods, IID and at skew 0.9."""
 
 # Markdown table rows are long lines by nature.
-# ruff: noqa: E501
 
 from __future__ import annotations
 
