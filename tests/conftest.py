@@ -51,6 +51,8 @@ SLOW_FIRST = (
     "test_reliability.py",
     "test_faults.py",
     "test_examples.py",
+    "test_experiments.py",
+    "test_readme.py",
 )
 
 
