@@ -8,8 +8,11 @@ if "xla_force_host_platform_device_count" not in os.environ.get("XLA_FLAGS", "")
         os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
     ).strip()
 
+import fcntl
+import pickle
 import shutil
 import tempfile
+import traceback
 
 import numpy as np
 import pytest
@@ -36,6 +39,29 @@ def pytest_unconfigure(config):
         shutil.rmtree(path, ignore_errors=True)
 
 
+# The modules whose tests start processes or train for long, slowest first. They run
+# first, so that under xdist (-n 2) the short tests fill the end of the run and no
+# worker waits alone on a long test there.
+SLOW_FIRST = (
+    "test_watchdog.py",
+    "test_processes.py",
+    "test_link.py",
+    "test_overlap.py",
+    "test_train.py",
+    "test_reliability.py",
+    "test_faults.py",
+    "test_examples.py",
+    "test_experiments.py",
+    "test_readme.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    """Collection order with SLOW_FIRST's modules in front (each in its own order)."""
+    rank = {name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
+
+
 @pytest.fixture
 def rng(request):
     """A fresh numpy Generator per test; its seed is printed when the test fails.
@@ -48,3 +74,37 @@ def rng(request):
     request.node.user_properties.append(("seed", seed))
     print(f"random seed: {seed}")
     return np.random.default_rng(seed)
+
+
+@pytest.fixture(scope="session")
+def shared_run(tmp_path_factory):
+    """`shared_run(name, make)`: the directory in which `make(directory)` ran, once per
+    test run for every test that names the same run, whichever xdist worker asks first
+    (the others wait for it); tests read it and copy it before changing anything in it.
+
+    `make` may return a value (e.g. train_and_evaluate's summary): it comes back with the
+    directory, as `(directory, value)`. A `make` that raised fails every test naming it.
+    """
+    base = tmp_path_factory.getbasetemp()
+    # Under xdist each worker has its own base temp, in a folder that is the run's own.
+    root = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared-runs"
+    root.mkdir(exist_ok=True)
+
+    def get(name: str, make):
+        directory = root / name
+        with open(root / f"{name}.lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            result, failure = root / f"{name}.pickle", root / f"{name}.failed"
+            if not directory.exists():
+                directory.mkdir()
+                try:
+                    value = make(directory)
+                except BaseException:
+                    failure.write_text(traceback.format_exc())
+                    raise
+                result.write_bytes(pickle.dumps(value))
+        if failure.exists():
+            pytest.fail(f"the shared run {name!r} failed:\n{failure.read_text()[-3000:]}")
+        return directory, pickle.loads(result.read_bytes())
+
+    return get

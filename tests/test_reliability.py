@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 from test_train import final_params
 from test_train import tiny_config
+from test_train import tiny_run
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -59,21 +60,24 @@ DAMAGE = {
 }
 
 
+def _copy_of(run, workdir):
+    """A shared run (test_train.tiny_run) copied into `workdir`, to change and resume."""
+    shutil.copytree(run[0], workdir, dirs_exist_ok=True)
+
+
 @pytest.fixture(scope="module")
-def straight_run(tmp_path_factory):
+def straight_run(shared_run):
     """The uninterrupted 40-step run the resumed ones must equal."""
-    workdir = tmp_path_factory.mktemp("straight")
-    train.train_and_evaluate(tiny_config(), str(workdir))
-    return final_params(workdir)
+    return final_params(tiny_run(shared_run)[0])
 
 
 @pytest.mark.parametrize("damage", list(DAMAGE))
 def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(
-    tmp_path, rng, straight_run, damage
+    tmp_path, rng, shared_run, straight_run, damage
 ):
     """Step 40's arrays damaged: the rerun says so, resumes from step 30, and ends
     bit-identical to the uninterrupted run (steps 30-40 trained again)."""
-    train.train_and_evaluate(tiny_config(), str(tmp_path))
+    _copy_of(tiny_run(shared_run), tmp_path)
     DAMAGE[damage](tmp_path / "checkpoints" / "40", rng)
     summary = train.train_and_evaluate(tiny_config(), str(tmp_path))
     assert summary["resumed_from_step"] == 30 and summary["steps"] == 40
@@ -83,8 +87,8 @@ def test_a_damaged_latest_checkpoint_falls_back_to_the_previous_one(
         np.testing.assert_array_equal(resumed[name], value, err_msg=name)
 
 
-def test_no_intact_checkpoint_is_one_error_naming_the_steps(tmp_path, rng):
-    train.train_and_evaluate(tiny_config(), str(tmp_path))
+def test_no_intact_checkpoint_is_one_error_naming_the_steps(tmp_path, rng, shared_run):
+    _copy_of(tiny_run(shared_run), tmp_path)
     for step in ("30", "40"):
         for path in _array_files(tmp_path / "checkpoints" / step):
             _flip_bits(path, rng)
@@ -133,8 +137,8 @@ def test_checksum_sees_every_bit_and_not_the_layout():
     ],
     ids=["compressor", "algorithm", "nodes"],
 )
-def test_resuming_with_a_different_config_is_refused(tmp_path, change, fields):
-    train.train_and_evaluate(tiny_config(halt_after_steps=20), str(tmp_path))
+def test_resuming_with_a_different_config_is_refused(tmp_path, shared_run, change, fields):
+    _copy_of(tiny_run(shared_run, halt_after_steps=20), tmp_path)
     with pytest.raises(ConfigError) as error:
         train.train_and_evaluate(tiny_config(**change), str(tmp_path))
     message = str(error.value)
@@ -143,8 +147,8 @@ def test_resuming_with_a_different_config_is_refused(tmp_path, change, fields):
         assert field in message, message
 
 
-def test_resuming_may_change_the_length_and_logging(tmp_path):
-    train.train_and_evaluate(tiny_config(halt_after_steps=20), str(tmp_path))
+def test_resuming_may_change_the_length_and_logging(tmp_path, shared_run):
+    _copy_of(tiny_run(shared_run, halt_after_steps=20), tmp_path)
     summary = train.train_and_evaluate(
         tiny_config(num_steps=60, log_every=20, checkpoint_every=20), str(tmp_path)
     )

@@ -5,6 +5,7 @@ import json
 import math
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,15 +47,22 @@ def tiny_config(**overrides):
     return config
 
 
+def tiny_run(shared_run, **overrides):
+    """tiny_config(**overrides) trained in this process once per test run, for every test
+    that asks (conftest.shared_run): its workdir, to read or to copy, and its summary."""
+    name = "tiny" + "".join(f"-{key}={value}" for key, value in sorted(overrides.items()))
+    return shared_run(name, lambda d: train.train_and_evaluate(tiny_config(**overrides), str(d)))
+
+
 def final_params(workdir):
     with np.load(os.path.join(workdir, "final_params.npz")) as f:
         return {k: f[k] for k in f.files}
 
 
-def test_smoke_run_writes_metrics_tensorboard_checkpoints_and_summary(tmp_path):
-    summary = train.train_and_evaluate(tiny_config(), str(tmp_path))
+def test_smoke_run_writes_metrics_tensorboard_checkpoints_and_summary(shared_run):
+    workdir, summary = tiny_run(shared_run)
     assert summary["steps"] == 40 and not summary["halted"]
-    with open(tmp_path / "metrics.csv") as f:
+    with open(workdir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [10, 20, 30, 40]
     final = summary["final"]
@@ -63,9 +71,9 @@ def test_smoke_run_writes_metrics_tensorboard_checkpoints_and_summary(tmp_path):
     assert final["consensus_distance"] < 1.0
     assert final["wire_bytes_per_step"] > 0
     assert final["nonfinite_updates"] == 0 and final["nonfinite_received"] == 0
-    assert os.listdir(tmp_path / "tensorboard")
-    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["30", "40"]
-    assert json.loads((tmp_path / "summary.json").read_text())["steps"] == 40
+    assert os.listdir(workdir / "tensorboard")
+    assert sorted(os.listdir(workdir / "checkpoints")) == ["30", "40"]
+    assert json.loads((workdir / "summary.json").read_text())["steps"] == 40
 
 
 DILOCO = {"algorithm": "diloco", "optimizer": "adam", "learning_rate": 0.01, "local_steps": 3}
@@ -76,14 +84,15 @@ DILOCO = {"algorithm": "diloco", "optimizer": "adam", "learning_rate": 0.01, "lo
     [{}, DILOCO, DILOCO | {"exchange": "compressed_mean", "error_feedback": True, "overlap": True}],
     ids=["choco", "diloco-mid-round", "diloco-ef-overlap-mid-round"],
 )
-def test_kill_and_resume_gives_the_same_final_parameters(tmp_path, overrides):
+def test_kill_and_resume_gives_the_same_final_parameters(tmp_path, shared_run, overrides):
     """A run stopped after step 20 (right after its checkpoint) and restarted ends
     bit-identical to a run that was never interrupted (DiLoCo: step 20 is in the middle
     of its 7th round of 3 local steps, so the anchor, round start and pending outer
-    update must all come back)."""
-    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-    train.train_and_evaluate(tiny_config(**overrides), str(straight))
-    first = train.train_and_evaluate(tiny_config(halt_after_steps=20, **overrides), str(resumed))
+    update must all come back). The two runs of CHOCO are tests/test_reliability.py's."""
+    resumed = tmp_path / "resumed"
+    straight, _ = tiny_run(shared_run, **overrides)
+    halted, first = tiny_run(shared_run, halt_after_steps=20, **overrides)
+    shutil.copytree(halted, resumed)
     assert first["halted"] and first["steps"] == 20
     second = train.train_and_evaluate(tiny_config(**overrides), str(resumed))
     assert second["steps"] == 40 and not second["halted"]
@@ -97,30 +106,55 @@ def test_kill_and_resume_gives_the_same_final_parameters(tmp_path, overrides):
         assert [int(r["step"]) for r in csv.DictReader(f)] == [10, 20, 30, 40]
 
 
-def test_a_process_killed_mid_run_resumes_to_the_same_parameters(tmp_path):
+TINY_FLAGS = [
+    "--config.dataset=synthetic",
+    "--config.num_samples=1200",
+    "--config.model=mlp",
+    "--config.precision=int8",
+    "--config.num_steps=20",
+    "--config.log_every=10",
+    "--config.checkpoint_every=10",
+    "--config.learning_rate=0.05",
+    "--config.save_final_params=True",
+]
+
+
+# The 60-step run of bench/faults.py (its TRAIN_FLAGS), whose uninterrupted run
+# tests/test_faults.py shares (straight_process_run).
+PROCESS_FLAGS = TINY_FLAGS[:-5] + [
+    "--config.algorithm=choco",
+    "--config.num_steps=60",
+    "--config.log_every=10",
+    "--config.checkpoint_every=10",
+    "--config.learning_rate=0.05",
+    "--config.save_final_params=True",
+]
+
+
+def _train_to_the_end(workdir):
+    base = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
+    subprocess.run(
+        base + [f"--workdir={workdir}"] + PROCESS_FLAGS,
+        env=_env(8),
+        check=True,
+        capture_output=True,
+        cwd=ROOT,
+        timeout=600,
+    )
+
+
+def straight_process_run(shared_run):
+    """The workdir of train.py run to the end on PROCESS_FLAGS in a process of 8 devices,
+    once per test run (conftest.shared_run)."""
+    return shared_run("train.py-60-steps", _train_to_the_end)[0]
+
+
+def test_a_process_killed_mid_run_resumes_to_the_same_parameters(tmp_path, shared_run):
     """SIGKILL a real training process once a checkpoint exists; the restarted run ends
     bit-identical to an uninterrupted one."""
-    flags = TINY_FLAGS[:-5] + [
-        "--config.num_steps=60",
-        "--config.log_every=10",
-        "--config.checkpoint_every=10",
-        "--config.learning_rate=0.05",
-        "--config.save_final_params=True",
-    ]
+    flags = PROCESS_FLAGS
     base = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
-    straight, killed = tmp_path / "straight", tmp_path / "killed"
-
-    def train_to_the_end(workdir):
-        subprocess.run(
-            base + [f"--workdir={workdir}"] + flags,
-            env=_env(8),
-            check=True,
-            capture_output=True,
-            cwd=ROOT,
-            timeout=600,
-        )
-
-    train_to_the_end(straight)
+    straight, killed = straight_process_run(shared_run), tmp_path / "killed"
     proc = subprocess.Popen(
         base + [f"--workdir={killed}"] + flags,
         env=_env(8),
@@ -136,7 +170,7 @@ def test_a_process_killed_mid_run_resumes_to_the_same_parameters(tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     assert not (killed / "final_params.npz").exists()
-    train_to_the_end(killed)
+    _train_to_the_end(killed)
     # It resumed from a checkpoint (20 or later: the kill may land after a later one).
     resumed = json.loads((killed / "summary.json").read_text())["resumed_from_step"]
     assert resumed >= 20 and resumed % 10 == 0, resumed
@@ -317,19 +351,6 @@ def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-TINY_FLAGS = [
-    "--config.dataset=synthetic",
-    "--config.num_samples=1200",
-    "--config.model=mlp",
-    "--config.precision=int8",
-    "--config.num_steps=20",
-    "--config.log_every=10",
-    "--config.checkpoint_every=10",
-    "--config.learning_rate=0.05",
-    "--config.save_final_params=True",
-]
 
 
 def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
