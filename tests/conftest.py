@@ -52,7 +52,7 @@ SLOW_FIRST = (
     "test_faults.py",
     "test_examples.py",
     "test_experiments.py",
-    "test_readme.py",
+    "test_docs.py",
 )
 
 
