@@ -9,10 +9,10 @@ exact up to float32 rounding. The compressor is reused because the references
 need the sender's exact codes: stochastic rounding needs the sender's random
 bits, codes re-derived in float64 would move where a value sits on a float32
 rounding tie (one code step, far above the tolerance), and a bit-exact float32
-re-derivation is what test_kernels.py's numpy encode already is. The
+re-derivation is what test_kernels_pallas.py's numpy encode already is. The
 compressors are pinned independently instead: `modulo` against numpy from its
 formulas in test_compress.py (test_modulo_matches_numpy_from_the_formula) and
-test_kernels.py, `minmax` against numpy in test_compress.py. The keys are not
+test_kernels_pallas.py, `minmax` against numpy in test_compress.py. The keys are not
 the library's: `test_references.node_key` derives them from the documented
 fold_in chain, which test_references.py pins `_common.node_key` to.
 """
