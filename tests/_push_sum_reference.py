@@ -168,7 +168,7 @@ ALGORITHMS = {
 
 def make(name: str, compressor):
     factory, topo, _ = ALGORITHMS[name]
-    return factory(topo, compressor, GAMMA, axis_name="nodes", seed=3)
+    return factory(topo, compressor, gamma=GAMMA, axis_name="nodes", seed=3)
 
 
 # One node's update holds a NaN at one step in every step-by-step run: the references
@@ -329,7 +329,7 @@ def run_directed(name: str):
         tx = factory(
             topology.from_matrix(skewed_column(), name="skewed_column"),
             lpdec.minmax(8),
-            PUSH_SUM_GAMMA,
+            gamma=PUSH_SUM_GAMMA,
         )
     ps, ss, _ = to_numpy(run(tx, params, CONSENSUS_STEPS, updates=zeros, mode="shard_map"))
     return params, ps, ss

@@ -42,7 +42,9 @@ def test_free_running_matches_float64_simulation_without_compression(name):
 def test_deepsqueeze_preserves_the_node_average():
     params, _ = inputs()
     zeros = {k: np.zeros((N, 50, *s), np.float32) for k, s in SHAPES.items()}
-    tx = deepsqueeze.deepsqueeze(topology.ring(N), lpdec.minmax(8, rounding="stochastic"), 0.5)
+    tx = deepsqueeze.deepsqueeze(
+        topology.ring(N), lpdec.minmax(8, rounding="stochastic"), gamma=0.5
+    )
     ps, _, _ = to_numpy(run(tx, params, 50, updates=zeros))
     mean0 = flat(params).mean(axis=0)
     means = np.stack([flat(ps, t).mean(axis=0) for t in range(50)])
@@ -66,7 +68,7 @@ def test_topology_that_breaks_the_algorithm_raises(name, topo, match):
 @pytest.mark.parametrize("gamma", [0.0, -0.5, 1.5, True, "0.5"])
 def test_gamma_outside_unit_interval_raises(name, gamma):
     with pytest.raises(ValueError, match=rf"{name}: gamma \(the consensus step size\)"):
-        FACTORIES[name](topology.directed_ring(N), lpdec.minmax(8), gamma)
+        FACTORIES[name](topology.directed_ring(N), lpdec.minmax(8), gamma=gamma)
 
 
 @pytest.mark.parametrize("name", ["deepsqueeze"])

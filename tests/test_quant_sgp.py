@@ -114,7 +114,7 @@ def test_topology_that_breaks_the_algorithm_raises(name, topo, match):
 @pytest.mark.parametrize("gamma", [0.0, -0.5, 1.5, True, "0.5"])
 def test_gamma_outside_unit_interval_raises(name, gamma):
     with pytest.raises(ValueError, match=rf"{name}: gamma \(the consensus step size\)"):
-        FACTORIES[name](topology.directed_ring(N), lpdec.minmax(8), gamma)
+        FACTORIES[name](topology.directed_ring(N), lpdec.minmax(8), gamma=gamma)
 
 
 @pytest.mark.parametrize("name", ["quant_sgp"])
