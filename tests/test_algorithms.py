@@ -100,7 +100,7 @@ def test_vmap_and_nested_layouts_agree_with_shard_map(rng, name):
         out[mode] = np.asarray(harness.run(tx, x0, 5, grad_fn=grad_fn, mode=mode)[0]["w"])
     assert_layouts_agree(name, out["vmap"], out["shard_map"])
     if name in CENTRAL:
-        return  # their collectives over two nested axes are covered in test_dcd_qgm_mean
+        return  # their collectives over two nested axes are covered in test_compressed_mean
     # 16 nodes, 2 per device (vmap nested in shard_map), against all 16 in one vmap.
     sixteen = lpdec.ring(2 * N) if GOSSIP[name][1] is RING else lpdec.directed_ring(2 * N)
     x16 = {"w": rng.standard_normal((2 * N, 24)).astype(np.float32)}

@@ -7,9 +7,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from test_kernels import np_dequantize
-from test_kernels import np_minmax_quantize
-from test_kernels import np_modulo_encode
+from test_kernels_pallas import np_dequantize
+from test_kernels_pallas import np_minmax_quantize
+from test_kernels_pallas import np_modulo_encode
 
 import lpdec
 from lpdec import compress
@@ -223,7 +223,7 @@ def test_modulo_matches_numpy_from_the_formula(rng, bits, rounding):
     """The modulo compressor against numpy: B, the codes and the decode, from the formulas.
 
     B = 2 theta / (1 - 2 delta) rounded up to 16 significant bits (exactly); the codes
-    are test_kernels' float32 numpy encode with scale 2**bits / B (bit for bit); the
+    are test_kernels_pallas' float32 numpy encode with scale 2**bits / B (bit for bit); the
     decode is x_hat = y + ((q B / 2**bits - y + B / 2) mod B) - B / 2 in float64, which
     the float32 decode matches to a few float32 ulps of |y| + B. The dense Moniqua
     references reuse this compressor, so it is pinned here.

@@ -12,7 +12,7 @@ pins the library to that contract, so a bug in the key derivation fails there
 and in every reference that uses these helpers; it cannot hide in a copy.
 
 `np_round_trip` is decode(encode(x, key)) in numpy, from the formulas in the
-compressors' docstrings: min-max through tests/test_kernels.py's float32 numpy
+compressors' docstrings: min-max through tests/test_kernels_pallas.py's float32 numpy
 quantizer (tests/test_compress.py checks the `minmax` compressor against it bit
 for bit, chunking and stochastic seeds included), top-k as an argsort.
 Random-k draws its positions with `jax.random.choice` on the sender's key, as
@@ -26,8 +26,8 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-from test_kernels import np_dequantize
-from test_kernels import np_minmax_quantize
+from test_kernels_pallas import np_dequantize
+from test_kernels_pallas import np_minmax_quantize
 
 import lpdec
 from lpdec import compress

@@ -1,4 +1,6 @@
-"""Deep-Squeeze, Sparse-Push and Quant-SGP against float64 numpy references.
+"""What tests/test_deepsqueeze.py, tests/test_sparse_push.py and tests/test_quant_sgp.py share:
+the graphs, the float64 references of Deep-Squeeze, Sparse-Push and Quant-SGP, the runs
+they read, and the checks every one of the three goes through.
 
 Every check recomputes what the algorithm should have done from the explicit
 mixing matrix (`Topology.mixing_matrix` of the matrices written out below, and of
@@ -20,9 +22,7 @@ keeps a different share).
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
-import pytest
 from test_references import base_key
 from test_references import leaf_keys
 from test_references import np_round_trip
@@ -33,24 +33,26 @@ from lpdec.algorithms import deepsqueeze
 from lpdec.algorithms import dpsgd
 from lpdec.algorithms import quant_sgp
 from lpdec.algorithms import sparse_push
-from lpdec.testing import MODES
 from lpdec.testing import run
 from lpdec.testing import to_numpy
 
 N = 8
+
+
 STEPS = 20
+
+
 SHAPES = {"a": (24,), "b": (4, 5)}  # two leaves: one key each, top-k per leaf
+
+
 GAMMA = 0.8
+
+
 COMPRESSORS = {
     "identity": lpdec.identity(),
     "minmax8_stochastic": lpdec.minmax(bits=8, rounding="stochastic"),
     "top_k": lpdec.top_k(0.3),
 }
-
-
-# ----------------------------------------------------------------------------
-# Graphs
-# ----------------------------------------------------------------------------
 
 
 def skewed_adjacency() -> np.ndarray:
@@ -89,25 +91,11 @@ def weighted_shifts(shifts, keep, first) -> np.ndarray:
 WEIGHTED_0 = weighted_shifts(
     (1, 3), [0.3, 0.5, 0.7, 0.4, 0.6, 0.2, 0.8, 0.5], [0.6, 0.3, 0.5, 0.8, 0.4, 0.7, 0.5, 0.2]
 )
+
+
 WEIGHTED_1 = weighted_shifts(
     (2, -1), [0.5, 0.4, 0.3, 0.6, 0.2, 0.7, 0.5, 0.4], [0.5, 0.7, 0.2, 0.4, 0.6, 0.3, 0.8, 0.5]
 )
-
-
-def test_graphs_have_the_properties_the_tests_rely_on():
-    skewed = topology.from_matrix(skewed_column())
-    assert skewed.is_column_stochastic() and not skewed.is_row_stochastic()
-    assert len(set(skewed.out_degree())) > 1
-    assert topology.from_matrix(skewed_row()).is_row_stochastic()
-    for w in (WEIGHTED_0, WEIGHTED_1):
-        t = topology.from_matrix(w)
-        assert t.is_column_stochastic() and not t.is_row_stochastic()
-        assert all(len(c.perm) == N for c in t.rounds[0].edge_classes)
-
-
-# ----------------------------------------------------------------------------
-# Algorithms under test, and their step-by-step float64 references
-# ----------------------------------------------------------------------------
 
 
 def flat(tree, t=None) -> np.ndarray:
@@ -180,7 +168,7 @@ ALGORITHMS = {
 
 def make(name: str, compressor):
     factory, topo, _ = ALGORITHMS[name]
-    return factory(topo, compressor, GAMMA, axis_name="nodes", seed=3)
+    return factory(topo, compressor, gamma=GAMMA, axis_name="nodes", seed=3)
 
 
 # One node's update holds a NaN at one step in every step-by-step run: the references
@@ -252,11 +240,6 @@ def compressed_field(name, params, state, u, compressor, count):
     return "error", jax.tree.map(lambda a, b: np.float32(a) - np.float32(b), v, c)
 
 
-# ----------------------------------------------------------------------------
-# Step by step against the explicit W
-# ----------------------------------------------------------------------------
-
-
 def check_step(name, compressor_name, mode, step):
     """Step `step` of a run, recomputed from the state before it."""
     params0, updates, ps, ss, state0 = run_case(name, compressor_name, mode)
@@ -278,19 +261,6 @@ def check_step(name, compressor_name, mode, step):
         np.testing.assert_array_equal(g, np.asarray(w), err_msg=f"{field}, step {step}")
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("compressor_name", COMPRESSORS)
-@pytest.mark.parametrize("name", ALGORITHMS)
-def test_each_step_matches_a_float64_reference(name, compressor_name, mode):
-    for step in range(STEPS):
-        check_step(name, compressor_name, mode, step)
-
-
-# ----------------------------------------------------------------------------
-# Free-running float64 simulation without compression
-# ----------------------------------------------------------------------------
-
-
 def simulate(x0, updates, mats, gamma, steps):
     """Push-sum gossip in float64; returns z after each step.
 
@@ -309,8 +279,8 @@ def simulate(x0, updates, mats, gamma, steps):
     return np.stack(out, axis=1)
 
 
-@pytest.mark.parametrize("name", ALGORITHMS)
-def test_free_running_matches_float64_simulation_without_compression(name):
+def check_free_running_matches_float64_simulation_without_compression(name):
+    """Algorithm `name` with the identity compressor against `simulate`, in float64."""
     params0, updates, ps, _, _ = run_case(name, "identity", "shard_map")
     _, topo, _ = ALGORITHMS[name]
     mats = topology.mixing_matrices(topo)
@@ -320,24 +290,9 @@ def test_free_running_matches_float64_simulation_without_compression(name):
     np.testing.assert_allclose(got, want, rtol=0, atol=2e-5 * np.abs(want).max())
 
 
-# ----------------------------------------------------------------------------
-# Invariants, and push-sum vs plain gossip on a directed graph
-# ----------------------------------------------------------------------------
-
-
-def test_deepsqueeze_preserves_the_node_average():
-    params, _ = inputs()
-    zeros = {k: np.zeros((N, 50, *s), np.float32) for k, s in SHAPES.items()}
-    tx = deepsqueeze.deepsqueeze(topology.ring(N), lpdec.minmax(8, rounding="stochastic"), 0.5)
-    ps, _, _ = to_numpy(run(tx, params, 50, updates=zeros))
-    mean0 = flat(params).mean(axis=0)
-    means = np.stack([flat(ps, t).mean(axis=0) for t in range(50)])
-    np.testing.assert_allclose(means, np.broadcast_to(mean0, means.shape), rtol=0, atol=1e-5)
-    # ... while the nodes do move (a no-op would pass the line above).
-    assert np.abs(flat(ps, 49) - flat(params)).max() > 0.5
-
-
 CONSENSUS_STEPS = 300
+
+
 PUSH_SUM_GAMMA = 0.8
 
 
@@ -374,14 +329,14 @@ def run_directed(name: str):
         tx = factory(
             topology.from_matrix(skewed_column(), name="skewed_column"),
             lpdec.minmax(8),
-            PUSH_SUM_GAMMA,
+            gamma=PUSH_SUM_GAMMA,
         )
     ps, ss, _ = to_numpy(run(tx, params, CONSENSUS_STEPS, updates=zeros, mode="shard_map"))
     return params, ps, ss
 
 
-@pytest.mark.parametrize("name", ["sparse_push", "quant_sgp"])
-def test_push_sum_preserves_mass_and_weight_on_a_directed_graph(name):
+def check_push_sum_preserves_mass_and_weight_on_a_directed_graph(name):
+    """Algorithm `name` keeps sum_i x_i and sum_i w_i on the skewed directed graph."""
     params, _, ss = run_directed(name)
     mass0 = flat(params).sum(axis=0)
     # Float32 rounding only: Quant-SGP's running sum s_i is never re-synchronised with the
@@ -396,8 +351,8 @@ def test_push_sum_preserves_mass_and_weight_on_a_directed_graph(name):
     assert np.ptp(ss.push_weight[:, -1]) > 0.1
 
 
-@pytest.mark.parametrize("name", ["sparse_push", "quant_sgp"])
-def test_push_sum_reaches_the_true_average_where_plain_gossip_is_biased(name):
+def check_push_sum_reaches_the_true_average_where_plain_gossip_is_biased(name):
+    """Algorithm `name` reaches the mean where D-PSGD settles on the Perron-weighted one."""
     params, dpsgd_ps, _ = run_directed("dpsgd")
     x0 = flat(params)
     mean = x0.mean(axis=0)
@@ -417,60 +372,12 @@ def test_push_sum_reaches_the_true_average_where_plain_gossip_is_biased(name):
     assert np.abs(z - mean).max() < tolerance < 0.25 * margin, np.abs(z - mean).max()
 
 
-def literal_quant_sgp_paper_form(w, x0, gamma, steps, mass_conserving):
-    """Quant-SGP without compression (x^ = x~ after each step) in float64.
-
-    Seed 002's Algorithm 5: x+ = x~ + gamma sum_j (W_ij - I_ij)(x^_j - x^_i); lpdec's form:
-    x+ = x~ + gamma sum_j (W_ij - I_ij) x^_j. Returns (sum_i x_i per step, sum_i w_i, z).
-    """
-    mix = w - np.eye(N)
-    row_sums = w.sum(axis=1, keepdims=True)
-    x, pw = x0.copy(), np.ones((N, 1))
-    masses, weights = [], []
-    for _ in range(steps):
-        x_hat = x  # zero updates, exact messages: the public copies catch up with x~ = x
-        if mass_conserving:
-            x = x + gamma * mix @ x_hat
-        else:
-            # sum_j (W_ij - I_ij)(x^_j - x^_i) = (W x^)_i - x^_i - (r_i - 1) x^_i
-            x = x + gamma * (mix @ x_hat - (row_sums - 1.0) * x_hat)
-        pw = pw + gamma * mix @ pw
-        masses.append(x.sum(axis=0))
-        weights.append(pw.sum())
-    return np.stack(masses), np.asarray(weights), x / pw
-
-
-def test_literal_paper_form_of_quant_sgp_breaks_push_sum_on_a_directed_graph():
-    params, _, ss = run_directed("quant_sgp")
-    x0 = flat(params)
-    mean, mass0 = x0.mean(axis=0), x0.sum(axis=0)
-    w = skewed_column()
-
-    masses, weights, z = literal_quant_sgp_paper_form(
-        w, x0, PUSH_SUM_GAMMA, CONSENSUS_STEPS, mass_conserving=False
-    )
-    drift = np.abs(masses[-1] - mass0).max()
-    miss = np.abs(z - mean).max()
-    assert drift > 1.0 and miss > 0.5, (drift, miss)
-    np.testing.assert_allclose(weights, N, atol=1e-9)  # w is fine; x is what drifts
-
-    masses, weights, z = literal_quant_sgp_paper_form(
-        w, x0, PUSH_SUM_GAMMA, CONSENSUS_STEPS, mass_conserving=True
-    )
-    np.testing.assert_allclose(masses, np.broadcast_to(mass0, masses.shape), atol=1e-9)
-    np.testing.assert_allclose(weights, N, atol=1e-9)
-    np.testing.assert_allclose(z, np.broadcast_to(mean, z.shape), atol=1e-6)
-
-    # lpdec keeps the mass too (with 8-bit messages), where the paper form lost it.
-    assert np.abs(flat(ss.x, CONSENSUS_STEPS - 1).sum(axis=0) - mass0).max() < 1e-3 * drift
-
-
-# ----------------------------------------------------------------------------
-# Bad inputs
-# ----------------------------------------------------------------------------
-
 COLUMN_ONLY = topology.from_matrix(skewed_column(), name="column_only")
+
+
 ROW_ONLY = topology.from_matrix(skewed_row(), name="row_only")
+
+
 FACTORIES = {
     "deepsqueeze": deepsqueeze.deepsqueeze,
     "sparse_push": sparse_push.sparse_push,
@@ -478,64 +385,12 @@ FACTORIES = {
 }
 
 
-@pytest.mark.parametrize(
-    "name, topo, match",
-    [
-        ("deepsqueeze", COLUMN_ONLY, "column_only is not doubly stochastic: row"),
-        ("sparse_push", ROW_ONLY, "row_only is not column stochastic"),
-        ("quant_sgp", ROW_ONLY, "row_only is not column stochastic"),
-        ("quant_sgp", topology.one_peer_exponential(N), "needs a static topology"),
-    ],
-)
-def test_topology_that_breaks_the_algorithm_raises(name, topo, match):
-    with pytest.raises(ValueError, match=match):
-        FACTORIES[name](topo, lpdec.minmax(8))
-
-
-@pytest.mark.parametrize("name", FACTORIES)
-@pytest.mark.parametrize("gamma", [0.0, -0.5, 1.5, True, "0.5"])
-def test_gamma_outside_unit_interval_raises(name, gamma):
-    with pytest.raises(ValueError, match=rf"{name}: gamma \(the consensus step size\)"):
-        FACTORIES[name](topology.directed_ring(N), lpdec.minmax(8), gamma)
-
-
-@pytest.mark.parametrize("name", FACTORIES)
-def test_update_without_params_raises(name):
-    tx = FACTORIES[name](topology.directed_ring(N), lpdec.minmax(8))
-    params = {"a": jnp.zeros((N, 3))}
-    with pytest.raises(ValueError, match=f"{name} needs the current parameters"):
-        jax.vmap(lambda p: tx.update(p, tx.init(p)), axis_name="nodes")(params)
-
-
-@pytest.mark.parametrize("name", FACTORIES)
-def test_not_a_compressor_raises(name):
-    with pytest.raises(TypeError, match=f"{name} needs an lpdec compressor"):
-        FACTORIES[name](topology.directed_ring(N), "minmax")
-
-
-@pytest.mark.parametrize("name", FACTORIES)
-def test_topology_size_must_match_the_axis(name):
-    tx = FACTORIES[name](topology.directed_ring(4), lpdec.minmax(8))
-
-    def one(p):
-        return tx.update(p, tx.init(p), p)
-
-    with pytest.raises(ValueError, match="has 4 nodes but the named axis 'nodes' has size 8"):
-        jax.vmap(one, axis_name="nodes")(jnp.zeros((N, 3)))
-
-
-# ----------------------------------------------------------------------------
-# Non-finite values stay where they arise
-# ----------------------------------------------------------------------------
-
-
 def float_leaves(tree):
     return [x for x in jax.tree.leaves(tree) if np.issubdtype(x.dtype, np.floating)]
 
 
-@pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("name", ALGORITHMS)
-def test_non_finite_update_is_dropped_and_counted_on_its_node(name, mode):
+def check_non_finite_update_is_dropped_and_counted_on_its_node(name, mode):
+    """Algorithm `name` drops BAD_NODE's NaN update at BAD_STEP and counts it there only."""
     _, updates, ps, ss, _ = run_case(name, "minmax8_stochastic", mode)
     assert not np.isfinite(updates["a"][BAD_NODE, BAD_STEP]).all()
 
@@ -549,8 +404,8 @@ def test_non_finite_update_is_dropped_and_counted_on_its_node(name, mode):
     check_step(name, "minmax8_stochastic", mode, BAD_STEP)
 
 
-@pytest.mark.parametrize("name", ALGORITHMS)
-def test_non_finite_node_does_not_poison_its_neighbours(name):
+def check_non_finite_node_does_not_poison_its_neighbours(name):
+    """Algorithm `name` keeps a node with Inf parameters from its neighbours' models."""
     params, updates = inputs(seed=4, bad_update=False)
     params["b"][BAD_NODE, 1, 2] = np.inf
     tx = make(name, COMPRESSORS["top_k"])

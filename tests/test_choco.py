@@ -1,10 +1,17 @@
-"""D-PSGD and CHOCO-SGD against dense numpy simulations with an explicit mixing matrix W."""
+"""lpdec.algorithms.choco (CHOCO-SGD) against dense numpy simulations with an explicit W."""
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _gossip_problem import LR
+from _gossip_problem import D
+from _gossip_problem import N
+from _gossip_problem import T
+from _gossip_problem import problem
+from _gossip_problem import ring_w
+from _gossip_problem import torus_2x4_w
 from test_references import base_key
 from test_references import leaf_keys
 from test_references import np_round_trip
@@ -12,84 +19,11 @@ from test_references import np_round_trip
 import lpdec
 from lpdec import testing as harness
 
-N, D, T, LR = 8, 37, 20, 0.1
-
-
-def problem(rng, n=N, steps=T):
-    x0 = rng.standard_normal((n, D)).astype(np.float32)
-    grads = rng.standard_normal((n, steps, D)).astype(np.float32)
-    return x0, grads
-
 
 def sgd_updates(grads):
     """The local optimizer's updates, fed to the algorithm directly so that x + u is one
     float32 add the test can repeat exactly (inside a chain XLA may fuse -lr * g + x)."""
     return grads * np.float32(-LR)
-
-
-def ring_w(n):
-    """Ring mixing matrix written out: each node averages itself and its two neighbours."""
-    w = np.zeros((n, n))
-    for i in range(n):
-        for j in (i - 1, i, i + 1):
-            w[i, j % n] = 1 / 3
-    return w
-
-
-def torus_2x4_w():
-    """torus(2, 4) written out: node r * 4 + c averages itself, its row neighbours c +- 1
-    and the node in the other row (up and down coincide): 4 weights of 1/4."""
-    w = np.zeros((8, 8))
-    for r in range(2):
-        for c in range(4):
-            me = r * 4 + c
-            for j in (me, r * 4 + (c + 1) % 4, r * 4 + (c - 1) % 4, (1 - r) * 4 + c):
-                w[me, j] = 1 / 4
-    return w
-
-
-WRITTEN_OUT = {"ring(8)": ring_w(8), "torus(2, 4)": torus_2x4_w()}
-
-
-def mixing(topology, t):
-    """W at step t: written out here for the ring and the torus. The other topologies'
-    `mixing_matrix` is checked against matrices built from their definitions in
-    test_topology.py (and against their ppermute schedules there)."""
-    return WRITTEN_OUT.get(repr(topology), topology.mixing_matrix(t))
-
-
-TOPOLOGIES = [
-    lpdec.ring(N),
-    lpdec.torus(2, 4),
-    lpdec.exponential(N),
-    lpdec.one_peer_exponential(N),
-    lpdec.random_matching(N, seed=3),
-]
-
-
-@pytest.mark.parametrize("mode", harness.MODES)
-@pytest.mark.parametrize("topology", TOPOLOGIES, ids=repr)
-def test_dpsgd_matches_dense_simulation(rng, mode, topology):
-    x0, grads = problem(rng)
-    tx = optax.chain(optax.sgd(LR), lpdec.dpsgd(topology))
-    params, _, _ = harness.run(tx, {"w": x0}, T, updates={"w": grads}, mode=mode)
-    x = x0.astype(np.float64)
-    for t in range(T):
-        x = mixing(topology, t) @ x - LR * grads[:, t]
-        np.testing.assert_allclose(np.asarray(params["w"])[:, t], x, atol=2e-5, rtol=0)
-
-
-def test_dpsgd_with_more_nodes_than_devices(rng):
-    """16 nodes on 8 devices (vmap nested in shard_map) against the dense simulation."""
-    topology = lpdec.ring(16)
-    x0, grads = problem(rng, n=16)
-    tx = optax.chain(optax.sgd(LR), lpdec.dpsgd(topology, axis_name=harness.NESTED_AXIS))
-    params, _, _ = harness.run(tx, {"w": x0}, T, updates={"w": grads}, mode="nested")
-    x = x0.astype(np.float64)
-    w = ring_w(16)
-    for t in range(T):
-        x = w @ x - LR * grads[:, t]
-    np.testing.assert_allclose(np.asarray(params["w"])[:, -1], x, atol=2e-5, rtol=0)
 
 
 CHOCO_COMPRESSORS = [
@@ -184,11 +118,10 @@ def test_choco_per_peer_replicas_equal_owners_public_copies_bit_for_bit(rng, mod
 @pytest.mark.parametrize(
     "make",
     [
-        lambda topo: lpdec.dpsgd(topo),
         lambda topo: lpdec.choco(topo, lpdec.minmax(8, "stochastic"), gamma=0.8),
         lambda topo: lpdec.choco(topo, lpdec.top_k(0.1), gamma=0.3),
     ],
-    ids=["dpsgd", "choco-minmax", "choco-topk"],
+    ids=["choco-minmax", "choco-topk"],
 )
 def test_zero_updates_preserve_the_node_average(rng, make):
     """Symmetric doubly stochastic W and u = 0: the average of the models never moves."""
@@ -211,12 +144,12 @@ def test_a_nan_update_is_dropped_on_its_node_and_never_reaches_neighbours(rng, m
     x0, grads = problem(rng)
     grads[3, 5, 7] = np.nan
     comp = lpdec.minmax(bits=8, rounding="stochastic")
-    for tx in (lpdec.dpsgd(topology), lpdec.choco(topology, comp, gamma=0.5)):
-        chain = optax.chain(optax.sgd(LR), tx)
-        params, states, _ = harness.run(chain, {"w": x0}, T, updates={"w": grads}, mode=mode)
-        assert np.isfinite(np.asarray(params["w"])).all()
-        counts = np.asarray(states[1].health.nonfinite_updates)[:, -1]
-        np.testing.assert_array_equal(counts, [0, 0, 0, 1, 0, 0, 0, 0])
+    tx = lpdec.choco(topology, comp, gamma=0.5)
+    chain = optax.chain(optax.sgd(LR), tx)
+    params, states, _ = harness.run(chain, {"w": x0}, T, updates={"w": grads}, mode=mode)
+    assert np.isfinite(np.asarray(params["w"])).all()
+    counts = np.asarray(states[1].health.nonfinite_updates)[:, -1]
+    np.testing.assert_array_equal(counts, [0, 0, 0, 1, 0, 0, 0, 0])
 
 
 def test_choco_rejects_bad_arguments():
@@ -231,14 +164,6 @@ def test_choco_rejects_bad_arguments():
         lpdec.choco(lpdec.ring(8), comp, replicas="all")
     with pytest.raises(TypeError, match="compressor"):
         lpdec.choco(lpdec.ring(8), "minmax")
-    with pytest.raises(TypeError, match="Topology"):
-        lpdec.dpsgd(np.eye(8))
     tx = lpdec.choco(lpdec.ring(8), comp)
     with pytest.raises(ValueError, match="parameters"):
         jax.vmap(lambda x: tx.update(x, tx.init(x)), axis_name="nodes")(jnp.ones((8, 3)))
-
-
-def test_topology_size_must_match_the_axis():
-    tx = optax.chain(optax.sgd(LR), lpdec.dpsgd(lpdec.ring(4)))
-    with pytest.raises(ValueError, match="ring\\(4\\) has 4 nodes"):
-        harness.run(tx, {"w": np.zeros((8, 3), np.float32)}, 1, updates={"w": np.zeros((8, 1, 3))})
