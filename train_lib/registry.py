@@ -94,7 +94,9 @@ def uniform(factory, **entry) -> AlgorithmEntry:
             "local_axis": b.local_axis,
         }
         args = {name: value for name, value in given.items() if name in parameters}
-        return factory(**args, **{name: getattr(c, name) for name in fields})
+        # `lpdec.<name>` looked up when built, as the lambdas of the other tables do.
+        current = getattr(lpdec, factory.__name__)
+        return current(**args, **{name: getattr(c, name) for name in fields})
 
     return AlgorithmEntry(build_it, fields, factory=factory, **entry)
 
