@@ -43,7 +43,6 @@ def pytest_unconfigure(config):
 # first, so that under xdist (-n 2) the short tests fill the end of the run and no
 # worker waits alone on a long test there.
 SLOW_FIRST = (
-    "test_experiments.py",
     "test_watchdog.py",
     "test_processes.py",
     "test_link.py",
@@ -52,6 +51,7 @@ SLOW_FIRST = (
     "test_reliability.py",
     "test_faults.py",
     "test_examples.py",
+    "test_experiments.py",
     "test_docs.py",
 )
 
