@@ -22,7 +22,9 @@ keeps a different share).
 import functools
 
 import jax
+import jax.numpy as jnp
 import numpy as np
+import pytest
 from test_references import base_key
 from test_references import leaf_keys
 from test_references import np_round_trip
@@ -447,3 +449,33 @@ def check_non_finite_node_does_not_poison_its_neighbours(name):
                 atol=1e-5 * max(1.0, np.abs(value[others]).max()),
                 err_msg=f"{field}, step {step}",
             )
+
+
+# The argument checks every push-sum test file runs for its algorithm (`name`).
+
+
+def check_gamma_outside_unit_interval_raises(name, gamma):
+    with pytest.raises(ValueError, match=rf"{name}: gamma \(the consensus step size\)"):
+        FACTORIES[name](topology.directed_ring(N), lpdec.minmax(8), gamma=gamma)
+
+
+def check_update_without_params_raises(name):
+    tx = FACTORIES[name](topology.directed_ring(N), lpdec.minmax(8))
+    params = {"a": jnp.zeros((N, 3))}
+    with pytest.raises(ValueError, match=f"{name} needs the current parameters"):
+        jax.vmap(lambda p: tx.update(p, tx.init(p)), axis_name="nodes")(params)
+
+
+def check_not_a_compressor_raises(name):
+    with pytest.raises(TypeError, match=f"{name} needs an lpdec compressor"):
+        FACTORIES[name](topology.directed_ring(N), "minmax")
+
+
+def check_topology_size_must_match_the_axis(name):
+    tx = FACTORIES[name](topology.directed_ring(4), lpdec.minmax(8))
+
+    def one(p):
+        return tx.update(p, tx.init(p), p)
+
+    with pytest.raises(ValueError, match="has 4 nodes but the named axis 'nodes' has size 8"):
+        jax.vmap(one, axis_name="nodes")(jnp.zeros((N, 3)))

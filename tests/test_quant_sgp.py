@@ -1,8 +1,6 @@
 """lpdec.algorithms.quant_sgp (Quant-SGP) against float64 numpy push-sum references with an
 explicit W (tests/_push_sum_reference.py)."""
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 from _push_sum_reference import COMPRESSORS
@@ -13,11 +11,15 @@ from _push_sum_reference import ROW_ONLY
 from _push_sum_reference import STEPS
 from _push_sum_reference import N
 from _push_sum_reference import check_free_running_matches_float64_simulation_without_compression
+from _push_sum_reference import check_gamma_outside_unit_interval_raises
 from _push_sum_reference import check_non_finite_node_does_not_poison_its_neighbours
 from _push_sum_reference import check_non_finite_update_is_dropped_and_counted_on_its_node
+from _push_sum_reference import check_not_a_compressor_raises
 from _push_sum_reference import check_push_sum_preserves_mass_and_weight_on_a_directed_graph
 from _push_sum_reference import check_push_sum_reaches_the_true_average_where_plain_gossip_is_biased
 from _push_sum_reference import check_step
+from _push_sum_reference import check_topology_size_must_match_the_axis
+from _push_sum_reference import check_update_without_params_raises
 from _push_sum_reference import flat
 from _push_sum_reference import run_directed
 from _push_sum_reference import skewed_column
@@ -113,33 +115,22 @@ def test_topology_that_breaks_the_algorithm_raises(name, topo, match):
 @pytest.mark.parametrize("name", ["quant_sgp"])
 @pytest.mark.parametrize("gamma", [0.0, -0.5, 1.5, True, "0.5"])
 def test_gamma_outside_unit_interval_raises(name, gamma):
-    with pytest.raises(ValueError, match=rf"{name}: gamma \(the consensus step size\)"):
-        FACTORIES[name](topology.directed_ring(N), lpdec.minmax(8), gamma=gamma)
+    check_gamma_outside_unit_interval_raises(name, gamma)
 
 
 @pytest.mark.parametrize("name", ["quant_sgp"])
 def test_update_without_params_raises(name):
-    tx = FACTORIES[name](topology.directed_ring(N), lpdec.minmax(8))
-    params = {"a": jnp.zeros((N, 3))}
-    with pytest.raises(ValueError, match=f"{name} needs the current parameters"):
-        jax.vmap(lambda p: tx.update(p, tx.init(p)), axis_name="nodes")(params)
+    check_update_without_params_raises(name)
 
 
 @pytest.mark.parametrize("name", ["quant_sgp"])
 def test_not_a_compressor_raises(name):
-    with pytest.raises(TypeError, match=f"{name} needs an lpdec compressor"):
-        FACTORIES[name](topology.directed_ring(N), "minmax")
+    check_not_a_compressor_raises(name)
 
 
 @pytest.mark.parametrize("name", ["quant_sgp"])
 def test_topology_size_must_match_the_axis(name):
-    tx = FACTORIES[name](topology.directed_ring(4), lpdec.minmax(8))
-
-    def one(p):
-        return tx.update(p, tx.init(p), p)
-
-    with pytest.raises(ValueError, match="has 4 nodes but the named axis 'nodes' has size 8"):
-        jax.vmap(one, axis_name="nodes")(jnp.zeros((N, 3)))
+    check_topology_size_must_match_the_axis(name)
 
 
 @pytest.mark.parametrize("mode", MODES)
