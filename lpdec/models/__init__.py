@@ -1,8 +1,11 @@
-"""Models of seed 002 and for the offline datasets, each in fp32 or int8 precision.
+"""Models of seed 002 and for the offline datasets, and a transformer language model.
 
 `get_model(name, **kwargs)` builds one by name; every model takes `precision`
 ("fp32" | "int8"), `norm` (None: EvoNorm-S0 for fp32, Range EvoNorm-S0 for int8)
-and `num_classes`, and is called as `model.apply(variables, x, train=...)`.
+and `num_classes`, and is called as `model.apply(variables, x, train=...)`. The
+"transformer" takes them too but is fp32 only (`dtype` sets its compute dtype),
+its norms are "layernorm" (None) and "rmsnorm", and `num_classes` must equal its
+`vocab_size`; it maps tokens [batch, T] to logits [batch, T, vocab_size].
 """
 
 import flax.linen as nn
@@ -12,6 +15,8 @@ from lpdec.models.resnet import ResNet20
 from lpdec.models.resnet import ResNet54
 from lpdec.models.small import CNN1D
 from lpdec.models.small import MLP
+from lpdec.models.transformer import Transformer
+from lpdec.models.transformer import transformer_param_count
 from lpdec.models.vgg import VGG11
 
 MODELS = {
@@ -19,6 +24,7 @@ MODELS = {
     "mlp": MLP,
     "resnet20": ResNet20,
     "resnet54": ResNet54,
+    "transformer": Transformer,
     "vgg11": VGG11,
 }
 
@@ -41,6 +47,8 @@ __all__ = [
     "ResNet",
     "ResNet20",
     "ResNet54",
+    "Transformer",
     "VGG11",
     "get_model",
+    "transformer_param_count",
 ]
