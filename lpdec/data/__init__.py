@@ -1,4 +1,8 @@
-"""Offline data sets, the degree-of-skew partitioner of seed 002, per-node batching."""
+"""Offline data sets, the degree-of-skew partitioner of seed 002, per-node batching.
+
+The byte-level text corpus of the language-model workload (Python's standard
+library sources) is in `lpdec.data.text`, re-exported here.
+"""
 
 from lpdec.data.batching import NodeBatcher
 from lpdec.data.batching import shard
@@ -13,19 +17,31 @@ from lpdec.data.datasets import mnist1d_templates
 from lpdec.data.datasets import synthetic
 from lpdec.data.partition import class_histogram
 from lpdec.data.partition import skew_partition
+from lpdec.data.text import FILE_SEPARATOR
+from lpdec.data.text import TextCorpus
+from lpdec.data.text import load_stdlib_corpus
+from lpdec.data.text import python_stdlib_files
+from lpdec.data.text import window_groups
+from lpdec.data.text import windows
 
 __all__ = [
     "CIFAR10_MEAN",
     "CIFAR10_STD",
     "Dataset",
+    "FILE_SEPARATOR",
     "NodeBatcher",
+    "TextCorpus",
     "cifar10",
     "class_histogram",
     "digits",
     "load",
+    "load_stdlib_corpus",
     "mnist1d",
     "mnist1d_templates",
+    "python_stdlib_files",
     "shard",
     "skew_partition",
     "synthetic",
+    "window_groups",
+    "windows",
 ]

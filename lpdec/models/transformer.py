@@ -156,6 +156,7 @@ class Transformer(nn.Module):
         model is an error rather than a silent resize).
 
     Example:
+      >>> from lpdec.models import get_model
       >>> model = get_model("transformer", num_classes=256, d_model=64, num_heads=4)
     """
 
