@@ -128,6 +128,16 @@ def test_bfloat16_compute_keeps_float32_parameters_and_logits():
     np.testing.assert_allclose(low, high, atol=0.05 * np.abs(high).max())
 
 
+def test_xla_attention_is_the_default():
+    tokens = random_tokens(4, (2, 9))
+    default = models.Transformer(**TINY)
+    params = {"params": randomized_params(default)}
+    xla = models.Transformer(**TINY, attention_implementation="xla")
+    np.testing.assert_array_equal(
+        jax.jit(xla.apply)(params, tokens), jax.jit(default.apply)(params, tokens)
+    )
+
+
 def test_a_token_changes_no_logit_before_it_and_the_logits_at_it():
     model = models.Transformer(**TINY)
     params = randomized_params(model, seed=3)
@@ -239,6 +249,8 @@ def test_adam_steps_learn_a_repeated_sequence():
         (dict(norm="evonorm"), "norm='evonorm'"),
         (dict(num_classes=10), "num_classes=10 must equal vocab_size=256"),
         (dict(dtype=jnp.int32), "dtype"),
+        (dict(attention_implementation="flash"), "attention_implementation='flash'"),
+        (dict(attention_implementation="cudnn"), "needs dtype bfloat16 or float16; got float32"),
     ],
 )
 def test_bad_fields_raise_one_line_errors(fields, match):

@@ -10,9 +10,14 @@ between a learned token embedding plus a learned absolute position embedding
 positions keep the model a plain parameter tree of dense matrices) and a final
 norm followed by the output projection, which by default is the token embedding
 transposed (tied, as GPT-2). Attention is `jax.nn.dot_product_attention(...,
-is_causal=True)`, which picks the fused cuDNN kernel on GPUs for 16-bit
-inputs and XLA's elsewhere; GELU is GPT-2's tanh approximation; there is no
-dropout. Initialisation follows GPT-2: every matrix and embedding is normal with
+is_causal=True, implementation=attention_implementation)`. Its default (None)
+is XLA's attention on every backend in jax 0.10-0.12 (jax does not pick cuDNN
+by itself); on GPUs, `attention_implementation="cudnn"` with
+`dtype=jnp.bfloat16` (or float16) selects cuDNN's fused flash attention, which
+jax allows for head dims that are multiples of 8 up to 128 (256 from Hopper).
+GELU is GPT-2's tanh approximation; there is no dropout.
+
+Initialisation follows GPT-2: every matrix and embedding is normal with
 standard deviation 0.02, except the two residual projections of each block
 (`attn_out`, `mlp_out`), whose standard deviation is 0.02 / sqrt(2 num_layers)
 so that the residual stream's variance does not grow with depth; biases are 0,
@@ -65,6 +70,8 @@ import jax.numpy as jnp
 
 #: The transformer's normalization choices (None means "layernorm").
 TRANSFORMER_NORMS = ("layernorm", "rmsnorm")
+#: `jax.nn.dot_product_attention`'s implementations (None: jax's default, XLA).
+ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
 
 _INIT_STD = 0.02
 _NORM_EPSILON = 1e-5
@@ -101,6 +108,7 @@ class _Block(nn.Module):
     residual_std: float
     norm: str
     dtype: Any
+    attention_implementation: str | None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -120,7 +128,9 @@ class _Block(nn.Module):
         qkv = dense(3 * d, _INIT_STD, "qkv")(_make_norm(self.norm, self.dtype, "norm1")(x))
         qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        heads = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        heads = jax.nn.dot_product_attention(
+            q, k, v, is_causal=True, implementation=self.attention_implementation
+        )
         x = x + dense(d, self.residual_std, "attn_out")(heads.reshape(batch, length, d))
 
         h = dense(self.mlp_ratio * d, _INIT_STD, "mlp_in")(
@@ -148,6 +158,8 @@ class Transformer(nn.Module):
       norm: "layernorm" or "rmsnorm"; None (what `get_model` passes by
         default) is "layernorm".
       dtype: compute dtype.
+      attention_implementation: None (XLA), "xla", or "cudnn" (GPUs only, with a
+        16-bit `dtype`): `jax.nn.dot_product_attention`'s `implementation`.
       precision: must be "fp32" (accepted because every model of
         `lpdec.models.MODELS` takes it; int8 is for the CNNs and the MLP).
       num_classes: None, or the number of classes the training loop's data set
@@ -169,6 +181,7 @@ class Transformer(nn.Module):
     tie_embeddings: bool = True
     norm: str | None = "layernorm"
     dtype: Any = jnp.float32
+    attention_implementation: str | None = None
     precision: str = "fp32"
     num_classes: int | None = None
 
@@ -192,6 +205,19 @@ class Transformer(nn.Module):
             )
         if not jnp.issubdtype(jnp.dtype(self.dtype), jnp.floating):
             raise ValueError(f"dtype must be a floating dtype; got {self.dtype!r}.")
+        if self.attention_implementation not in ATTENTION_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attention_implementation={self.attention_implementation!r} is not one of "
+                f"{ATTENTION_IMPLEMENTATIONS}."
+            )
+        if self.attention_implementation == "cudnn" and jnp.dtype(self.dtype) not in (
+            jnp.dtype(jnp.bfloat16),
+            jnp.dtype(jnp.float16),
+        ):
+            raise ValueError(
+                "attention_implementation='cudnn' needs dtype bfloat16 or float16; "
+                f"got {jnp.dtype(self.dtype).name}."
+            )
         super().__post_init__()
 
     @nn.compact
@@ -232,6 +258,7 @@ class Transformer(nn.Module):
                 residual_std,
                 norm,
                 self.dtype,
+                self.attention_implementation,
                 name=f"block{i}",
             )(x)
         x = _make_norm(norm, self.dtype, "norm_final")(x)
