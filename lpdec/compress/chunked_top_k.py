@@ -66,7 +66,7 @@ class ChunkedTopK(base.Compressor):
         object.__setattr__(self, "k", _check_count(self.k, "k", 1, chunk_size))
         kernels.check_bits(self.bits)
 
-    def layout(self, num_elements: int) -> tuple[int, int, int]:
+    def _layout(self, num_elements: int) -> tuple[int, int, int]:
         """(num_chunks, chunk, kept): an array smaller than chunk_size is one chunk of its
         own size; the last chunk of a longer one is zero-padded to chunk elements."""
         chunk = max(1, min(self.chunk_size, num_elements))
@@ -82,7 +82,7 @@ class ChunkedTopK(base.Compressor):
     def wire_bytes(self, num_elements: int, dtype=jnp.float32) -> int:
         """Packed codes and positions of num_chunks * kept entries + 8 bytes per chunk."""
         del dtype
-        rows, chunk, kept = self.layout(num_elements)
+        rows, chunk, kept = self._layout(num_elements)
         m = rows * kept
         low, high = self._position_bits(chunk, kept)
         positions = sum(kernels.packed_size(m, b) for b in (low, high) if b)
@@ -93,7 +93,7 @@ class ChunkedTopK(base.Compressor):
         del key
         x = base.check_float_input(x, "chunked_top_k")
         n = x.size
-        rows, chunk, kept = self.layout(n)
+        rows, chunk, kept = self._layout(n)
         padded = jnp.pad(x.reshape(-1).astype(jnp.float32), (0, rows * chunk - n))
         blocks = padded.reshape(rows, chunk)
         real = (jnp.arange(rows * chunk) < n).reshape(rows, chunk)
@@ -149,7 +149,7 @@ class ChunkedTopK(base.Compressor):
     def _entries(self, payload: ChunkedTopKPayload):
         """(flat positions in the padded array [m], float32 values [m]) of a payload."""
         n = math.prod(payload.shape)
-        rows, chunk, kept = self.layout(n)
+        rows, chunk, kept = self._layout(n)
         m = rows * kept
         levels = 1 << (self.bits - 1)
         codes = kernels.unpack_bits(payload.codes, bits=self.bits, num_elements=m)
