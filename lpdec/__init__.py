@@ -19,6 +19,7 @@ from lpdec.algorithms.chain_order import chain
 from lpdec.algorithms.chain_order import check_chain
 from lpdec.algorithms.health import Health
 from lpdec.compress import Compressor
+from lpdec.compress import chunked_top_k
 from lpdec.compress import identity
 from lpdec.compress import minmax
 from lpdec.compress import modulo
@@ -51,6 +52,7 @@ __all__ = [
     "Topology",
     "chain",
     "check_chain",
+    "chunked_top_k",
     "complete",
     "compress",
     "data",

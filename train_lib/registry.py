@@ -227,7 +227,41 @@ TOPOLOGIES = {
 # Compressors of what crosses the wire.
 # ----------------------------------------------------------------------------
 
+
+def _chunk_of(c) -> int:
+    """config.chunk_size for chunked_top_k; None: the library's default (4096, SparseLoCo's)."""
+    return lpdec.chunked_top_k().chunk_size if c.chunk_size is None else c.chunk_size
+
+
+def _chunked_top_k(c) -> lpdec.compress.ChunkedTopK:
+    # k = round(ratio * chunk_size): ratio = 1/64 keeps SparseLoCo's 64 of 4096.
+    chunk = _chunk_of(c)
+    return lpdec.chunked_top_k(round(c.ratio * chunk), chunk_size=chunk, bits=c.bits)
+
+
+def _check_chunked_top_k(c) -> None:
+    chunk = _chunk_of(c)
+    # A chunk_size the library refuses is its ValueError, which `build` reports.
+    if isinstance(chunk, int) and chunk >= 1 and not 1 <= round(c.ratio * chunk) <= chunk:
+        raise ConfigError(
+            f"config.ratio={c.ratio!r} keeps round(ratio * chunk_size) = "
+            f"{round(c.ratio * chunk)} entries of each {chunk}-element chunk "
+            f"(config.chunk_size={c.chunk_size!r}); chunked_top_k needs 1 to {chunk}."
+        )
+    if c.rounding != "nearest":
+        raise ConfigError(
+            f"config.rounding={c.rounding!r}: config.compressor='chunked_top_k' rounds to "
+            "nearest only (error feedback carries what it loses)."
+        )
+
+
 COMPRESSORS = {
+    "chunked_top_k": Entry(
+        _chunked_top_k,
+        ("ratio", "chunk_size", "bits"),
+        check=_check_chunked_top_k,
+        check_fields=("rounding",),
+    ),
     "identity": Entry(lambda c: lpdec.identity()),
     "minmax": Entry(
         lambda c: lpdec.minmax(bits=c.bits, rounding=c.rounding, chunk_size=c.chunk_size),

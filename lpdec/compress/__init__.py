@@ -2,6 +2,9 @@
 
 from lpdec.compress.base import Compressor
 from lpdec.compress.base import payload_nbytes
+from lpdec.compress.chunked_top_k import ChunkedTopK
+from lpdec.compress.chunked_top_k import ChunkedTopKPayload
+from lpdec.compress.chunked_top_k import chunked_top_k
 from lpdec.compress.identity_compressor import Identity
 from lpdec.compress.identity_compressor import IdentityPayload
 from lpdec.compress.identity_compressor import identity
@@ -22,6 +25,8 @@ from lpdec.compress.tree import encode_tree
 from lpdec.compress.tree import tree_wire_bytes
 
 __all__ = [
+    "ChunkedTopK",
+    "ChunkedTopKPayload",
     "Compressor",
     "Identity",
     "IdentityPayload",
@@ -33,6 +38,7 @@ __all__ = [
     "RandomKPayload",
     "TopK",
     "TopKPayload",
+    "chunked_top_k",
     "decode_tree",
     "encode_tree",
     "identity",
