@@ -15,14 +15,20 @@ def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
 
     # Data: "mnist1d" (generated locally), "digits" (scikit-learn), "synthetic",
-    # or "cifar10" (binary files in data_dir, supplied by the user).
+    # "cifar10" (binary files in data_dir, supplied by the user) or "stdlib_text".
     config.dataset = "mnist1d"
     config.data_dir = ""
     config.num_samples = 5000  # mnist1d / synthetic size (train + test)
     config.skew = 0.0  # degree of skew of seed 002's partitioner: 0 = IID, 1 = sorted
     config.augment = False  # CIFAR random crop + flip
+    # "stdlib_text" (a language model's bytes: this Python's standard library sources,
+    # or the .py files under data_dir): windows of sequence_length + 1 bytes; text_bytes
+    # caps the train bytes, validation_windows the held-out windows (0 = all of them).
+    config.sequence_length = 128
+    config.text_bytes = 0
+    config.validation_windows = 0
 
-    # Model: "cnn1d", "mlp", "resnet20", "resnet54", "vgg11".
+    # Model: "cnn1d", "mlp", "resnet20", "resnet54", "vgg11", "transformer".
     config.model = "cnn1d"
     config.model_kwargs = ml_collections.ConfigDict()
     config.precision = "fp32"  # or "int8": 8-bit training with gradient bifurcation
@@ -46,6 +52,10 @@ def get_config() -> ml_collections.ConfigDict:
     # num_nodes / devices workers of each are nested on it.
     config.hierarchical = False
     config.machines = 0  # one process: machines to simulate (0 = devices are machines)
+    # FSDP inside each machine (issue 25): the workers of a machine hold one model
+    # between them, every leaf split over them (lpdec.fsdp); the algorithm runs between
+    # the machines on each worker's blocks. Needs machines and one worker per device.
+    config.shard_model = False
 
     # Local steps (algorithm = "diloco", issue 12): local_steps steps of the local
     # optimizer, then an exchange of the pseudo-gradients (parameters at the last

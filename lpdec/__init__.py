@@ -7,6 +7,7 @@ The whole public API is re-exported here; see README.md for a tour. The algorith
 from lpdec import algorithms
 from lpdec import compress
 from lpdec import data
+from lpdec import fsdp
 from lpdec import gossip
 from lpdec import layout
 from lpdec import metrics
@@ -26,6 +27,8 @@ from lpdec.compress import modulo
 from lpdec.compress import payload_nbytes
 from lpdec.compress import random_k
 from lpdec.compress import top_k
+from lpdec.fsdp import ShardPlan
+from lpdec.fsdp import plan_shards
 from lpdec.layout import NodeLayout
 from lpdec.layout import init_nodes
 from lpdec.layout import make_layout
@@ -49,6 +52,7 @@ __all__ = [
     "Compressor",
     "Health",
     "NodeLayout",
+    "ShardPlan",
     "Topology",
     "chain",
     "check_chain",
@@ -59,6 +63,7 @@ __all__ = [
     "directed_ring",
     "exponential",
     "from_matrix",
+    "fsdp",
     "gossip",
     "identity",
     "init_nodes",
@@ -71,6 +76,7 @@ __all__ = [
     "nn",
     "one_peer_exponential",
     "payload_nbytes",
+    "plan_shards",
     "random_k",
     "random_matching",
     "ring",

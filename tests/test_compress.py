@@ -365,6 +365,15 @@ def expected_wire_bytes(comp, d, dtype):
         return math.ceil(d * comp.bits / 8) + 8 * chunks
     if isinstance(comp, compress.Modulo):
         return math.ceil(d * comp.bits / 8) + 1
+    if isinstance(comp, compress.ChunkedTopK):
+        chunk = min(comp.chunk_size, d)
+        entries = math.ceil(d / chunk) * min(comp.k, chunk)
+        position_bits = 0 if comp.k >= chunk else (chunk - 1).bit_length()
+        return math.ceil(entries * comp.bits / 8) + (
+            math.ceil(entries * min(position_bits, 8) / 8)
+            + math.ceil(entries * max(position_bits - 8, 0) / 8)
+            + 8 * math.ceil(d / chunk)
+        )
     k = max(1, round(comp.ratio * d))
     if isinstance(comp, compress.TopK):
         return k * (itemsize + (2 if d <= 65536 else 4))
@@ -381,6 +390,8 @@ ALL_COMPRESSORS = [
     lpdec.modulo(bits=5, theta=2.0, rounding="stochastic"),
     lpdec.top_k(0.01),
     lpdec.random_k(0.3),
+    lpdec.chunked_top_k(),
+    lpdec.chunked_top_k(5, chunk_size=100, bits=3),
 ]
 
 

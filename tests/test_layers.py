@@ -32,6 +32,7 @@ MAY_IMPORT = {
     "lpdec.metrics": (),
     # init_nodes checks the chain it initialises (check_chain reads the algorithms' states).
     "lpdec.layout": ("lpdec.gossip", "lpdec.algorithms"),
+    "lpdec.fsdp": (),
     "lpdec.testing": ("lpdec.gossip", "lpdec.layout"),
     "lpdec.nn": ("lpdec.compress", "lpdec.kernels_pallas"),
     "lpdec.models": ("lpdec.nn",),

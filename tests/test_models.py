@@ -178,14 +178,14 @@ def test_int8_model_gradient_needs_quant_rng():
 
 
 def test_get_model_unknown_name_lists_valid_names():
-    with pytest.raises(ValueError, match="cnn1d, mlp, resnet20, resnet54, vgg11"):
+    with pytest.raises(ValueError, match="cnn1d, mlp, resnet20, resnet54, transformer, vgg11"):
         models.get_model("resnet18")
 
 
 @pytest.mark.parametrize("name", sorted(models.MODELS))
 @pytest.mark.parametrize(
     "kwargs, argument",
-    [({"precision": "fp16"}, "precision"), ({"norm": "layernorm"}, "norm")],
+    [({"precision": "fp16"}, "precision"), ({"norm": "groupnorm"}, "norm")],
 )
 def test_bad_model_arguments_name_the_argument(name, kwargs, argument):
     with pytest.raises(ValueError, match=argument):

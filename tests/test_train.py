@@ -243,7 +243,7 @@ BAD_CONFIGS = [
     ({"hierarchical": True, "machines": 2, "num_nodes": 7}, "num_nodes=7 .* not a multiple"),
     ({"hierarchical": True, "machines": 3, "num_nodes": 6}, "machines=3 does not divide the 8"),
     ({"hierarchical": True, "machines": 2, "num_nodes": 16}, "8 workers on each machine's 4"),
-    ({"hierarchical": True, "machines": 2, "algorithm": "allreduce"}, "no compressed exchange"),
+    ({"hierarchical": True, "machines": 2, "algorithm": "none"}, "no compressed exchange"),
     ({"hierarchical": True}, "config.hierarchical=True in one process needs config.machines"),
     ({"algorithm": "moniqua", "compressor": "top_k"}, "config.compressor='top_k' would be ignored"),
     ({"divergence_factor": 0.5}, r"config.divergence_factor=0.5 must be > 1"),
@@ -442,15 +442,15 @@ def test_hierarchical_run_on_two_processes_matches_two_simulated_machines(tmp_pa
     summary = json.loads((multi / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["devices"] == 8
     a, b = final_params(single), final_params(multi)
-    # Every worker of a machine holds the machine's model, bit for bit; DiLoCo's workers
-    # step apart within a round and land on the shared anchor through optax's
-    # params + (anchor - params), exact to one float32 rounding (1.2e-7 x |params|).
-    same = 0 if "--config.algorithm=diloco" not in algorithm else 1e-6
+    # Every worker of a machine holds the machine's model, bit for bit (DiLoCo's workers
+    # average their gradients in the local steps too). DiLoCo's outer Nesterov step (lr
+    # 0.7, momentum 0.9) amplifies the gradients' other rounding: 4.5e-6 measured.
+    atol = 1e-5 if "--config.algorithm=diloco" in algorithm else 2e-6
     for name in a:
         for params in (a[name], b[name]):
             for machine in (params[:4], params[4:]):
-                np.testing.assert_allclose(machine, machine[:1].repeat(4, axis=0), 0, same, name)
-        np.testing.assert_allclose(b[name], a[name], rtol=0, atol=2e-6, err_msg=name)
+                np.testing.assert_array_equal(machine, machine[:1].repeat(4, axis=0), name)
+        np.testing.assert_allclose(b[name], a[name], rtol=0, atol=atol, err_msg=name)
 
 
 def test_hierarchical_chain_averages_each_machines_gradients_first(rng):

@@ -32,6 +32,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from absl import logging
 
+import lpdec
 from train_lib.registry import ConfigError
 from train_lib.registry import RunError
 
@@ -237,12 +238,16 @@ def save(
     )
 
 
-def export_params(workdir: str, params: PyTree) -> None:
+def export_params(workdir: str, params: PyTree, shards: lpdec.fsdp.ShardPlan | None = None) -> None:
     """Every node's parameters to `workdir/final_params.npz`, keyed by tree path.
 
-    Every process must call it (the arrays span all hosts); process 0 writes.
+    With `shards` (the machines' models split over their workers), one whole model
+    per machine: each leaf [M, *shape]. Every process must call it (the arrays span
+    all hosts); process 0 writes.
     """
     gathered = jax.experimental.multihost_utils.process_allgather(params, tiled=True)
+    if shards is not None:
+        gathered = shards.unshard(gathered)
     if jax.process_index() == 0:
         flat = {
             jax.tree_util.keystr(path): np.asarray(leaf)

@@ -13,6 +13,7 @@ from absl import logging
 
 import lpdec
 from train_lib import checkpoint
+from train_lib import evaluation
 from train_lib import metrics as metrics_lib
 from train_lib import processes
 from train_lib import setup
@@ -54,7 +55,7 @@ def _train(
     exp: setup.Experiment, workdir: str, started: float, stop: watchdog.StopSignals | None
 ) -> dict[str, Any]:
     """The loop itself: it reads the frozen `exp`, never the config."""
-    layout, dataset, n, plan = exp.layout, exp.dataset, exp.layout.num_nodes, exp.loop
+    layout, dataset, n, loop = exp.layout, exp.dataset, exp.layout.num_nodes, exp.loop
     batcher = lpdec.data.NodeBatcher(
         dataset.x_train,
         dataset.y_train,
@@ -65,13 +66,18 @@ def _train(
     )
 
     init_key = jax.random.key(exp.seed)
-    variables = jax.jit(lambda x: exp.model.init(init_key, x, train=False))(dataset.x_train[:1])
+    example = setup.example_input(dataset)
+    variables = jax.jit(lambda x: exp.model.init(init_key, x, train=False))(example)
     variables = jax.tree.map(np.asarray, variables)
     params = variables.pop("params")
     # Every node starts from the same model, as in seed 002.
     stack = lambda tree: jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape), tree)  # noqa: E731
-    params, model_state = layout.put(stack(params)), layout.put(stack(dict(variables)))
-    programs = steps.make_programs(exp.model, exp.tx, layout)
+    model_state = layout.put(stack(dict(variables)))
+    shards = exp.shard_plan
+    # Sharded: each device holds its blocks of its machine's model; else a whole model.
+    params = shards.put(params, layout) if shards is not None else layout.put(stack(params))
+    next_token = dataset.task == "next_token"
+    programs = steps.make_programs(exp.model, exp.tx, layout, next_token=next_token, plan=shards)
     state = {"params": params, "opt_state": programs["init"](params), "model_state": model_state}
     key = layout.put(jax.random.key_data(jax.random.key(exp.seed + 1)), per_node=False)
 
@@ -80,8 +86,8 @@ def _train(
     step = 0
     # The yardstick of a diverged loss: the cross-entropy of a uniform guess.
     divergence = metrics_lib.DivergenceMonitor(
-        plan.divergence_factor,
-        plan.divergence_patience,
+        loop.divergence_factor,
+        loop.divergence_patience,
         reference=math.log(dataset.num_classes),
     )
     if meta is not None:
@@ -91,24 +97,19 @@ def _train(
     resumed_from = step
     params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
 
-    # Test data: the averaged model sees a 1/n shard per node; local models a subset.
-    per_node = len(dataset.x_test) // n
-    shard_x, shard_y = (
-        layout.put(a[: per_node * n].reshape((n, per_node) + a.shape[1:]))
-        for a in (dataset.x_test, dataset.y_test)
-    )
-    local_count = min(plan.eval_local_examples, len(dataset.x_test))
-    local_x = layout.put(dataset.x_test[:local_count], per_node=False)
-    local_y = layout.put(dataset.y_test[:local_count], per_node=False)
+    targets = dataset.x_test.shape[1] - 1 if next_token else 1
+    tokens_per_step = n * exp.batch_size * targets
+    evaluator = evaluation.Evaluator(exp, programs, loop.evaluate_anchor)
 
-    writer = metrics_lib.MetricWriter(workdir, step, exp.total_steps)
+    fields = metrics_lib.LM_METRIC_FIELDS if next_token else metrics_lib.METRIC_FIELDS
+    writer = metrics_lib.MetricWriter(workdir, step, exp.total_steps, fields)
     compiled: dict[int, Any] = {}
     wire_bytes, wire_source, collectives, bytes_by_axis = None, None, None, {}
-    halt_at = step + plan.halt_after_steps if plan.halt_after_steps else None
+    halt_at = step + loop.halt_after_steps if loop.halt_after_steps else None
     metrics: dict[str, Any] = {}
     stopped = diverged = interrupted = None
     while step < exp.total_steps:
-        length = min(plan.log_every, exp.total_steps - step)
+        length = min(loop.log_every, exp.total_steps - step)
         xs, ys = zip(*(batcher.next() for _ in range(length)), strict=True)
         xs, ys = layout.put(np.stack(xs, axis=1)), layout.put(np.stack(ys, axis=1))
         step0 = layout.put(np.int32(step), per_node=False)
@@ -127,22 +128,24 @@ def _train(
         step_time = (time.time() - chunk_started) / length
         step += length
 
-        avg_params = programs["average"](params)
-        avg_state = programs["average"](model_state)
-        avg_correct = programs["shard_correct"](avg_params, avg_state, shard_x, shard_y)
-        local_correct = programs["local_correct"](params, model_state, local_x, local_y)
-        avg_correct, local_correct = metrics_lib.to_host((avg_correct, local_correct))
         health = metrics_lib.health_counts(opt_state)
+        eval_started = time.time()
+        evaluated = evaluator.evaluate(params, opt_state, model_state, step)
         metrics = {
             "step": step,
             "epoch": step / exp.steps_per_epoch,
             "train_loss": float(np.mean(losses)),
             "train_accuracy": float(np.mean(np.asarray(accuracies))),
-            "test_accuracy_avg_model": float(avg_correct.sum() / (per_node * n)),
-            "test_accuracy_local_mean": float(local_correct.mean() / local_count),
-            "consensus_distance": float(programs["consensus"](params)),
+            **evaluated,
             "wire_bytes_per_step": float(wire_bytes),
             "step_time_s": step_time,
+            "eval_time_s": time.time() - eval_started,
+            "wall_time_s": time.time() - started,
+            **(
+                {"tokens_per_s_per_machine": tokens_per_step / layout.machines / step_time}
+                if next_token
+                else {}
+            ),
             "learning_rate": float(exp.schedule(step - 1)),
             "nonfinite_updates": health[0],
             "nonfinite_received": health[1],
@@ -156,7 +159,7 @@ def _train(
             break
         interrupted = stop.agreed() if stop is not None else None
         if (
-            (plan.checkpoint_every and step % plan.checkpoint_every == 0)
+            (loop.checkpoint_every and step % loop.checkpoint_every == 0)
             or step == exp.total_steps
             or step == halt_at
             or interrupted
@@ -172,7 +175,7 @@ def _train(
             logging.warning("stopping: %s", stopped)
             break
         if step == halt_at:
-            logging.info("halting after %d steps (config.halt_after_steps)", plan.halt_after_steps)
+            logging.info("halting after %d steps (config.halt_after_steps)", loop.halt_after_steps)
             break
     manager.wait_until_finished()
     writer.close()
@@ -197,6 +200,6 @@ def _train(
         "config": exp.config_dict,
     }
     metrics_lib.write_summary(workdir, summary)
-    if plan.save_final_params and not interrupted:
-        checkpoint.export_params(workdir, params)
+    if loop.save_final_params and not interrupted:
+        checkpoint.export_params(workdir, params, shards)
     return summary

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 import os
 import sys
 from typing import Any
@@ -32,10 +33,31 @@ METRIC_FIELDS = (
     "consensus_distance",
     "wire_bytes_per_step",
     "step_time_s",
+    "eval_time_s",
+    "wall_time_s",
     "learning_rate",
     "nonfinite_updates",
     "nonfinite_received",
     "theta_warnings",
+)
+
+#: A language model's columns (`next_token`): validation loss in nats and bits per
+#: byte and next-byte accuracy of the node-averaged model and of each node's own
+#: (averaged over the nodes), and tokens trained per second per machine.
+LM_METRIC_FIELDS = (
+    "step",
+    "epoch",
+    "train_loss",
+    "train_accuracy",
+    "val_loss_avg_model",
+    "val_bits_per_byte_avg_model",
+    "val_accuracy_avg_model",
+    "val_loss_local_mean",
+    "val_bits_per_byte_local_mean",
+    "val_accuracy_local_mean",
+    *METRIC_FIELDS[6:11],
+    "tokens_per_s_per_machine",
+    *METRIC_FIELDS[11:],
 )
 
 
@@ -44,6 +66,27 @@ def to_host(tree):
     if jax.process_count() > 1:
         tree = jax.experimental.multihost_utils.process_allgather(tree, tiled=True)
     return jax.tree.map(np.asarray, tree)
+
+
+def evaluation(sums, count: int, model: str, next_token: bool) -> dict[str, float]:
+    """The evaluation metrics of `model` ("avg_model", "local_mean") from per-node sums.
+
+    Args:
+      sums: (summed losses, correct predictions), each one value per node.
+      count: the predictions summed over all nodes (examples, or tokens).
+      model: the metrics' suffix.
+      next_token: a language model: validation loss in nats and in bits per byte
+        (one token is one byte), and next-byte accuracy; else test accuracy.
+    """
+    losses, correct = (np.asarray(x, np.float64) for x in sums)
+    if not next_token:
+        return {f"test_accuracy_{model}": float(correct.sum() / count)}
+    loss = float(losses.sum() / count)
+    return {
+        f"val_loss_{model}": loss,
+        f"val_bits_per_byte_{model}": loss / math.log(2),
+        f"val_accuracy_{model}": float(correct.sum() / count),
+    }
 
 
 def health_counts(opt_state) -> tuple[int, int, int]:
@@ -81,8 +124,15 @@ class MetricWriter:
     and drops later ones, which the restored run writes again.
     """
 
-    def __init__(self, workdir: str, resume_step: int, total_steps: int):
+    def __init__(
+        self,
+        workdir: str,
+        resume_step: int,
+        total_steps: int,
+        fields: tuple[str, ...] = METRIC_FIELDS,
+    ):
         self.enabled = jax.process_index() == 0
+        self.fields = fields
         self.path = os.path.join(workdir, "metrics.csv")
         self.tensorboard = None
         # disable=None: no bar when stderr is not a terminal.
@@ -99,7 +149,7 @@ class MetricWriter:
             with open(self.path) as f:
                 rows = [r for r in csv.DictReader(f) if int(r["step"]) <= resume_step]
         with open(self.path, "w", newline="") as f:
-            writer = csv.DictWriter(f, METRIC_FIELDS)
+            writer = csv.DictWriter(f, fields)
             writer.writeheader()
             writer.writerows(rows)
         try:
@@ -110,7 +160,7 @@ class MetricWriter:
             logging.warning("tensorboardX is not installed: no TensorBoard event files.")
 
     def write(self, metrics: dict[str, Any]) -> None:
-        """One row: `metrics` holds every field of `METRIC_FIELDS`."""
+        """One row: `metrics` holds every field of the writer's `fields`."""
         if not self.enabled:
             return
         step = metrics["step"]
@@ -122,7 +172,7 @@ class MetricWriter:
                 ", ".join(f"{k}={v:.4g}" for k, v in metrics.items() if k != "step"),
             )
         with open(self.path, "a", newline="") as f:
-            csv.DictWriter(f, METRIC_FIELDS).writerow(metrics)
+            csv.DictWriter(f, self.fields).writerow(metrics)
         if self.tensorboard is not None:
             for k, v in metrics.items():
                 if k != "step":

@@ -181,10 +181,38 @@ def _check_cifar10(c) -> None:
         )
 
 
+def _check_stdlib_text(c) -> None:
+    if not isinstance(c.sequence_length, int) or c.sequence_length < 1:
+        raise ConfigError(
+            f"config.sequence_length={c.sequence_length!r} must be a positive integer."
+        )
+    for field in ("text_bytes", "validation_windows"):
+        value = getattr(c, field)
+        if not isinstance(value, int) or value < 0:
+            raise ConfigError(f"config.{field}={value!r} must be an integer >= 0 (0 = all).")
+    if c.data_dir and not os.path.isdir(c.data_dir):
+        raise ConfigError(
+            f"config.data_dir={c.data_dir!r} is not a directory; for dataset 'stdlib_text' it "
+            "holds .py text files ('' = this Python's standard library)."
+        )
+
+
 DATASETS = {
     "cifar10": Entry(lambda c: lpdec.data.cifar10(c.data_dir), ("data_dir",), check=_check_cifar10),
     "digits": Entry(lambda c: lpdec.data.digits()),
     "mnist1d": Entry(lambda c: lpdec.data.mnist1d(num_samples=c.num_samples), ("num_samples",)),
+    # The running Python's standard library sources (or data_dir's .py files), bytes as
+    # tokens; a fixed split (seed 0) whatever config.seed is, so seeds share it.
+    "stdlib_text": Entry(
+        check=_check_stdlib_text,
+        build=lambda c: lpdec.data.stdlib_text(
+            context=c.sequence_length,
+            max_bytes=c.text_bytes or None,
+            validation_windows=c.validation_windows or None,
+            root=c.data_dir or None,
+        ),
+        fields=("sequence_length", "text_bytes", "validation_windows", "data_dir"),
+    ),
     "synthetic": Entry(
         lambda c: lpdec.data.synthetic(c.num_samples, 16, 4, c.seed), ("num_samples", "seed")
     ),
@@ -497,7 +525,13 @@ def _check_diloco(c) -> None:
 
 
 def _diloco(c, b: Built, local, outer) -> optax.GradientTransformation:
-    axes = b.axis_name if b.local_axis is None else (b.axis_name, b.local_axis)
+    axes = b.axis_name
+    if b.local_axis is not None:
+        # Hierarchical: a machine's workers train ONE model in its local steps (their
+        # gradients averaged over the fast links, as data parallelism inside a machine
+        # does), so the exchange averages the machines' models.
+        axes = (b.axis_name, b.local_axis)
+        local = lpdec.chain(local, on_gradients=(lpdec.local_mean(axis_name=b.local_axis),))
     return lpdec.diloco(local, outer, local_steps=c.local_steps, overlap=c.overlap, axis_name=axes)
 
 
@@ -523,10 +557,13 @@ ALGORITHMS = {
     "sparse_push": uniform(lpdec.sparse_push),
     # Centralized: full-precision data parallelism (a mean of the gradients) and
     # seed 001/004's compressed mean, hierarchical when `local_axis` is set.
+    # Hierarchical, a mean over the machines and the workers; with config.shard_model the
+    # workers' gradients are already their machine's mean (each worker holds a block), so
+    # each worker all-reduces its block over the machines: the link carries one model.
     "allreduce": AlgorithmEntry(
-        lambda c, b: lpdec.local_mean(axis_name=b.axis_name),
-        check=_check_flat,
-        check_fields=("algorithm", "hierarchical"),
+        lambda c, b: lpdec.local_mean(
+            axis_name=b.axis_name if b.local_axis is None else (b.axis_name, b.local_axis)
+        ),
         factory=lpdec.local_mean,
     ),
     "compressed_mean": uniform(lpdec.compressed_mean),

@@ -44,6 +44,9 @@ class LoopPlan:
         (0 = never stop a run for its loss).
       divergence_patience: log intervals in a row of such a loss that stop the run.
       save_final_params: export the final parameters (not after a stop by a signal).
+      evaluate_anchor: DiLoCo without overlap: after a step that ends an exchange
+        round, its anchor, the same on every node, stands for the averaged model
+        (`train_lib.evaluation`), so evaluating sends nothing between nodes.
     """
 
     log_every: int
@@ -53,6 +56,7 @@ class LoopPlan:
     divergence_factor: float
     divergence_patience: int
     save_final_params: bool
+    evaluate_anchor: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -77,6 +81,8 @@ class Experiment:
       total_steps: steps of the whole run.
       steps_per_epoch: steps for every node to see its partition once.
       loop: when the loop logs, saves and stops.
+      shard_plan: with `config.shard_model`, how each machine's model is split over its
+        workers (`lpdec.fsdp`); None when every node holds its whole model.
     """
 
     config_dict: dict[str, Any]
@@ -95,6 +101,13 @@ class Experiment:
     total_steps: int
     steps_per_epoch: int
     loop: LoopPlan
+    shard_plan: lpdec.fsdp.ShardPlan | None = None
+
+
+def example_input(dataset: lpdec.data.Dataset) -> np.ndarray:
+    """One training input as the model reads it (a language model: a window's first T tokens)."""
+    x = dataset.x_train[:1]
+    return x[:, :-1] if dataset.task == "next_token" else x
 
 
 def build(config: ml_collections.ConfigDict) -> Experiment:
@@ -103,7 +116,11 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     devices = jax.devices()[: config.devices] if config.devices else None
     layout = make_layout(config.num_nodes, machines=machine_count(config), devices=devices)
     axis_name, local_axis, gossip_nodes = layout.axis_name, None, config.num_nodes
-    if config.hierarchical and layout.hierarchical:
+    if config.shard_model:
+        # One model per machine, split over its workers; the algorithm runs between the
+        # machines on each worker's blocks (the gradients are already the machine's mean).
+        axis_name, gossip_nodes = layout.machine_axis, layout.machines
+    elif config.hierarchical and layout.hierarchical:
         # Machines x workers (processes, or config.machines simulated): full precision
         # inside a machine, the algorithm's exchange between machines.
         axis_name, local_axis = layout.machine_axis, layout.worker_axis
@@ -142,6 +159,20 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         )
     except (TypeError, ValueError) as error:
         _fail(f"config.model={config.model!r} with config.model_kwargs: {error}")
+    try:
+        # The model's shapes, with no array built: a model that cannot read the data
+        # fails here, in one line, and not in the first traced step.
+        shapes = jax.eval_shape(
+            lambda: model.init(jax.random.key(0), example_input(dataset), train=False)
+        )["params"]
+    except (TypeError, ValueError) as error:
+        _fail(f"config.model={config.model!r} with config.model_kwargs: {error}")
+    shard_plan = None
+    if config.shard_model:
+        try:
+            shard_plan = lpdec.fsdp.plan_shards(shapes, layout.mesh.shape["workers"])
+        except ValueError as error:
+            _fail(f"config.shard_model=True: {error}")
     loop = LoopPlan(
         log_every=config.log_every,
         checkpoint_every=config.checkpoint_every,
@@ -150,6 +181,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         divergence_factor=config.divergence_factor,
         divergence_patience=config.divergence_patience,
         save_final_params=config.save_final_params,
+        evaluate_anchor=config.algorithm == "diloco" and not config.overlap,
     )
     return Experiment(
         config_dict=config.to_dict(),
@@ -168,6 +200,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         total_steps=total_steps,
         steps_per_epoch=steps_per_epoch,
         loop=loop,
+        shard_plan=shard_plan,
     )
 
 
@@ -186,6 +219,12 @@ def check_values(config: ml_collections.ConfigDict) -> None:
         _fail(
             f"config.model={config.model!r} is not one of: "
             f"{', '.join(sorted(lpdec.models.MODELS))}."
+        )
+    if (config.dataset == "stdlib_text") != (config.model == "transformer"):
+        _fail(
+            f"config.model={config.model!r} with config.dataset={config.dataset!r}: the "
+            "language model ('transformer') trains on text ('stdlib_text'), the other models "
+            "on the classification data sets."
         )
     if config.precision not in PRECISIONS:
         _fail(f"config.precision={config.precision!r} is not one of: {', '.join(PRECISIONS)}.")
@@ -240,6 +279,18 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             _fail(f"config.devices={config.devices} must be in 1..{devices} (0 = all devices).")
         devices = config.devices
     machines = machine_count(config)
+    if config.shard_model and machines is None:
+        _fail(
+            "config.shard_model=True splits each machine's model over its workers: it needs "
+            "machines (config.hierarchical=True with several processes, or config.machines "
+            "simulated in one process)."
+        )
+    if config.shard_model and config.num_nodes // machines != devices // machines:
+        _fail(
+            f"config.shard_model=True needs one worker on every device of a machine: "
+            f"config.num_nodes={config.num_nodes} for {machines} machines of "
+            f"{devices // machines} devices (set config.num_nodes={devices})."
+        )
     if machines is not None:
         if config.num_nodes % machines:
             _fail(
@@ -320,7 +371,7 @@ def load_dataset(config: ml_collections.ConfigDict) -> lpdec.data.Dataset:
     try:
         return _load_dataset(config.dataset, tuple(config[f] for f in fields))
     except (FileNotFoundError, ValueError) as error:
-        if config.dataset == "cifar10":
+        if config.dataset in ("cifar10", "stdlib_text") and config.data_dir:
             _fail(f"config.data_dir={config.data_dir!r}: {error}")
         _fail(f"config.dataset={config.dataset!r}: {error}")
 

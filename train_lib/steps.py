@@ -4,6 +4,13 @@ Each is written for ONE node and mapped over all of them with
 `NodeLayout.map` (one node per device, or several per device under vmap):
 `train_chunk` runs `log_every` optimizer steps in a `lax.scan`, the others
 initialise the optimizer state and evaluate.
+
+Two tasks: classification (inputs x, labels y) and next-token prediction
+(`next_token=True`: x holds windows of T + 1 tokens, the model reads the first T
+and predicts the last T; y is unused). With a `plan` (`lpdec.fsdp.ShardPlan`)
+each device holds its blocks of its machine's model: the programs gather the
+whole leaves over the workers for the forward and backward pass, and the
+gradient arrives reduce-scattered (each block's mean over the workers).
 """
 
 from __future__ import annotations
@@ -20,21 +27,35 @@ from lpdec.layout import NodeLayout
 
 
 def make_programs(
-    model: nn.Module, tx: optax.GradientTransformation, layout: NodeLayout
+    model: nn.Module,
+    tx: optax.GradientTransformation,
+    layout: NodeLayout,
+    *,
+    next_token: bool = False,
+    plan: lpdec.fsdp.ShardPlan | None = None,
 ) -> dict[str, Callable]:
     """Jitted global-array functions built from per-node ones (see `NodeLayout.map`)."""
     axis = layout.axis_name
 
-    def apply(params, model_state, x, rngs, train):
-        variables = {"params": params, **model_state}
+    def whole(params):
+        return plan.gather(params, layout.worker_axis) if plan is not None else params
+
+    def apply(params, model_state, x, y, rngs, train):
+        """(logits, targets, model_state) of a batch, on the whole model."""
+        inputs, targets = (x[:, :-1], x[:, 1:].astype(jnp.int32)) if next_token else (x, y)
+        variables = {"params": whole(params), **model_state}
         if model_state and train:
-            return model.apply(variables, x, train=True, rngs=rngs, mutable=list(model_state))
-        return model.apply(variables, x, train=train, rngs=rngs), model_state
+            logits, model_state = model.apply(
+                variables, inputs, train=True, rngs=rngs, mutable=list(model_state)
+            )
+            return logits, targets, model_state
+        return model.apply(variables, inputs, train=train, rngs=rngs), targets, model_state
 
     def loss_fn(params, model_state, x, y, rngs):
-        logits, model_state = apply(params, model_state, x, rngs, True)
-        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        return loss, (logits, model_state)
+        logits, targets, model_state = apply(params, model_state, x, y, rngs, True)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, targets).mean()
+        accuracy = jnp.mean(jnp.argmax(logits, -1) == targets)
+        return loss, (accuracy, model_state)
 
     def chunk(params, opt_state, model_state, xs, ys, step0, key):
         node = jax.lax.axis_index(axis)
@@ -48,10 +69,12 @@ def make_programs(
                 "dropout": jax.random.fold_in(step_key, 1),
             }
             grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
-            (loss, (logits, model_state)), grads = grad_fn(params, model_state, x, y, rngs)
+            (loss, (accuracy, model_state)), grads = grad_fn(params, model_state, x, y, rngs)
+            if plan is not None:
+                # The gather's gradient summed the workers' gradients of each block.
+                grads = jax.tree.map(lambda g: g / plan.workers, grads)
             updates, opt_state = tx.update(grads, opt_state, params)
             params = optax.apply_updates(params, updates)
-            accuracy = jnp.mean(jnp.argmax(logits, -1) == y)
             carry = (params, opt_state, model_state)
             if not layout.nested:
                 # The carry entered as varying over the nodes (`NodeLayout.map` casts the
@@ -69,26 +92,48 @@ def make_programs(
     def init_opt(params):
         return tx.init(params)
 
-    def correct(params, model_state, x, y):
-        logits, _ = apply(params, model_state, x, None, False)
-        return jnp.sum(jnp.argmax(logits, -1) == y)
+    def evaluate(params, model_state, x, y):
+        """(summed loss, correct predictions) over a batch; targets count separately."""
+        logits, targets, _ = apply(params, model_state, x, y, None, False)
+        losses = optax.softmax_cross_entropy_with_integer_labels(logits, targets)
+        return jnp.sum(losses), jnp.sum(jnp.argmax(logits, -1) == targets)
+
+    def distance(params, reference):
+        """||x - reference||^2 of this node's parameters (or blocks), float32."""
+        return sum(
+            jnp.sum(jnp.square(x.astype(jnp.float32) - r.astype(jnp.float32)))
+            for x, r in zip(jax.tree.leaves(params), jax.tree.leaves(reference), strict=True)
+        )
 
     train_chunk = jax.jit(
         layout.map(chunk, (True, True, True, True, True, False, False)), donate_argnums=(0, 1, 2)
     )
     init = jax.jit(layout.map(init_opt, (True,)))
-    local_correct = jax.jit(layout.map(correct, (True, True, False, False)))
-    # The averaged model evaluates a 1/n shard of the test set on every node.
-    shard_correct = jax.jit(layout.map(correct, (False, False, True, True)))
-    average = jax.jit(_on_every_device(lpdec.metrics.average_model, layout))
-    consensus = jax.jit(_on_every_device(lpdec.metrics.consensus_distance, layout))
+    # A model per node (its own, its blocks, or a per-node copy of a reference) on the
+    # node's share of the test set; and one model, the same on every node, on it.
+    node_eval = jax.jit(layout.map(evaluate, (True, True, True, True)))
+    shared_eval = jax.jit(layout.map(evaluate, (False, False, True, True)))
+    if plan is None:
+        # Each node's own model on the same examples.
+        local_eval = jax.jit(layout.map(evaluate, (True, True, False, False)))
+        average = jax.jit(_on_every_device(lpdec.metrics.average_model, layout))
+    else:
+        # Each worker evaluates its machine's model on its own share of the examples.
+        local_eval = node_eval
+        # Each worker averages its blocks over the machines: one model crosses the link
+        # per machine.
+        average = jax.jit(
+            layout.map(lambda b: lpdec.fsdp.average_blocks(b, layout.machine_axis), (True,))
+        )
     return dict(
         train_chunk=train_chunk,
         init=init,
-        local_correct=local_correct,
-        shard_correct=shard_correct,
+        node_eval=node_eval,
+        shared_eval=shared_eval,
+        local_eval=local_eval,
         average=average,
-        consensus=consensus,
+        node_distance=jax.jit(layout.map(distance, (True, True))),
+        shared_distance=jax.jit(layout.map(distance, (True, False))),
     )
 
 

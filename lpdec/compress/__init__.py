@@ -2,9 +2,9 @@
 
 from lpdec.compress.base import Compressor
 from lpdec.compress.base import payload_nbytes
-from lpdec.compress.chunked_top_k import ChunkedTopK
-from lpdec.compress.chunked_top_k import ChunkedTopKPayload
-from lpdec.compress.chunked_top_k import chunked_top_k
+from lpdec.compress.chunked_top_k_compressor import ChunkedTopK
+from lpdec.compress.chunked_top_k_compressor import ChunkedTopKPayload
+from lpdec.compress.chunked_top_k_compressor import chunked_top_k
 from lpdec.compress.identity_compressor import Identity
 from lpdec.compress.identity_compressor import IdentityPayload
 from lpdec.compress.identity_compressor import identity

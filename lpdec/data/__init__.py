@@ -21,6 +21,7 @@ from lpdec.data.text import FILE_SEPARATOR
 from lpdec.data.text import TextCorpus
 from lpdec.data.text import load_stdlib_corpus
 from lpdec.data.text import python_stdlib_files
+from lpdec.data.text import stdlib_text
 from lpdec.data.text import window_groups
 from lpdec.data.text import windows
 
@@ -41,6 +42,7 @@ __all__ = [
     "python_stdlib_files",
     "shard",
     "skew_partition",
+    "stdlib_text",
     "synthetic",
     "window_groups",
     "windows",

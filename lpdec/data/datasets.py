@@ -24,6 +24,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
+TASKS = ("classification", "next_token")
+
 
 @dataclasses.dataclass(frozen=True, eq=False)
 class Dataset:
@@ -34,8 +36,12 @@ class Dataset:
       y_train: int32 [N_train] labels in [0, num_classes).
       x_test: float32 [N_test, ...] inputs.
       y_test: int32 [N_test] labels in [0, num_classes).
-      num_classes: number of classes C.
+      num_classes: number of classes C (a language model's vocabulary).
       name: the data set's name, as `load` knows it.
+      task: "classification", or "next_token": then x_* are windows of T + 1 tokens
+        (the model reads the first T and predicts the last T) and y_* the group of
+        each window (the corpus's package or directory), which non-IID partitions
+        sort by.
     """
 
     x_train: np.ndarray
@@ -44,8 +50,11 @@ class Dataset:
     y_test: np.ndarray
     num_classes: int
     name: str
+    task: str = "classification"
 
     def __post_init__(self):
+        if self.task not in TASKS:
+            raise ValueError(f"{self.name}: task must be one of {TASKS}; got {self.task!r}")
         for split in ("train", "test"):
             x = getattr(self, f"x_{split}")
             y = getattr(self, f"y_{split}")

@@ -36,6 +36,8 @@ import sysconfig
 
 import numpy as np
 
+from lpdec.data import datasets
+
 #: The byte written after every file of a `TextCorpus`.
 FILE_SEPARATOR = 0
 
@@ -280,3 +282,66 @@ def window_groups(spans: np.ndarray, length: int) -> np.ndarray:
     starts = np.arange(count, dtype=np.int64) * length
     file_index = np.searchsorted(spans[:, 0], starts, side="right") - 1
     return spans[file_index, 2].astype(np.int32)
+
+
+def stdlib_text(
+    *,
+    context: int = 128,
+    max_bytes: int | None = None,
+    validation_windows: int | None = None,
+    root: str | os.PathLike | None = None,
+    seed: int = 0,
+) -> datasets.Dataset:
+    """The corpus as a next-token `Dataset`: windows of context + 1 bytes.
+
+    x_train / x_test are uint8 windows [N, context + 1] (the model reads the first
+    `context` bytes and predicts the last `context`); y_train is each training
+    window's group (`window_groups`), which `skew_partition` sorts by, so a skewed
+    partition gives the nodes different packages; y_test is 0.
+
+    Args:
+      context: T, the tokens a model reads per window.
+      max_bytes: caps the train bytes (`load_stdlib_corpus`); None keeps them all.
+      validation_windows: keep at most this many validation windows, evenly spaced
+        over the validation bytes (so they span its packages); None keeps them all.
+      root: a directory of `.py` files; None for this Python's standard library.
+      seed: the split's salt (`load_stdlib_corpus`).
+
+    Raises:
+      ValueError: (one line) no sources under `root`, or too few bytes for one
+        window on a side of the split.
+    """
+    _check_length(context)
+    if validation_windows is not None and (
+        isinstance(validation_windows, bool)
+        or not isinstance(validation_windows, int)
+        or validation_windows < 1
+    ):
+        raise ValueError(
+            f"validation_windows must be None or a positive integer; got {validation_windows!r}."
+        )
+    corpus = load_stdlib_corpus(root=root, max_bytes=max_bytes, seed=seed)
+    length = context + 1
+    x_train, x_test = windows(corpus.train, length), windows(corpus.validation, length)
+    for name, x, data in (
+        ("train", x_train, corpus.train),
+        ("validation", x_test, corpus.validation),
+    ):
+        if not len(x):
+            raise ValueError(
+                f"the {name} side of the corpus under {corpus.root!r} holds {data.size} bytes, "
+                f"fewer than one window of context + 1 = {length}: raise max_bytes or "
+                "lower the context."
+            )
+    if validation_windows is not None and validation_windows < len(x_test):
+        # Evenly spaced over the validation files, so the subset spans their packages.
+        x_test = x_test[np.linspace(0, len(x_test) - 1, validation_windows).astype(np.int64)]
+    return datasets.Dataset(
+        x_train=x_train,
+        y_train=window_groups(corpus.train_spans, length),
+        x_test=x_test,
+        y_test=np.zeros(len(x_test), np.int32),
+        num_classes=256,
+        name="stdlib_text",
+        task="next_token",
+    )

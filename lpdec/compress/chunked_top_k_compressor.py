@@ -155,7 +155,7 @@ class ChunkedTopK(base.Compressor):
         codes = kernels.unpack_bits(payload.codes, bits=self.bits, num_elements=m)
         codes = codes.reshape(rows, kept)
         level = (codes & jnp.uint8(levels - 1)).astype(jnp.float32)
-        magnitude = payload.lo[:, None] + level * payload.unit[:, None]
+        magnitude = payload.lo[:, None] + kernels.rounded(level * payload.unit[:, None])
         values = jnp.where(codes >= levels, -magnitude, magnitude).reshape(-1)
         low, high = self._position_bits(chunk, kept)
         if kept == chunk:

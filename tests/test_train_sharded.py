@@ -1,0 +1,122 @@
+"""train.py with config.shard_model: each machine's model split over its workers (lpdec.fsdp).
+
+The reference is the replicated hierarchical run of the same config: every worker
+holds its machine's whole model, the workers average their gradients, the algorithm
+runs between the machines. With the identity compressor both compute the same
+thing in other shapes, so they agree to float32 rounding.
+"""
+
+import json
+import os
+
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+
+import jax  # noqa: E402
+import ml_collections  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+from test_train import TINY_FLAGS  # noqa: E402
+from test_train import _two_processes  # noqa: E402
+from test_train import final_params  # noqa: E402
+from test_train import tiny_config  # noqa: E402
+
+import lpdec  # noqa: E402
+import train_lib  # noqa: E402
+from train_lib import ConfigError  # noqa: E402
+
+pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
+
+SHARED = dict(hierarchical=True, machines=2, precision="fp32", compressor="identity")
+ALGORITHMS = {
+    "allreduce": dict(algorithm="allreduce"),
+    "choco": dict(algorithm="choco"),
+    "compressed_mean": dict(algorithm="compressed_mean"),
+    "diloco": dict(algorithm="diloco", local_steps=5, exchange="compressed_mean"),
+}
+
+
+def _run(shared_run, name, **overrides):
+    config = tiny_config(**{**SHARED, **overrides})
+    key = name + "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
+    return shared_run(key, lambda d: train_lib.train_and_evaluate(config, str(d)))
+
+
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_a_sharded_run_lands_where_the_replicated_run_lands(shared_run, algorithm):
+    rep_dir, rep = _run(shared_run, "replicated", **ALGORITHMS[algorithm])
+    fsdp_dir, fsdp = _run(shared_run, "sharded", shard_model=True, **ALGORITHMS[algorithm])
+    replicated, sharded = final_params(rep_dir), final_params(fsdp_dir)
+    for name, whole in replicated.items():
+        # Replicated: one row per worker, the 4 workers of a machine equal; sharded: one
+        # row per machine.
+        assert sharded[name].shape == (2,) + whole.shape[1:], name
+        np.testing.assert_allclose(sharded[name], whole[[0, 4]], rtol=0, atol=1e-6, err_msg=name)
+    for metric in ("train_loss", "test_accuracy_avg_model"):
+        assert fsdp["final"][metric] == pytest.approx(rep["final"][metric], abs=1e-5), metric
+
+
+def test_a_machine_sends_one_compressed_model_per_exchange(shared_run):
+    """DiLoCo with a 4-bit compressed mean every 5 steps, 2 machines: each worker runs the
+    two compressed rounds over the machines on its blocks alone (one vector of s
+    elements, cut into 2 halves), so the program's all-to-all and all-gather over the
+    machines axis carry 2 + 1 rows of a half's 4-bit payload per worker (the audit counts
+    the all-to-all's row to itself, which stays on the device). Across the link a
+    machine sends 4 workers x 2 rows: one 4-bit payload of its whole model, not 4."""
+    overrides = dict(
+        ALGORITHMS["diloco"],
+        compressor="minmax",
+        bits=4,
+        error_feedback=True,
+        model_kwargs={"hidden_sizes": (256,)},
+    )
+    _, summary = _run(shared_run, "sharded", shard_model=True, **overrides)
+    plan = train_lib.build(tiny_config(**{**SHARED, "shard_model": True, **overrides})).shard_plan
+    is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
+    size = lambda shapes: sum(int(np.prod(s)) for s in jax.tree.leaves(shapes, is_leaf=is_shape))  # noqa: E731
+    s, parameters = size(plan.block_shapes), size(plan.shapes)
+    assert 4 * s == parameters
+    row = lpdec.minmax(bits=4).wire_bytes(-(-s // 2))
+    per_exchange = summary["wire_bytes_by_axis"]["machines"] * 5
+    assert per_exchange == pytest.approx(3 * row), (per_exchange, row)
+    crossing = 4 * 2 * row
+    assert crossing <= 1.02 * lpdec.minmax(bits=4).wire_bytes(parameters), crossing
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(hierarchical=False, machines=0), "needs machines"),
+        (dict(num_nodes=4), "one worker on every device"),
+        (dict(model_kwargs={"hidden_sizes": (30,), "groups": 2}), r"has shape \(30,\)"),
+    ],
+)
+def test_bad_sharding_requests_fail_in_one_line_before_training(tmp_path, overrides, message):
+    config = tiny_config(**{**SHARED, "shard_model": True, **overrides})
+    with pytest.raises(ConfigError, match=message) as info:
+        train_lib.train_and_evaluate(config, str(tmp_path))
+    assert "\n" not in str(info.value)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+def test_two_processes_of_four_workers_match_two_simulated_machines(tmp_path):
+    """Sharded DiLoCo across 2 real processes (each a machine of 4 CPU devices) lands
+    where the one-process simulation of 2 machines lands (gloo sums the in-machine
+    reduce-scatter in another order: float32 rounding)."""
+    overrides = dict(ALGORITHMS["diloco"], num_steps=20)
+    config = tiny_config(**SHARED, shard_model=True, **overrides)
+    config.model_kwargs = ml_collections.ConfigDict()  # the MLP's defaults, as the flags
+    train_lib.train_and_evaluate(config, str(tmp_path / "single"))
+    flags = [f for f in TINY_FLAGS if "precision" not in f and "num_steps" not in f] + [
+        "--config.hierarchical=True",
+        "--config.shard_model=True",
+        "--config.precision=fp32",
+        "--config.compressor=identity",
+        *(f"--config.{k}={v}" for k, v in overrides.items()),
+    ]
+    _two_processes(tmp_path / "multi", flags)
+    summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["devices"] == 8
+    a, b = final_params(tmp_path / "single"), final_params(tmp_path / "multi")
+    for name in a:
+        assert a[name].shape[0] == 2, name  # one whole model per machine
+        np.testing.assert_allclose(b[name], a[name], rtol=0, atol=2e-6, err_msg=name)
