@@ -156,6 +156,66 @@ METHODS |= {
 }  # fmt: skip
 BASELINE = "allreduce"
 
+#: The language-model workload (`--workload lm`, configs/lm_small.py): every method runs
+#: with each machine's model split over its workers (FSDP) and exchanges between the
+#: machines only, so the fp32 all-reduce crosses the link once per step.
+_PER_STEP = {"local_steps": 1, "error_feedback": False}  # lm_small's DiLoCo fields off
+_LM_EF = {"local_steps": 20, "compressor": "minmax", "error_feedback": True,
+          "exchange": "compressed_mean"}  # fmt: skip
+_SPARSE = dict(_LM_EF, compressor="chunked_top_k", chunk_size=4096, bits=2)
+LM_METHODS = {
+    "allreduce": Method(
+        "fp32 all-reduce (FSDP, hierarchical)", {"algorithm": "allreduce", **_PER_STEP}
+    ),
+    "cmean4": Method(
+        "compressed mean 4-bit",
+        {"algorithm": "compressed_mean", "compressor": "minmax", "bits": 4, **_PER_STEP},
+    ),
+    "choco8": Method(
+        "CHOCO 8-bit",
+        {"algorithm": "choco", "compressor": "minmax", "bits": 8, "gamma": 1.0, **_PER_STEP},
+    ),
+    "diloco4": Method("DiLoCo H=20, 4-bit EF", {"algorithm": "diloco", "bits": 4, **_LM_EF}),
+    "diloco2": Method("DiLoCo H=20, 2-bit EF", {"algorithm": "diloco", "bits": 2, **_LM_EF}),
+    # SparseLoCo's compressor: 64 of every 4096 values at 2 bits (0.029 bytes per value);
+    # and at the bytes of 2-bit min-max (0.251 per value): 560 of 4096.
+    "dilocosparse": Method(
+        "DiLoCo H=20, top-64/4096 2-bit EF", {"algorithm": "diloco", "ratio": 64 / 4096, **_SPARSE}
+    ),
+    "dilocosparse2eq": Method(
+        "DiLoCo H=20, top-560/4096 2-bit EF (2-bit min-max's bytes)",
+        {"algorithm": "diloco", "ratio": 560 / 4096, **_SPARSE},
+    ),
+}
+
+
+class Workload(NamedTuple):
+    """What a benchmark trains and how its quality is read from metrics.csv."""
+
+    config: str
+    methods: dict
+    metric: str  # the node-averaged model's column of metrics.csv
+    lower_is_better: bool
+    metric_name: str
+
+
+WORKLOADS = {
+    "mlp": Workload(
+        os.path.join(ROOT, "configs", "link_mlp.py"),
+        METHODS,
+        "test_accuracy_avg_model",
+        False,
+        "test accuracy",
+    ),
+    "lm": Workload(
+        os.path.join(ROOT, "configs", "lm_small.py"),
+        LM_METHODS,
+        "val_bits_per_byte_avg_model",
+        True,
+        "validation bits per byte",
+    ),
+}
+
 
 #: --quick's model and data: a run takes seconds.
 #: One node per device: `measure` sets num_nodes to processes x devices.
@@ -241,20 +301,32 @@ def run_training(network, workdir, port, devices, config, overrides, timeout) ->
     return Run(rows, summary, tx1 - tx0, rx1 - rx0, wall)
 
 
-def curve(rows: list[dict]) -> list[tuple[float, float]]:
-    """(training seconds so far, node-averaged test accuracy) at each metrics.csv row."""
+def curve(
+    rows: list[dict], metric: str = "test_accuracy_avg_model", clock: bool = False
+) -> list[tuple[float, float]]:
+    """(seconds so far, the node-averaged model's `metric`) at each metrics.csv row.
+
+    Seconds of training (`step_time_s` x steps); with `clock`, plus each row's
+    evaluation (`eval_time_s`): the loop's own clock, without start-up and compilation.
+    """
     points, elapsed, previous = [], 0.0, 0
     for row in rows:
         elapsed += row["step_time_s"] * (row["step"] - previous)
+        if clock:
+            elapsed += row.get("eval_time_s", 0.0)
         previous = int(row["step"])
-        points.append((elapsed, row["test_accuracy_avg_model"]))
+        points.append((elapsed, row[metric]))
     return points
 
 
-def time_to_target(points: list[tuple[float, float]], target: float) -> float | None:
-    """The training time of the first `curve` point at or above `target`, or None."""
-    for elapsed, accuracy in points:
-        if accuracy >= target:
+def time_to_target(
+    points: list[tuple[float, float]], target: float | None, lower_is_better: bool = False
+) -> float | None:
+    """The time of the first `curve` point at or past `target`, or None (or no target)."""
+    if target is None:
+        return None
+    for elapsed, value in points:
+        if (value <= target) if lower_is_better else (value >= target):
             return elapsed
     return None
 
@@ -267,15 +339,24 @@ def targets(results: list[dict], rates: list[str], target: float | None) -> dict
     """The target accuracy per rate: `target`, or (None) the baseline's final accuracy there."""
     if target is not None:
         return {rate: target for rate in rates}
-    base = next((r for r in results if r["method"] == BASELINE and "error" not in r), None)
+    base = next((r for r in results if r["method"] == BASELINE), None)
     if base is None:
         raise ValueError(f"--target=final needs the baseline {BASELINE!r} among the methods")
+    if "error" in base:  # the tables still show every method's other numbers
+        return {rate: None for rate in rates}
     return {rate: base["rates"][rate]["final_accuracy"] for rate in rates}
 
 
 def measure(network, name, args, port, workdir) -> dict:
-    """All numbers of one method on `network`: two unshaped probe runs, one run per rate."""
-    overrides = dict(METHODS[name].overrides, **args.set)
+    """All numbers of one method on `network`: two unshaped probe runs, one run per rate.
+
+    With `--shaped-steps` N > 0 the run at each rate is N steps long, for its seconds per
+    step and per evaluation, and that rate's curve is the unshaped run's metrics at those
+    times: exact for lpdec's methods, whose every step is synchronous, so what they
+    compute does not depend on how long the link takes.
+    """
+    workload = WORKLOADS[args.workload]
+    overrides = dict(workload.methods[name].overrides, **args.set)
     if args.quick:
         overrides.setdefault("num_nodes", network.hosts * args.devices)
     # A run that exchanges every H steps is measured over whole rounds: probes, chunks
@@ -285,11 +366,12 @@ def measure(network, name, args, port, workdir) -> dict:
     n2 = max(n2, n1 + h)
     log_every = math.lcm(args.log_every, h)
     steps = _round_up(args.steps, log_every)
-    result = {"method": name, "label": METHODS[name].label, "rates": {}}
+    shaped_steps = _round_up(args.shaped_steps, log_every) if args.shaped_steps else steps
+    result = {"method": name, "label": workload.methods[name].label, "rates": {}}
     network.shape(None)
     probes = []
     for length in (n1, n2):
-        probe = dict(overrides, num_steps=length, log_every=length)
+        probe = dict(overrides, num_steps=length, log_every=length, checkpoint_every=0)
         probes.append(
             run_training(
                 network,
@@ -306,25 +388,41 @@ def measure(network, name, args, port, workdir) -> dict:
     result["link_rx_bytes_per_step"] = (b.rx_bytes - a.rx_bytes) / (n2 - n1)
     result["compiled_bytes_per_step"] = b.summary["final"]["wire_bytes_per_step"]
     result["wire_bytes_source"] = b.summary["wire_bytes_source"]
+    unshaped_rows = None
     for rate in [None] + args.rates:
         network.shape(rate)
         key = rate or UNSHAPED
+        length = steps if rate is None else shaped_steps
         run = run_training(
             network,
             os.path.join(workdir, f"{name}-{key}"),
             next(port),
             args.devices,
             args.config,
-            dict(overrides, num_steps=steps, log_every=log_every),
+            dict(overrides, num_steps=length, log_every=log_every, checkpoint_every=0),
             args.timeout,
         )
-        # The first row holds the first execution of the chunk (warm-up): the median skips it
-        # when there are other rows.
-        times = [row["step_time_s"] for row in run.rows[1:]] or [run.rows[0]["step_time_s"]]
+        # The first row holds the first execution of the chunk (warm-up): the medians skip
+        # it when there are other rows.
+        timed = run.rows[1:] or run.rows[:1]
+        s_per_step = statistics.median(row["step_time_s"] for row in timed)
+        eval_s = statistics.median(row.get("eval_time_s", 0.0) for row in timed)
+        if rate is None:
+            unshaped_rows = run.rows
+        rows = run.rows
+        if length < steps:
+            # The unshaped run's metrics at this link's times.
+            rows = [dict(row, step_time_s=s_per_step, eval_time_s=eval_s) for row in unshaped_rows]
         result["rates"][key] = {
-            "s_per_step": statistics.median(times),
-            "final_accuracy": run.rows[-1]["test_accuracy_avg_model"],
-            "curve": curve(run.rows),
+            "s_per_step": s_per_step,
+            "eval_s_per_row": eval_s,
+            "combined": length < steps,
+            "final_accuracy": rows[-1][workload.metric],
+            "curve": curve(rows, workload.metric),
+            "clock_curve": curve(rows, workload.metric, clock=True),
+            "tokens_per_s_per_machine": statistics.median(
+                row.get("tokens_per_s_per_machine", 0.0) for row in timed
+            ),
             "wall_s": run.wall_s,
         }
     unshaped = result["rates"][UNSHAPED]["s_per_step"]
@@ -338,31 +436,48 @@ def megabytes(value: float) -> str:
     return f"{value / 1e6:.3f} MB"
 
 
-def table(results: list[dict], rate: str, target: float) -> str:
+def table(
+    results: list[dict], rate: str, target: float, workload: Workload = WORKLOADS["mlp"]
+) -> str:
+    lower = workload.lower_is_better
     for r in results:
         if "error" not in r:
             at = r["rates"][rate]
             at["target"] = target
-            at["time_to_target_s"] = time_to_target(at["curve"], target)
+            at["time_to_target_s"] = time_to_target(at["curve"], target, lower)
+            at["clock_to_target_s"] = time_to_target(at.get("clock_curve", []), target, lower)
     base = next((r for r in results if r["method"] == BASELINE and "error" not in r), None)
     base_time = base["rates"][rate]["time_to_target_s"] if base else None
+    if target is None:
+        shown_target = "target (none: the baseline failed)"
+    else:
+        shown_target = f"{target:.3f}" if lower else f"{target:.1%}"
+    tokens = workload is WORKLOADS["lm"]
     lines = [
         f"| method | s/step | link bytes/step (measured) | compiled bytes/step | utilisation "
-        f"| time to {target:.1%} | vs fp32 all-reduce | final accuracy |",
-        "|---|---|---|---|---|---|---|---|",
+        f"| time to {shown_target} | vs fp32 all-reduce | with evaluation "
+        f"| final {workload.metric_name} |" + (" tokens/s per machine |" if tokens else ""),
+        "|---|---|---|---|---|---|---|---|---|" + ("---|" if tokens else ""),
     ]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * 6)
+            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * (7 + tokens))
             continue
         at = r["rates"][rate]
-        ttt = at["time_to_target_s"]
+        ttt, clock = at["time_to_target_s"], at["clock_to_target_s"]
         speedup = f"{base_time / ttt:.2f}x" if base_time and ttt else "—"
+        final = at["final_accuracy"]
+        combined = " (c)" if at.get("combined") else ""
+        with_eval = "—"
+        if clock is not None and ttt:
+            with_eval = f"{clock:.1f} s (+{clock / ttt - 1:.0%})"
         lines.append(
-            f"| {r['label']} | {at['s_per_step']:.3f} | {megabytes(r['link_bytes_per_step'])} "
+            f"| {r['label']} | {at['s_per_step']:.3f}{combined} "
+            f"| {megabytes(r['link_bytes_per_step'])} "
             f"| {megabytes(r['compiled_bytes_per_step'])} | {at['utilisation']:.0%} "
             f"| {f'{ttt:.1f} s' if ttt is not None else 'not reached'} | {speedup} "
-            f"| {at['final_accuracy']:.1%} |"
+            f"| {with_eval} | {f'{final:.3f}' if lower else f'{final:.1%}'} |"
+            + (f" {at.get('tokens_per_s_per_machine', 0):,.0f} |" if tokens else "")
         )
     return "\n".join(lines)
 
@@ -374,15 +489,26 @@ def shown(path: str) -> str:
 
 
 def section(all_results: dict, args, command: str) -> str:
+    workload = WORKLOADS[args.workload]
     quick = " (QUICK SMOKE RUN: not representative)" if args.quick else ""
-    target_text = (
-        f"{args.target:.0%}"
-        if args.target is not None
-        else "the fp32 all-reduce's final accuracy on the same link"
-    )
+    if args.target is None:
+        target_text = f"the fp32 all-reduce's final {workload.metric_name} on the same link"
+    elif workload.lower_is_better:
+        target_text = f"{args.target:g}"
+    else:
+        target_text = f"{args.target:.0%}"
     machine = f"{platform.machine()}, {os.cpu_count()} CPU cores shared by every process"
+    what = "language model, " if args.workload == "lm" else ""
+    combined = ""
+    if args.shaped_steps:
+        combined = (
+            f" (c): the run at this rate was {args.shaped_steps} steps long, for its seconds "
+            "per step and per evaluation; its times to target put those on the unshaped "
+            f"run's {workload.metric_name} per step, which lpdec's synchronous methods "
+            "compute the same whatever the link's speed."
+        )
     parts = [
-        f"## Training across a shaped link (`bench/link.py`){quick}",
+        f"## Training across a shaped link (`bench/link.py`), {what}{args.workload}{quick}",
         "",
         f"`{command}`",
         "",
@@ -396,10 +522,11 @@ def section(all_results: dict, args, command: str) -> str:
         "steps; compiled bytes: bytes one node sends per step (train.py's "
         "`wire_bytes_per_step`); unshaped: the veth with no qdisc (as fast as the kernel "
         "copies, on the same CPU cores); utilisation: unshaped s/step / shaped s/step; time to "
-        "target: training time until the node-averaged model reaches the target test "
-        f"accuracy ({target_text}; evaluation and compilation not counted). DiLoCo runs "
-        "are measured over whole rounds (probes, rows and runs are multiples of H). Plot: "
-        f"`{shown(args.plot)}`.",
+        f"target: training time until the node-averaged model reaches the target "
+        f"{workload.metric_name} ({target_text}; compilation not counted); with evaluation: "
+        "the same plus every evaluation until then, at the config's logging interval. "
+        "DiLoCo runs are measured over whole rounds (probes, rows and runs are multiples of "
+        f"H).{combined} Plot: `{shown(args.plot)}`.",
     ]
     for processes, results in all_results.items():
         rates = [UNSHAPED] + args.rates
@@ -408,7 +535,7 @@ def section(all_results: dict, args, command: str) -> str:
                 "",
                 f"### {processes} processes x {args.devices} devices, {rate} link",
                 "",
-                table(results, rate, target),
+                table(results, rate, target, workload),
             ]
     return "\n".join(parts)
 
@@ -430,11 +557,12 @@ def plot(all_results: dict, args) -> None:
             xs, ys = zip(*r["rates"][rate]["curve"], strict=True)
             ax.plot(xs, ys, marker=".", label=r["label"])
         target = targets(all_results[processes], [rate], args.target)[rate]
-        ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
+        if target is not None:
+            ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
         ax.set_title(f"{processes} processes x {args.devices} devices, {rate} link")
         ax.set_xlabel("training time (s)")
         ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel("test accuracy (node-averaged model)")
+    axes[0][0].set_ylabel(f"{WORKLOADS[args.workload].metric_name} (node-averaged model)")
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
     os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
@@ -451,11 +579,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--probe-steps", default="10,30", help="N1,N2: the unshaped runs")
     parser.add_argument(
         "--target",
-        default="0.7",
-        help="target test accuracy, or 'final': the fp32 all-reduce's final accuracy per link",
+        help="the target (test accuracy, or bits per byte for lm), or 'final': the fp32 "
+        "all-reduce's final value per link (default: 0.7 for mlp, final for lm)",
     )
-    parser.add_argument("--methods", default=",".join(METHODS), help="comma-separated names")
-    parser.add_argument("--config", default=os.path.join(ROOT, "configs", "link_mlp.py"))
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        default="mlp",
+        help="mlp: configs/link_mlp.py; lm: the language model, configs/lm_small.py",
+    )
+    parser.add_argument("--methods", help="comma-separated names (default: the workload's)")
+    parser.add_argument("--config", help="the config (default: the workload's)")
+    parser.add_argument(
+        "--shaped-steps",
+        type=int,
+        default=0,
+        help="steps of each shaped run (0: --steps); the curve is the unshaped run's",
+    )
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="extra config field"
     )
@@ -499,19 +639,28 @@ def parse_args(argv=None) -> argparse.Namespace:
         args.probe_steps = tuple(int(s) for s in args.probe_steps.split(","))
     except ValueError:
         parser.error("--processes and --probe-steps take comma-separated integers")
+    if args.target is None:
+        args.target = "final" if args.workload == "lm" else "0.7"
     if args.target == "final":
         args.target = None
     else:
         try:
             args.target = float(args.target)
         except ValueError:
-            parser.error(f"--target={args.target!r}: expected an accuracy in (0, 1] or 'final'")
+            parser.error(f"--target={args.target!r}: expected a number or 'final'")
+    workload = WORKLOADS[args.workload]
+    if args.methods is None:
+        args.methods = ",".join(workload.methods)
+    if args.config is None:
+        args.config = workload.config
     args.methods = [m for m in args.methods.split(",") if m]
     if args.target is None and BASELINE not in args.methods:
         parser.error(f"--target=final needs the baseline {BASELINE!r} in --methods")
-    unknown = [m for m in args.methods if m not in METHODS]
+    unknown = [m for m in args.methods if m not in workload.methods]
     if unknown:
-        parser.error(f"--methods: {unknown} not among {sorted(METHODS)}")
+        parser.error(f"--methods: {unknown} not among {sorted(workload.methods)}")
+    if args.shaped_steps < 0:
+        parser.error(f"--shaped-steps={args.shaped_steps} must be >= 0")
     if not args.rates:
         parser.error("--rates: expected at least one tc rate such as 100mbit")
     if any(p < 2 for p in args.processes):
@@ -558,7 +707,8 @@ def main(argv=None) -> int:
                         measure(network, name, args, port, os.path.join(workdir, f"p{processes}"))
                     )
                 except RunFailed as error:
-                    results.append({"method": name, "label": METHODS[name].label,
+                    label = WORKLOADS[args.workload].methods[name].label
+                    results.append({"method": name, "label": label,
                                     "error": str(error)})  # fmt: skip
                 print(json.dumps(results[-1], default=str)[:400], flush=True)
             network.destroy()

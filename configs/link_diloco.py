@@ -19,6 +19,10 @@ of a machine's 4 workers carries 1/4 of the model), and every worker takes
 the same outer Nesterov step (lr 0.7, momentum 0.9, DiLoCo's values).
 Nothing crosses the wire on the 9 steps in between.
 
+(Since issue 25 a machine's workers also average their gradients in the local
+steps, so each machine is one DiLoCo replica trained data-parallel; the figures
+below were measured before, with each worker its own replica.)
+
 Measured result (2026-11-23, `bench/link.py`, 2 processes x 4 CPU devices in
 network namespaces on 2 shared CPU cores, 400 steps; the BENCHMARKS.md
 section has every method): at 100 Mbit, 0.068 s/step (fp32 all-reduce: 0.886)

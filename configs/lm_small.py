@@ -8,11 +8,11 @@
         --config=configs/lm_small.py --workdir=/tmp/lm_small
     # the link benchmark (bench/link.py --workload lm) runs it with each method's fields
 
-A 0.86M-parameter byte-level transformer (d_model 128, 4 layers, 4 heads,
-context 128, tied embeddings) on 8 MB of this Python's standard library
+A 1.29M-parameter byte-level transformer (d_model 160, 4 layers, 4 heads,
+context 64, tied embeddings) on 8 MB of this Python's standard library
 sources, 2 machines x 4 workers, each machine's model split over its workers
-(FSDP), 16 windows of 128 bytes per worker and step (2,048 tokens per machine),
-Adam 2e-3 with a cosine schedule. The training algorithm is the benchmark's
+(FSDP), 8 windows of 64 bytes per worker and step (2,048 tokens per machine),
+Adam 2e-3 with a cosine schedule, 200 steps, logged every 40. The training algorithm is the benchmark's
 best method, DiLoCo (H=20, 4-bit pseudo-gradients with error feedback, outer
 Nesterov 0.7 / 0.9); bench/link.py overrides it per method.
 
@@ -25,11 +25,11 @@ from configs import lm_tiny
 
 def get_config():
     config = lm_tiny.get_config()
-    config.sequence_length = 128
+    config.sequence_length = 64
     config.text_bytes = 8_000_000
-    config.validation_windows = 512
-    config.model_kwargs.context = 128
-    config.model_kwargs.d_model = 128
+    config.validation_windows = 256
+    config.model_kwargs.context = 64
+    config.model_kwargs.d_model = 160
     config.model_kwargs.num_layers = 4
     config.model_kwargs.num_heads = 4
     config.local_steps = 20
@@ -37,8 +37,8 @@ def get_config():
     config.outer_momentum = 0.9
     config.learning_rate = 2e-3
     config.warmup_steps = 20
-    config.batch_size = 16
-    config.num_steps = 400
+    config.batch_size = 8
+    config.num_steps = 200
     config.log_every = 40
     config.checkpoint_every = 0
     config.eval_local_examples = 64

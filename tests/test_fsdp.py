@@ -137,3 +137,32 @@ def test_the_optimizer_state_beside_the_blocks_is_a_quarter_of_the_replicated_on
     replicated = device_bytes(replicated_params) + device_bytes(replicated_state)
     assert replicated >= 5 * params["w"].nbytes  # params, Adam's 2, anchor, momentum, EF
     assert sharded <= 1.1 * replicated / 4, (sharded, replicated)
+
+
+def test_the_compiled_step_takes_a_quarter_of_the_replicated_arguments(rng):
+    """The same per-device step (DiLoCo with Adam and a 4-bit error-feedback mean),
+    compiled on blocks and on whole models: XLA's memory analysis of the program's
+    arguments (parameters, state, gradients), per device."""
+    params = {"w": rng.normal(size=(256, 64)).astype(np.float32)}
+    layout = lpdec.make_layout(8, machines=2)
+    outer = optax.chain(
+        lpdec.compressed_mean(lpdec.minmax(bits=4), axis_name="machines", error_feedback=True),
+        optax.sgd(0.7, momentum=0.9, nesterov=True),
+    )
+    tx = lpdec.diloco(optax.adam(1e-3), outer, local_steps=4, axis_name="machines")
+
+    def step(params, state, grads):
+        updates, state = tx.update(grads, state, params)
+        return optax.apply_updates(params, updates), state
+
+    def argument_bytes(params):
+        state = jax.jit(layout.map(tx.init, (True,)))(params)
+        program = jax.jit(layout.map(step, (True, True, True)))
+        compiled = program.lower(params, state, params).compile()
+        return compiled.memory_analysis().argument_size_in_bytes
+
+    plan = lpdec.plan_shards(params, workers=4)
+    sharded = argument_bytes(plan.put(params, layout))
+    replicated = argument_bytes({"w": layout.put(np.broadcast_to(params["w"], (8, 256, 64)))})
+    assert replicated >= 7 * params["w"].nbytes  # params, grads, Adam's 2, anchor, momentum, EF
+    assert sharded <= 1.1 * replicated / 4, (sharded, replicated)

@@ -90,7 +90,7 @@ def test_tiny_run_measures_the_link_and_leaves_no_namespace(tmp_path):
     for heading in ("unshaped", "1gbit"):
         table = section.split(f"### 2 processes x 2 devices, {heading} link")[1].split("###")[0]
         (row,) = [line for line in table.splitlines() if line.startswith("| CHOCO 8-bit |")]
-        assert len(row.strip("|").split("|")) == 8, row
+        assert len(row.strip("|").split("|")) == 9, row
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert netns.namespaces(prefix) == []
     assert not [n for n in os.listdir(netns.ETC_NETNS) if n.startswith(prefix)]
@@ -115,7 +115,7 @@ def test_a_failing_method_is_a_table_row_naming_the_error(tmp_path):
     assert len(rows) == 2, section  # the unshaped and the 1gbit table
     for row in rows:
         assert "| failed: process " in row and "exited with 2: error: " in row, row
-        assert "bits must be an integer in 1..8" in row and row.count("|") == 9, row
+        assert "bits must be an integer in 1..8" in row and row.count("|") == 10, row
     assert netns.namespaces(prefix) == []
 
 
@@ -258,7 +258,7 @@ def test_runs_that_exchange_every_h_steps_are_measured_over_whole_rounds(
 @pytest.mark.parametrize(
     "flags,message",
     [
-        (["--target=high"], "--target='high': expected an accuracy in (0, 1] or 'final'"),
+        (["--target=high"], "--target='high': expected a number or 'final'"),
         (["--target=final", "--methods=choco8"], "--target=final needs the baseline"),
         (["--methods=choco9"], "--methods: ['choco9'] not among"),
         (["--processes=1"], "--processes=[1]: a link needs at least 2 processes"),
@@ -273,3 +273,36 @@ def test_bad_flags_are_one_line_errors_naming_the_flag(flags, message, capsys):
     assert error.value.code == 2
     last = capsys.readouterr().err.strip().splitlines()[-1]
     assert message in last, last
+
+
+def test_a_language_model_curve_counts_down_to_its_target_with_evaluation():
+    """--workload lm: lower bits per byte is better; the clock curve adds each row's
+    evaluation to the training time."""
+    rows = [
+        {"step": 20.0, "step_time_s": 0.5, "eval_time_s": 1.0, "val_bits_per_byte_avg_model": 6.0},
+        {"step": 40.0, "step_time_s": 0.5, "eval_time_s": 1.0, "val_bits_per_byte_avg_model": 4.5},
+    ]
+    metric = link.WORKLOADS["lm"].metric
+    assert link.curve(rows, metric) == [(10.0, 6.0), (20.0, 4.5)]
+    assert link.curve(rows, metric, clock=True) == [(11.0, 6.0), (22.0, 4.5)]
+    assert link.time_to_target(link.curve(rows, metric), 5.0, lower_is_better=True) == 20.0
+    assert link.time_to_target(link.curve(rows, metric), 4.0, lower_is_better=True) is None
+    args = link.parse_args(["--workload=lm"])
+    assert args.target is None and args.methods == list(link.LM_METHODS)
+    assert args.config.endswith("lm_small.py")
+
+
+def test_the_projection_scales_mean_exchanges_and_gossip_by_their_traffic():
+    """2 (M - 1) / M for a reduce-scatter + all-gather (1 at the measured M = 2), and a
+    ring's 2 neighbours for gossip; seconds = bytes x 8 / rate."""
+    from bench import projection
+
+    mean, gossip = {"overrides": {"algorithm": "allreduce"}}, {"overrides": {"algorithm": "choco"}}
+    assert projection.scale(mean, 2) == 1.0 and projection.scale(mean, 8) == 1.75
+    assert projection.scale(gossip, 2) == 1.0 and projection.scale(gossip, 512) == 2.0
+    args = type("Args", (), {"rate": "1gbit", "machines": [8], "params": 1e9, "step_s": 1.0})
+    results = [{"method": "diloco4", "label": "d", "link_bytes_per_step": 1000.0}]
+    row = projection.project(results, link.LM_METHODS, 10_000, args).splitlines()[2]
+    # 1000 B/step x 20 steps / 1e4 parameters = 2 B per parameter per exchange; 1e9
+    # parameters x 1.75 x 8 bits / 1e9 = 28 s per exchange, over 20 s of compute.
+    assert row == "| d | 2.000 | 20 | 28.00 s (1.40x) |", row

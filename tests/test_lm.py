@@ -18,6 +18,7 @@ sys.path.insert(0, str(ROOT))
 import train_lib  # noqa: E402
 from configs import lm_tiny  # noqa: E402
 from train_lib import ConfigError  # noqa: E402
+from train_lib import setup  # noqa: E402
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
@@ -119,4 +120,31 @@ def test_a_corpus_too_small_for_a_window_is_one_line(tmp_path):
         (corpus / f"m{i}.py").write_text("x = 1\n")
     with pytest.raises(ConfigError, match="fewer than one window") as info:
         train_lib.train_and_evaluate(config(data_dir=str(corpus)), str(tmp_path / "run"))
+    assert "\n" not in str(info.value)
+
+
+def test_sharding_holds_a_quarter_of_the_state_and_a_model_too_big_is_refused(monkeypatch):
+    """Per device, lm_tiny's parameters + Adam + DiLoCo's anchor and momentum + error
+    feedback, sharded over 4 workers, are at most 1.1 x a quarter of the replicated
+    twin's; with less device memory than that estimate, the run stops at start in one
+    line saying what would fit."""
+    held = {}
+    # Replicated: every worker holds the whole model and everything beside it (no
+    # machines axis; the hierarchical twin already splits its error feedback over the
+    # workers, which would flatter the ratio).
+    variants = {False: dict(shard_model=False, hierarchical=False, machines=0), True: {}}
+    for sharded, overrides in variants.items():
+        experiment = train_lib.build(config(**overrides))
+        shapes = jax.eval_shape(
+            lambda e=experiment: e.model.init(
+                jax.random.key(0), setup.example_input(e.dataset), train=False
+            )
+        )["params"]
+        held[sharded], _ = setup.memory_estimate(
+            shapes, experiment.tx, experiment.layout, experiment.shard_plan
+        )
+    assert held[True] <= 1.1 * held[False] / 4, held
+    monkeypatch.setattr(setup, "device_memory_bytes", lambda: held[True])
+    with pytest.raises(ConfigError, match="more workers .* or choose a smaller model") as info:
+        train_lib.build(config())
     assert "\n" not in str(info.value)

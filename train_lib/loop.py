@@ -100,6 +100,9 @@ def _train(
     targets = dataset.x_test.shape[1] - 1 if next_token else 1
     tokens_per_step = n * exp.batch_size * targets
     evaluator = evaluation.Evaluator(exp, programs, loop.evaluate_anchor)
+    # Compiled before the first step, as the training program is: eval_time_s then
+    # times evaluations, not their compilation.
+    evaluator.evaluate(params, opt_state, model_state, step)
 
     fields = metrics_lib.LM_METRIC_FIELDS if next_token else metrics_lib.METRIC_FIELDS
     writer = metrics_lib.MetricWriter(workdir, step, exp.total_steps, fields)

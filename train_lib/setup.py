@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 from typing import Any
 from typing import NoReturn
 
@@ -173,6 +174,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
             shard_plan = lpdec.fsdp.plan_shards(shapes, layout.mesh.shape["workers"])
         except ValueError as error:
             _fail(f"config.shard_model=True: {error}")
+    check_memory(config, shapes, tx, layout, shard_plan)
     loop = LoopPlan(
         log_every=config.log_every,
         checkpoint_every=config.checkpoint_every,
@@ -202,6 +204,57 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         loop=loop,
         shard_plan=shard_plan,
     )
+
+
+def device_memory_bytes() -> int:
+    """Memory of one local device: its allocator's limit, or on CPU the host's RAM / devices."""
+    stats = jax.local_devices()[0].memory_stats() or {}
+    if "bytes_limit" in stats:
+        return int(stats["bytes_limit"])
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    return ram // jax.local_device_count()
+
+
+def memory_estimate(shapes, tx, layout: NodeLayout, plan) -> tuple[int, int]:
+    """(held, transient) bytes per device, from shapes alone (`jax.eval_shape`).
+
+    held: the device's parameters and optimizer state (1/k of its machine's when
+    sharded); transient: the step's whole model and its gradient in float32 (gathered,
+    when sharded). Activations come on top of both.
+    """
+    n, devices = layout.num_nodes, layout.mesh.devices.size
+    if plan is not None:
+        node_shapes = jax.tree.map(
+            lambda b: jax.ShapeDtypeStruct((n, *b), np.float32),
+            plan.block_shapes,
+            is_leaf=lambda x: isinstance(x, tuple),
+        )
+    else:
+        node_shapes = jax.tree.map(lambda x: jax.ShapeDtypeStruct((n, *x.shape), x.dtype), shapes)
+    # Built where the algorithms' axes are bound (some exchange at init), without arrays.
+    state = jax.eval_shape(layout.map(tx.init, (True,)), node_shapes)
+
+    def nbytes(tree):
+        leaves = jax.tree.leaves(tree)
+        return sum(int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize for x in leaves)
+
+    model = sum(int(np.prod(x.shape)) * 4 for x in jax.tree.leaves(shapes))
+    return (nbytes(node_shapes) + nbytes(state)) // devices, 2 * model
+
+
+def check_memory(config, shapes, tx, layout: NodeLayout, plan) -> None:
+    """Refuses, in one line, a model whose per-device state cannot fit a device's memory."""
+    held, transient = memory_estimate(shapes, tx, layout, plan)
+    have = device_memory_bytes()
+    if held + transient > have:
+        gib = lambda b: f"{b / 2**30:.2f} GiB" if b >= 2**30 else f"{b / 2**20:.1f} MiB"  # noqa: E731
+        _fail(
+            f"config.model={config.model!r}: a device would hold about {gib(held + transient)} "
+            f"(its parameters and optimizer state {gib(held)}, the step's whole model and "
+            f"gradient {gib(transient)}; activations on top) but has {gib(have)}: split each "
+            "machine's model over more workers (config.shard_model=True, more devices per "
+            "machine) or choose a smaller model."
+        )
 
 
 def _fail(message: str) -> NoReturn:

@@ -1,0 +1,133 @@
+"""A paper projection from measured bytes: a 1B-parameter model on 8, 64 and 512 machines.
+
+    python -m bench.projection --results /tmp/lm_link/link_results.json
+
+Reads `bench/link.py --workload lm`'s results (2 machines, `configs/lm_small.py`),
+turns each method's measured link bytes per step into bytes per parameter per
+exchange, and projects them to a model of `--params` parameters on M machines
+joined by `--rate`:
+
+- mean-based exchanges (the all-reduce, the compressed mean, DiLoCo's mean): a
+  reduce-scatter and an all-gather, whose per-machine traffic grows as 2 (M - 1) / M
+  from the measured M = 2 (factor 1);
+- gossip (CHOCO): a fixed number of neighbours, ring: 2 from M = 3 on, against the
+  one neighbour of M = 2.
+
+Each exchange is set against the compute it must hide behind: `--step-s` seconds per
+step (our estimate for a GPU machine, stated in the section) times the steps between
+exchanges. Writes a section of BENCHMARKS.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+from bench import _sections
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SECTION = "bench/projection.py"
+RATES = {"10mbit": 10e6, "100mbit": 100e6, "1gbit": 1e9, "10gbit": 10e9}
+
+#: The step-time estimate: a 1B-parameter transformer, 0.5M tokens per machine and step
+#: (256 sequences of 2,048), 6 N FLOPs per token, on 8 H100s (989 TFLOP/s dense bf16 each)
+#: at 40% model FLOPs utilisation: 3.0e15 / 3.2e15 = 0.95 s.
+STEP_S = 6 * 1e9 * 0.5e6 / (8 * 989e12 * 0.4)
+STEP_TEXT = (
+    "a 1B-parameter transformer trained on 0.5M tokens per machine and step (256 x 2,048), "
+    "6 N FLOPs per token, on a machine of 8 H100s (989 TFLOP/s dense bf16 each) at 40% "
+    f"model FLOPs utilisation: {STEP_S:.2f} s per step"
+)
+
+
+def lm_small_parameters() -> int:
+    """Parameters of configs/lm_small.py's transformer (the model the bytes were measured on)."""
+    sys.path.insert(0, ROOT)
+    import lpdec
+    from configs import lm_small
+
+    fields = dict(lm_small.get_config().model_kwargs)
+    return lpdec.models.transformer_param_count(**fields)
+
+
+def scale(method: dict, machines: int) -> float:
+    """Per-machine traffic at `machines` relative to the measured 2."""
+    gossip = method["overrides"].get("algorithm") == "choco" or (
+        method["overrides"].get("exchange") == "gossip"
+    )
+    if gossip:
+        return 1.0 if machines == 2 else 2.0
+    return 2 * (machines - 1) / machines
+
+
+def project(results: list[dict], methods: dict, parameters: int, args) -> str:
+    rate = RATES[args.rate]
+    lines = [
+        "| method | bytes per parameter per exchange | steps per exchange | "
+        + " | ".join(f"M={m}: s per exchange (x compute)" for m in args.machines)
+        + " |",
+        "|---|---|---|" + "---|" * len(args.machines),
+    ]
+    for r in results:
+        if "error" in r:
+            continue
+        overrides = methods[r["method"]].overrides
+        every = int(overrides.get("local_steps", 1))
+        per_param = r["link_bytes_per_step"] * every / parameters
+        cells = []
+        for m in args.machines:
+            seconds = per_param * args.params * scale({"overrides": overrides}, m) * 8 / rate
+            cells.append(f"{seconds:,.2f} s ({seconds / (every * args.step_s):.2f}x)")
+        lines.append(f"| {r['label']} | {per_param:.3f} | {every} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--results", required=True, help="bench/link.py --workload lm's JSON")
+    parser.add_argument("--params", type=float, default=1e9)
+    parser.add_argument("--machines", default="8,64,512")
+    parser.add_argument("--rate", default="1gbit", choices=sorted(RATES))
+    parser.add_argument("--step-s", type=float, default=STEP_S, help="compute seconds per step")
+    parser.add_argument("--output", default=os.path.join(ROOT, "BENCHMARKS.md"))
+    args = parser.parse_args(argv)
+    args.machines = [int(m) for m in args.machines.split(",")]
+    from bench import link
+
+    with open(args.results) as f:
+        data = json.load(f)
+    results = data["results"].get("2") or data["results"].get(2)
+    if results is None:
+        parser.error(f"--results={args.results}: no 2-process results to project from")
+    parameters = lm_small_parameters()
+    table = project(results, link.LM_METHODS, parameters, args)
+    command = "python -m bench.projection " + " ".join(sys.argv[1:] if argv is None else argv)
+    body = "\n".join(
+        [
+            f"## Projection: {args.params:.0e} parameters on {args.machines} machines at "
+            f"{args.rate} (`bench/projection.py`)",
+            "",
+            f"`{command}`",
+            "",
+            f"From the link bytes `bench/link.py --workload lm` measured between 2 machines on "
+            f"`configs/lm_small.py` ({parameters:,} parameters, each machine's model sharded "
+            "over its 4 workers): bytes per parameter per exchange, scaled to the model and "
+            "the machine count (mean-based exchanges: x 2 (M - 1) / M; gossip on a ring: 2 "
+            "neighbours from M = 3). Seconds per exchange on the link, and in parentheses "
+            "that time over the compute between two exchanges, with the step-time estimate "
+            f"{STEP_TEXT if args.step_s == STEP_S else f'{args.step_s} s per step'}. Below "
+            "1x an exchange can hide behind the compute (DiLoCo's overlap, Streaming "
+            "DiLoCo); above, the link sets the pace. Latency and TCP overheads are not in it.",
+            "",
+            table,
+        ]
+    )
+    _sections.replace_section(args.output, SECTION, body, header=_sections.BENCHMARKS_HEADER)
+    print(body)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
