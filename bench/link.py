@@ -252,6 +252,20 @@ def train_command(network, host, workdir, port, config, overrides) -> list[str]:
 
 def run_training(network, workdir, port, devices, config, overrides, timeout) -> Run:
     """Runs one process of train.py per host of `network` and waits at most `timeout` s."""
+    commands = [
+        train_command(network, host, workdir, port, config, overrides)
+        for host in range(network.hosts)
+    ]
+    wall, tx, rx = run_hosts(network, workdir, commands, devices, timeout)
+    with open(os.path.join(workdir, "metrics.csv")) as f:
+        rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+    with open(os.path.join(workdir, "summary.json")) as f:
+        summary = json.load(f)
+    return Run(rows, summary, tx, rx, wall)
+
+
+def run_hosts(network, workdir, commands, devices, timeout) -> tuple[float, int, int]:
+    """Runs `commands[h]` on host h of `network`; (wall seconds, host 0's tx and rx bytes)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["PYTHONPATH"] = ROOT
@@ -259,11 +273,11 @@ def run_training(network, workdir, port, devices, config, overrides, timeout) ->
     tx0, rx0 = network.counters(0)
     started = time.time()
     procs = []
-    for host in range(network.hosts):
+    for host, command in enumerate(commands):
         log = open(os.path.join(workdir, f"process{host}.log"), "w")
         procs.append(
             subprocess.Popen(
-                train_command(network, host, workdir, port, config, overrides),
+                command,
                 env=env,
                 cwd=ROOT,
                 stdout=log,
@@ -294,11 +308,67 @@ def run_training(network, workdir, port, devices, config, overrides, timeout) ->
         with open(os.path.join(workdir, f"process{host}.log")) as f:
             tail = [line.strip() for line in f.read().splitlines() if line.strip()]
         raise RunFailed(f"process {host} exited with {code}: {tail[-1] if tail else ''}")
-    with open(os.path.join(workdir, "metrics.csv")) as f:
-        rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
-    with open(os.path.join(workdir, "summary.json")) as f:
-        summary = json.load(f)
-    return Run(rows, summary, tx1 - tx0, rx1 - rx0, wall)
+    return wall, tx1 - tx0, rx1 - rx0
+
+
+def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
+    """PyTorch DDP's seconds per step at each rate (`bench/ddp_lm.py`), on `baseline`'s curve.
+
+    DDP runs synchronous data-parallel SGD, the fp32 all-reduce's algorithm, so its
+    metric after a step is taken as the all-reduce's (the unshaped run's); only the
+    time per step is its own. Link bytes: the difference of two unshaped runs.
+    """
+
+    def run(key, steps):
+        here = os.path.join(workdir, f"ddp-{key}-{steps}")
+        address = f"{network.address(0)}:{next(port)}"
+        commands = [
+            network.exec_prefix(host)
+            + [
+                args.torch_python,
+                os.path.join(ROOT, "bench", "ddp_lm.py"),
+                f"--rank={host}",
+                f"--world={network.hosts}",
+                f"--master={address}",
+                f"--threads={args.devices}",
+                f"--steps={steps}",
+                "--warmup=5",
+                f"--out={os.path.join(here, f'rank{host}.json')}",
+            ]  # fmt: skip
+            for host in range(network.hosts)
+        ]
+        _, tx, _ = run_hosts(network, here, commands, args.devices, args.timeout)
+        with open(os.path.join(here, "rank0.json")) as f:
+            return json.load(f), tx
+
+    result = {"method": "ddp", "label": "PyTorch DDP (gloo), whole model per machine"}
+    network.shape(None)
+    (_, tx10), (_, tx30) = run(UNSHAPED, 10), run(UNSHAPED, 30)
+    result["link_bytes_per_step"] = (tx30 - tx10) / 20
+    result["compiled_bytes_per_step"] = float("nan")
+    result["rates"] = {}
+    for rate in [None] + args.rates:
+        network.shape(rate)
+        key = rate or UNSHAPED
+        measured, _ = run(key, args.ddp_steps)
+        result["torch"] = measured["torch"]
+        base = baseline["rates"][UNSHAPED]
+        s_per_step = measured["s_per_step"]
+        steps_and_values = zip(base["steps"], base["values"], strict=True)
+        points = [(step * s_per_step, value) for step, value in steps_and_values]
+        result["rates"][key] = {
+            "s_per_step": s_per_step,
+            "combined": True,
+            "final_accuracy": base["values"][-1],
+            "curve": points,
+            "clock_curve": [],
+            "tokens_per_s_per_machine": measured["batch"] * args.ddp_context / s_per_step,
+        }
+    network.shape(None)
+    unshaped = result["rates"][UNSHAPED]["s_per_step"]
+    for at in result["rates"].values():
+        at["utilisation"] = unshaped / at["s_per_step"]
+    return result
 
 
 def curve(
@@ -419,6 +489,8 @@ def measure(network, name, args, port, workdir) -> dict:
             "combined": length < steps,
             "final_accuracy": rows[-1][workload.metric],
             "curve": curve(rows, workload.metric),
+            "steps": [row["step"] for row in rows],
+            "values": [row[workload.metric] for row in rows],
             "clock_curve": curve(rows, workload.metric, clock=True),
             "tokens_per_s_per_machine": statistics.median(
                 row.get("tokens_per_s_per_machine", 0.0) for row in timed
@@ -433,7 +505,7 @@ def measure(network, name, args, port, workdir) -> dict:
 
 
 def megabytes(value: float) -> str:
-    return f"{value / 1e6:.3f} MB"
+    return "—" if math.isnan(value) else f"{value / 1e6:.3f} MB"
 
 
 def table(
@@ -591,6 +663,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--methods", help="comma-separated names (default: the workload's)")
     parser.add_argument("--config", help="the config (default: the workload's)")
     parser.add_argument(
+        "--torch-python",
+        help="a Python with torch: with --workload lm, PyTorch DDP runs beside (bench/ddp_lm.py)",
+    )
+    parser.add_argument("--ddp-steps", type=int, default=30, help="timed DDP steps per rate")
+    parser.add_argument(
         "--shaped-steps",
         type=int,
         default=0,
@@ -659,6 +736,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     unknown = [m for m in args.methods if m not in workload.methods]
     if unknown:
         parser.error(f"--methods: {unknown} not among {sorted(workload.methods)}")
+    args.ddp_context = 64
+    if args.torch_python and args.workload != "lm":
+        parser.error("--torch-python: the DDP baseline runs with --workload lm only")
     if args.shaped_steps < 0:
         parser.error(f"--shaped-steps={args.shaped_steps} must be >= 0")
     if not args.rates:
@@ -710,6 +790,18 @@ def main(argv=None) -> int:
                     label = WORKLOADS[args.workload].methods[name].label
                     results.append({"method": name, "label": label,
                                     "error": str(error)})  # fmt: skip
+                print(json.dumps(results[-1], default=str)[:400], flush=True)
+            baseline = next((r for r in results if r["method"] == BASELINE), None)
+            if args.torch_python and baseline is not None and "error" not in baseline:
+                print(f"[{processes} processes] PyTorch DDP ...", flush=True)
+                try:
+                    results.append(
+                        measure_ddp(
+                            network, args, port, os.path.join(workdir, f"p{processes}"), baseline
+                        )
+                    )
+                except Exception as error:  # noqa: BLE001 - a baseline's failure is a table row
+                    results.append({"method": "ddp", "label": "PyTorch DDP", "error": str(error)})
                 print(json.dumps(results[-1], default=str)[:400], flush=True)
             network.destroy()
             netns.NETWORKS.remove(network)

@@ -12,8 +12,8 @@ A 1.29M-parameter byte-level transformer (d_model 160, 4 layers, 4 heads,
 context 64, tied embeddings) on 8 MB of this Python's standard library
 sources, 2 machines x 4 workers, each machine's model split over its workers
 (FSDP), 8 windows of 64 bytes per worker and step (2,048 tokens per machine),
-Adam 2e-3 with a cosine schedule, 200 steps, logged every 40. The training algorithm is the benchmark's
-best method, DiLoCo (H=20, 4-bit pseudo-gradients with error feedback, outer
+Adam 2e-3 with a cosine schedule, 200 steps, logged every 40. The training
+algorithm is DiLoCo (H=20, 4-bit pseudo-gradients with error feedback, outer
 Nesterov 0.7 / 0.9); bench/link.py overrides it per method.
 
 Expected: see BENCHMARKS.md, "bench/link.py lm" sections, for the measured

@@ -65,6 +65,38 @@ def consensus_distance(params: PyTree) -> jax.Array:
     return total / n
 
 
+def hierarchical_average(params: PyTree, machine_axis: str, worker_axis: str) -> PyTree:
+    """The mean of every node's `params`, for one node under machines x workers axes.
+
+    Call it where both axes are bound (`NodeLayout.map` on a layout of machines). Each
+    leaf is cut into k slices (k workers; zero-padded): worker w receives slice w of its
+    machine's k models (an all-to-all over the fast links) and sums them in worker
+    order, the machines' sums of slice w meet (an all-gather over the machines: each
+    machine receives M - 1 models in all, once) and are summed in machine order, and
+    the workers gather the slices back. The sums' order is fixed, so one process and
+    several give the same bits, and the link carries the models once, not n times.
+    """
+    workers = jax.lax.axis_size(worker_axis)
+    nodes = workers * jax.lax.axis_size(machine_axis)
+
+    def in_order(stack):
+        total = stack[0]
+        for i in range(1, stack.shape[0]):
+            total = total + stack[i]
+        return total
+
+    def mean(x):
+        flat = jnp.ravel(x).astype(jnp.float32)
+        flat = jnp.pad(flat, (0, -flat.size % workers))
+        mine = jax.lax.all_to_all(flat.reshape(workers, -1), worker_axis, 0, 0)
+        machines = jax.lax.all_gather(in_order(mine), machine_axis)
+        total = in_order(machines) / nodes
+        whole = jax.lax.all_gather(total, worker_axis, tiled=True)
+        return whole[: x.size].reshape(x.shape).astype(x.dtype)
+
+    return jax.tree.map(mean, params)
+
+
 def _array_bytes(shape_text: str) -> list[tuple[str, int]]:
     out = []
     for dtype, dims in _ARRAY.findall(shape_text):

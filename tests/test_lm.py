@@ -148,3 +148,34 @@ def test_sharding_holds_a_quarter_of_the_state_and_a_model_too_big_is_refused(mo
     with pytest.raises(ConfigError, match="more workers .* or choose a smaller model") as info:
         train_lib.build(config())
     assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("algorithm, averages", [("diloco", 0), ("allreduce", 1 + 2)])
+def test_evaluation_averages_the_models_at_most_once_per_log_interval(
+    tmp_path, monkeypatch, algorithm, averages
+):
+    """DiLoCo logging at its exchanges evaluates its anchor: no model is averaged (nothing
+    crosses the link); a per-step method averages the models once per log interval (and
+    once before the first step, compiling the evaluation), shared by every metric."""
+    from train_lib import steps
+
+    calls = []
+    make_programs = steps.make_programs
+
+    def counting(*args, **kwargs):
+        programs = make_programs(*args, **kwargs)
+        average = programs["average"]
+
+        def counted(tree):
+            if jax.tree.leaves(tree):  # the parameters (the transformer has no model state)
+                calls.append(1)
+            return average(tree)
+
+        return dict(programs, average=counted)
+
+    monkeypatch.setattr(steps, "make_programs", counting)
+    overrides = dict(num_steps=40, log_every=20, checkpoint_every=40, algorithm=algorithm)
+    if algorithm != "diloco":
+        overrides.update(local_steps=1, error_feedback=False)
+    train_lib.train_and_evaluate(config(**overrides), str(tmp_path))
+    assert len(calls) == averages

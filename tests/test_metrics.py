@@ -57,3 +57,26 @@ def test_consensus_distance_and_average_against_numpy(rng):
     np.testing.assert_allclose(
         np.asarray(avg["a"]), np.asarray(tree["a"]).mean(0), rtol=1e-6, atol=1e-6
     )
+
+
+def test_hierarchical_average_is_every_nodes_mean_on_every_node(rng):
+    """2 machines x 4 workers, leaves whose sizes 4 does not divide: every node gets the
+    float64 mean of the 8 nodes' values to float32 rounding, all with the same bits."""
+    import lpdec
+
+    layout = lpdec.make_layout(8, machines=2)
+    params = {
+        "a": rng.normal(size=(8, 3, 5)).astype(np.float32),
+        "b": rng.normal(size=(8, 7)).astype(np.float32),
+    }
+    average = jax.jit(
+        layout.map(
+            lambda p: metrics.hierarchical_average(p, layout.machine_axis, layout.worker_axis),
+            (True,),
+        )
+    )
+    out = average(layout.put(params))
+    for name, x in params.items():
+        got = np.asarray(out[name])
+        np.testing.assert_allclose(got[0], x.astype(np.float64).mean(0), rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(got, np.broadcast_to(got[0], got.shape))

@@ -7,10 +7,12 @@ Which model stands for "the node-averaged model":
   bits, so it is evaluated where it is, with nothing crossing the link. (The
   nodes' parameters there equal the anchor to one float32 rounding.)
 - otherwise, the nodes' mean, computed ONCE per log interval and shared by
-  every metric that needs it (the evaluation and the consensus distance). With
-  the machines' models split over their workers (`lpdec.fsdp`), each worker
-  averages its blocks over the machines: one model crosses the link per
-  machine.
+  every metric that needs it (the evaluation and the consensus distance). On
+  a layout of machines the link carries the models once: with the machines'
+  models split over their workers (`lpdec.fsdp`) each worker averages its
+  blocks over the machines, and with whole models per worker
+  `lpdec.metrics.hierarchical_average` sums inside each machine first. (A
+  layout without machines still gathers every node's model on every device.)
 
 Every evaluated sum is kept per node and added on the host in node order in
 float64, so the logged values do not depend on which collective carried them.
@@ -97,7 +99,7 @@ class Evaluator:
         else:
             reference = programs["average"](params)
             reference_state = programs["average"](model_state)
-            per_node = self.sharded
+            per_node = programs["average_per_node"]
         evaluate = programs["node_eval"] if per_node else programs["shared_eval"]
         avg = evaluate(reference, reference_state, self.shard_x, self.shard_y)
         distance = programs["node_distance" if per_node else "shared_distance"](params, reference)

@@ -113,10 +113,24 @@ def make_programs(
     # node's share of the test set; and one model, the same on every node, on it.
     node_eval = jax.jit(layout.map(evaluate, (True, True, True, True)))
     shared_eval = jax.jit(layout.map(evaluate, (False, False, True, True)))
+    # Whether `average` returns a copy per node (else one replicated model).
+    average_per_node = True
     if plan is None:
         # Each node's own model on the same examples.
         local_eval = jax.jit(layout.map(evaluate, (True, True, False, False)))
-        average = jax.jit(_on_every_device(lpdec.metrics.average_model, layout))
+        if layout.hierarchical and not layout.nested:
+            # Each machine's models cross the link once (lpdec.metrics.hierarchical_average).
+            average = jax.jit(
+                layout.map(
+                    lambda tree: lpdec.metrics.hierarchical_average(
+                        tree, layout.machine_axis, layout.worker_axis
+                    ),
+                    (True,),
+                )
+            )
+        else:
+            average = jax.jit(_on_every_device(lpdec.metrics.average_model, layout))
+            average_per_node = False
     else:
         # Each worker evaluates its machine's model on its own share of the examples.
         local_eval = node_eval
@@ -132,6 +146,7 @@ def make_programs(
         shared_eval=shared_eval,
         local_eval=local_eval,
         average=average,
+        average_per_node=average_per_node,
         node_distance=jax.jit(layout.map(distance, (True, True))),
         shared_distance=jax.jit(layout.map(distance, (True, False))),
     )

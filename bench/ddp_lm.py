@@ -1,0 +1,116 @@
+"""PyTorch DDP on configs/lm_small.py's language model: what a user would pick instead.
+
+    # one process per machine (bench/link.py runs them in its network namespaces):
+    python bench/ddp_lm.py --rank R --world 2 --master 10.77.0.1:29500 --threads 4 \\
+        --steps 30 --out /tmp/ddp_rank_R.json
+
+Each process is one machine holding the whole model (DDP replicates; it does not
+shard), runs `--threads` intra-op threads (the JAX processes' CPU devices) and a
+batch of threads x 8 windows of 64 bytes (lm_small's batch of a machine), and
+all-reduces the gradients over gloo in DDP's buckets, overlapped with the
+backward pass. The model is lm_small's transformer written in PyTorch: d_model
+160, 4 pre-norm blocks of 4 heads (`scaled_dot_product_attention`, causal),
+GELU (tanh) MLPs of 4 x d, learned positions, tied embeddings, Adam 2e-3 —
+1,288,640 parameters, as `lpdec.models.transformer_param_count` counts them.
+The tokens are random bytes: the step's time does not depend on them, and
+bench/link.py uses only the time (DDP computes synchronous data-parallel SGD,
+the fp32 all-reduce's algorithm, so its loss per step is the all-reduce's).
+
+Writes `--out`: seconds per step (median after `--warmup` steps) and the
+parameter count. Needs torch (never a dependency of lpdec).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F  # noqa: N812
+from torch import nn
+
+
+class Block(nn.Module):
+    def __init__(self, d: int, heads: int, mlp_ratio: int):
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = nn.LayerNorm(d), nn.LayerNorm(d)
+        self.qkv, self.attn_out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.mlp_in, self.mlp_out = nn.Linear(d, mlp_ratio * d), nn.Linear(mlp_ratio * d, d)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(d, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, d // self.heads).transpose(1, 2) for z in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_out(attended.transpose(1, 2).reshape(b, t, d))
+        return x + self.mlp_out(F.gelu(self.mlp_in(self.norm2(x)), approximate="tanh"))
+
+
+class Transformer(nn.Module):
+    def __init__(self, vocab=256, context=64, d=160, layers=4, heads=4, mlp_ratio=4):
+        super().__init__()
+        self.tokens, self.positions = nn.Embedding(vocab, d), nn.Embedding(context, d)
+        self.blocks = nn.ModuleList(Block(d, heads, mlp_ratio) for _ in range(layers))
+        self.norm = nn.LayerNorm(d)
+
+    def forward(self, tokens):
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.tokens(tokens) + self.positions(positions)
+        for block in self.blocks:
+            x = block(x)
+        return self.norm(x) @ self.tokens.weight.T  # tied output embedding
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--rank", type=int, required=True)
+    parser.add_argument("--world", type=int, required=True)
+    parser.add_argument("--master", required=True, help="ADDR:PORT of rank 0")
+    parser.add_argument("--threads", type=int, default=4)
+    parser.add_argument("--batch-per-thread", type=int, default=8)
+    parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args(argv)
+    address, port = args.master.rsplit(":", 1)
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, port
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
+    model = nn.parallel.DistributedDataParallel(Transformer(context=args.context))
+    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    generator = torch.Generator().manual_seed(args.rank)
+    batch = args.threads * args.batch_per_thread
+    times = []
+    for _ in range(args.warmup + args.steps):
+        window = torch.randint(0, 256, (batch, args.context + 1), generator=generator)
+        started = time.perf_counter()
+        logits = model(window[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), window[:, 1:].reshape(-1))
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        times.append(time.perf_counter() - started)
+    dist.destroy_process_group()
+    parameters = sum(p.numel() for p in model.module.parameters())
+    with open(args.out, "w") as f:
+        json.dump(
+            {
+                "s_per_step": statistics.median(times[args.warmup :]),
+                "parameters": parameters,
+                "torch": torch.__version__,
+                "batch": batch,
+            },
+            f,
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
