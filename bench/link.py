@@ -182,6 +182,21 @@ LM_METHODS = {
     "dilocosparse": Method(
         "DiLoCo H=20, top-64/4096 2-bit EF", {"algorithm": "diloco", "ratio": 64 / 4096, **_SPARSE}
     ),
+    # SparseLoCo as its paper runs it: the top-64/4096 2-bit payloads all-gathered and
+    # averaged (not compressed again), the residual decayed by 0.95 in place of the
+    # outer momentum, a plain outer step of 1.
+    "sparseloco": Method(
+        "SparseLoCo (H=20, top-64/4096 2-bit, all-gather, EF 0.95)",
+        {
+            "algorithm": "diloco",
+            "ratio": 64 / 4096,
+            "mean_rounds": 1,
+            "error_decay": 0.95,
+            "outer_momentum": 0.0,
+            "outer_lr": 1.0,
+            **_SPARSE,
+        },
+    ),  # fmt: skip
     "dilocosparse2eq": Method(
         "DiLoCo H=20, top-560/4096 2-bit EF (2-bit min-max's bytes)",
         {"algorithm": "diloco", "ratio": 560 / 4096, **_SPARSE},

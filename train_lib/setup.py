@@ -381,7 +381,13 @@ def _check_local_steps(config: ml_collections.ConfigDict) -> None:
     if config.algorithm == "diloco":
         registry.check(config, "exchange", registry.EXCHANGES)
         return
-    for field, off in (("local_steps", 1), ("overlap", False), ("error_feedback", False)):
+    for field, off in (
+        ("local_steps", 1),
+        ("overlap", False),
+        ("error_feedback", False),
+        ("mean_rounds", 2),
+        ("error_decay", 1.0),
+    ):
         if config[field] != off:
             _fail(
                 f"config.{field}={config[field]!r} needs config.algorithm='diloco' "
