@@ -157,13 +157,14 @@ def test_sharding_holds_a_quarter_of_the_state_and_a_model_too_big_is_refused(mo
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("algorithm, averages", [("diloco", 0), ("allreduce", 1 + 2)])
+@pytest.mark.parametrize("algorithm, averages", [("diloco", 0), ("allreduce", 0), ("choco", 1 + 2)])
 def test_evaluation_averages_the_models_at_most_once_per_log_interval(
     tmp_path, monkeypatch, algorithm, averages
 ):
-    """DiLoCo logging at its exchanges evaluates its anchor: no model is averaged (nothing
-    crosses the link); a per-step method averages the models once per log interval (and
-    once before the first step, compiling the evaluation), shared by every metric."""
+    """DiLoCo logging at its exchanges evaluates its anchor and the all-reduce each
+    node's own model (the same bits everywhere): no model is averaged, nothing crosses
+    the link; gossip averages the models once per log interval (and once before the
+    first step, compiling the evaluation), shared by every metric."""
     from train_lib import steps
 
     calls = []
