@@ -799,7 +799,8 @@ def main(argv=None) -> int:
         saved = argparse.Namespace(**dict(data["args"], output=args.output, plot=args.plot))
         all_results = {int(p): results for p, results in data["results"].items()}
         body = section(all_results, saved, data.get("command", "python -m bench.link"))
-        _sections.replace_section(args.output, args.section, body, header=_sections.BENCHMARKS_HEADER)
+        header = _sections.BENCHMARKS_HEADER
+        _sections.replace_section(args.output, args.section, body, header=header)
         plot(all_results, saved)
         print(body)
         return 0
