@@ -528,7 +528,7 @@ def table(
 ) -> str:
     lower = workload.lower_is_better
     for r in results:
-        if "error" not in r:
+        if "error" not in r and rate in r["rates"]:
             at = r["rates"][rate]
             at["target"] = target
             at["time_to_target_s"] = time_to_target(at["curve"], target, lower)
@@ -548,8 +548,9 @@ def table(
         "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tokens else ""),
     ]
     for r in results:
-        if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * (8 + tokens))
+        if "error" in r or rate not in r["rates"]:
+            why = f"failed: {r['error']}" if "error" in r else "not run at this rate"
+            lines.append(f"| {r['label']} | {why} |" + " |" * (8 + tokens))
             continue
         at = r["rates"][rate]
         ttt = at["time_to_target_s"]
@@ -649,7 +650,7 @@ def plot(all_results: dict, args) -> None:
     )
     for ax, (processes, rate) in zip(axes[0], panels, strict=True):
         for r in all_results[processes]:
-            if "error" in r:
+            if "error" in r or rate not in r["rates"]:
                 continue
             xs, ys = zip(*r["rates"][rate]["curve"], strict=True)
             ax.plot(xs, ys, marker=".", label=r["label"])
