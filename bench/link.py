@@ -182,6 +182,21 @@ LM_METHODS = {
     "dilocosparse": Method(
         "DiLoCo H=20, top-64/4096 2-bit EF", {"algorithm": "diloco", "ratio": 64 / 4096, **_SPARSE}
     ),
+    # SparseLoCo as its paper runs it: the top-64/4096 2-bit payloads all-gathered and
+    # averaged (not compressed again), the residual decayed by 0.95 in place of the
+    # outer momentum, a plain outer step of 1.
+    "sparseloco": Method(
+        "SparseLoCo (H=20, top-64/4096 2-bit, all-gather, EF 0.95)",
+        {
+            "algorithm": "diloco",
+            "ratio": 64 / 4096,
+            "mean_rounds": 1,
+            "error_decay": 0.95,
+            "outer_momentum": 0.0,
+            "outer_lr": 1.0,
+            **_SPARSE,
+        },
+    ),  # fmt: skip
     "dilocosparse2eq": Method(
         "DiLoCo H=20, top-560/4096 2-bit EF (2-bit min-max's bytes)",
         {"algorithm": "diloco", "ratio": 560 / 4096, **_SPARSE},
@@ -513,7 +528,7 @@ def table(
 ) -> str:
     lower = workload.lower_is_better
     for r in results:
-        if "error" not in r:
+        if "error" not in r and rate in r["rates"]:
             at = r["rates"][rate]
             at["target"] = target
             at["time_to_target_s"] = time_to_target(at["curve"], target, lower)
@@ -527,28 +542,36 @@ def table(
     tokens = workload is WORKLOADS["lm"]
     lines = [
         f"| method | s/step | link bytes/step (measured) | compiled bytes/step | utilisation "
-        f"| time to {shown_target} | vs fp32 all-reduce | with evaluation "
-        f"| final {workload.metric_name} |" + (" tokens/s per machine |" if tokens else ""),
-        "|---|---|---|---|---|---|---|---|---|" + ("---|" if tokens else ""),
+        f"| time to {shown_target} | vs fp32 all-reduce | vs all-reduce at equal "
+        f"{workload.metric_name} | evaluation adds | final {workload.metric_name} |"
+        + (" tokens/s per machine |" if tokens else ""),
+        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tokens else ""),
     ]
     for r in results:
-        if "error" in r:
-            lines.append(f"| {r['label']} | failed: {r['error']} |" + " |" * (7 + tokens))
+        if "error" in r or rate not in r["rates"]:
+            why = f"failed: {r['error']}" if "error" in r else "not run at this rate"
+            lines.append(f"| {r['label']} | {why} |" + " |" * (8 + tokens))
             continue
         at = r["rates"][rate]
-        ttt, clock = at["time_to_target_s"], at["clock_to_target_s"]
+        ttt = at["time_to_target_s"]
         speedup = f"{base_time / ttt:.2f}x" if base_time and ttt else "—"
         final = at["final_accuracy"]
         combined = " (c)" if at.get("combined") else ""
-        with_eval = "—"
-        if clock is not None and ttt:
-            with_eval = f"{clock:.1f} s (+{clock / ttt - 1:.0%})"
+        # The all-reduce's time to this method's own final value, over this method's time.
+        equal = "—"
+        if base is not None and at["curve"]:
+            reached = time_to_target(base["rates"][rate]["curve"], final, lower)
+            if reached:
+                equal = f"{reached / at['curve'][-1][0]:.2f}x"
+        evaluation = "—"
+        if at.get("clock_curve") and at["curve"]:
+            evaluation = f"+{at['clock_curve'][-1][0] / at['curve'][-1][0] - 1:.1%}"
         lines.append(
             f"| {r['label']} | {at['s_per_step']:.3f}{combined} "
             f"| {megabytes(r['link_bytes_per_step'])} "
             f"| {megabytes(r['compiled_bytes_per_step'])} | {at['utilisation']:.0%} "
             f"| {f'{ttt:.1f} s' if ttt is not None else 'not reached'} | {speedup} "
-            f"| {with_eval} | {f'{final:.3f}' if lower else f'{final:.1%}'} |"
+            f"| {equal} | {evaluation} | {f'{final:.3f}' if lower else f'{final:.1%}'} |"
             + (f" {at.get('tokens_per_s_per_machine', 0):,.0f} |" if tokens else "")
         )
     return "\n".join(lines)
@@ -595,8 +618,11 @@ def section(all_results: dict, args, command: str) -> str:
         "`wire_bytes_per_step`); unshaped: the veth with no qdisc (as fast as the kernel "
         "copies, on the same CPU cores); utilisation: unshaped s/step / shaped s/step; time to "
         f"target: training time until the node-averaged model reaches the target "
-        f"{workload.metric_name} ({target_text}; compilation not counted); with evaluation: "
-        "the same plus every evaluation until then, at the config's logging interval. "
+        f"{workload.metric_name} ({target_text}; compilation not counted); at equal "
+        f"{workload.metric_name}: the all-reduce's training time to this method's final value "
+        "over this method's whole training time (for methods that end short of the target); "
+        "evaluation adds: the run's evaluations at the config's logging interval over its "
+        "training time. "
         "DiLoCo runs are measured over whole rounds (probes, rows and runs are multiples of "
         f"H).{combined} Plot: `{shown(args.plot)}`.",
     ]
@@ -624,7 +650,7 @@ def plot(all_results: dict, args) -> None:
     )
     for ax, (processes, rate) in zip(axes[0], panels, strict=True):
         for r in all_results[processes]:
-            if "error" in r:
+            if "error" in r or rate not in r["rates"]:
                 continue
             xs, ys = zip(*r["rates"][rate]["curve"], strict=True)
             ax.plot(xs, ys, marker=".", label=r["label"])
@@ -697,6 +723,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument(
         "--cleanup", action="store_true", help="only remove namespaces starting with --prefix"
     )
+    parser.add_argument(
+        "--from-results",
+        metavar="JSON",
+        help="run nothing: write the section and plot of a results file again",
+    )
     if parser.parse_known_args(argv)[0].quick:
         parser.set_defaults(
             rates="1gbit",
@@ -763,6 +794,17 @@ def main(argv=None) -> int:
         removed = netns.cleanup(args.prefix or "lpdec-")
         print(f"removed {len(removed)} namespaces: {' '.join(removed)}")
         return 0
+    if args.from_results:
+        with open(args.from_results) as f:
+            data = json.load(f)
+        saved = argparse.Namespace(**dict(data["args"], output=args.output, plot=args.plot))
+        all_results = {int(p): results for p, results in data["results"].items()}
+        body = section(all_results, saved, data.get("command", "python -m bench.link"))
+        header = _sections.BENCHMARKS_HEADER
+        _sections.replace_section(args.output, args.section, body, header=header)
+        plot(all_results, saved)
+        print(body)
+        return 0
     prefix = args.prefix or f"lpdec-{os.getpid()}"
     reason = netns.unavailable()
     if reason:
@@ -813,7 +855,12 @@ def main(argv=None) -> int:
         netns.teardown()
     results_path = args.results or os.path.join(workdir, "link_results.json")
     with open(results_path, "w") as f:
-        json.dump({"args": vars(args), "results": all_results}, f, indent=2, default=str)
+        json.dump(
+            {"args": vars(args), "command": command, "results": all_results},
+            f,
+            indent=2,
+            default=str,
+        )
     body = section(all_results, args, command)
     _sections.replace_section(args.output, args.section, body, header=_sections.BENCHMARKS_HEADER)
     plot(all_results, args)

@@ -69,6 +69,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.outer_momentum = 0.9
     config.exchange = "mean"
     config.error_feedback = False
+    # The compressed_mean exchange: 2 rounds (scatter-reduce + all-gather, compressed
+    # twice) or 1 (an all-gather of every machine's payload, averaged: SparseLoCo's
+    # sparse aggregation); error_decay < 1 decays the residual (SparseLoCo's beta).
+    config.mean_rounds = 2
+    config.error_decay = 1.0
     config.overlap = False
 
     # Compression of what crosses the wire.

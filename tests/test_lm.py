@@ -104,6 +104,13 @@ def test_a_skewed_split_gives_the_nodes_different_packages():
         (dict(sequence_length=0), "config.sequence_length=0 must be a positive integer"),
         (dict(text_bytes=-1), "config.text_bytes=-1 must be an integer >= 0"),
         (dict(sequence_length=128), "config.model='transformer' with config.model_kwargs"),
+        (dict(mean_rounds=3), "config.mean_rounds=3 must be 2"),
+        (dict(exchange="mean", error_feedback=False, error_decay=0.9), "needs config.exchange="),
+        (dict(error_feedback=False, error_decay=0.9), "below 1 only with config.error_feedback"),
+        (
+            dict(algorithm="allreduce", local_steps=1, error_feedback=False, mean_rounds=1),
+            "config.mean_rounds=1 needs config.algorithm='diloco'",
+        ),
     ],
 )
 def test_bad_language_model_input_is_one_line_before_training(tmp_path, overrides, message):
@@ -150,13 +157,14 @@ def test_sharding_holds_a_quarter_of_the_state_and_a_model_too_big_is_refused(mo
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("algorithm, averages", [("diloco", 0), ("allreduce", 1 + 2)])
+@pytest.mark.parametrize("algorithm, averages", [("diloco", 0), ("allreduce", 0), ("choco", 1 + 2)])
 def test_evaluation_averages_the_models_at_most_once_per_log_interval(
     tmp_path, monkeypatch, algorithm, averages
 ):
-    """DiLoCo logging at its exchanges evaluates its anchor: no model is averaged (nothing
-    crosses the link); a per-step method averages the models once per log interval (and
-    once before the first step, compiling the evaluation), shared by every metric."""
+    """DiLoCo logging at its exchanges evaluates its anchor and the all-reduce each
+    node's own model (the same bits everywhere): no model is averaged, nothing crosses
+    the link; gossip averages the models once per log interval (and once before the
+    first step, compiling the evaluation), shared by every metric."""
     from train_lib import steps
 
     calls = []
@@ -179,3 +187,24 @@ def test_evaluation_averages_the_models_at_most_once_per_log_interval(
         overrides.update(local_steps=1, error_feedback=False)
     train_lib.train_and_evaluate(config(**overrides), str(tmp_path))
     assert len(calls) == averages
+
+
+def test_sparseloco_trains_the_language_model(tmp_path):
+    """SparseLoCo's exchange through train.py: top-64/4096 2-bit payloads all-gathered
+    and averaged, the residual decayed by 0.95, a plain outer step: 20 steps (2 rounds)
+    leave a finite model below a uniform guess."""
+    overrides = dict(
+        num_steps=20,
+        compressor="chunked_top_k",
+        ratio=64 / 4096,
+        bits=2,
+        chunk_size=4096,
+        mean_rounds=1,
+        error_decay=0.95,
+        outer_momentum=0.0,
+        outer_lr=1.0,
+    )
+    summary = train_lib.train_and_evaluate(config(**overrides), str(tmp_path))
+    final = summary["final"]
+    assert not summary["diverged"] and final["nonfinite_updates"] == 0
+    assert final["val_bits_per_byte_avg_model"] < 7.0

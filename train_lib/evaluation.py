@@ -2,6 +2,8 @@
 
 Which model stands for "the node-averaged model":
 
+- a mean of the gradients (the all-reduce, the compressed mean): every node's
+  own model, which all hold with the same bits; nothing is sent.
 - DiLoCo (without overlap) after an exchange: its anchor, the
   synchronised parameters in its state, which every node holds with the same
   bits, so it is evaluated where it is, with nothing crossing the link. (The
@@ -50,11 +52,16 @@ class Evaluator:
       programs: `steps.make_programs`'s jitted functions.
       anchor: evaluate DiLoCo's anchor as the averaged model after the steps that end
         an exchange round (see the module docstring).
+      identical: every node holds the same bits (a mean of the gradients): each
+        node's model is the averaged model, evaluated where it is.
     """
 
-    def __init__(self, exp: setup_lib.Experiment, programs: dict, anchor: bool):
+    def __init__(
+        self, exp: setup_lib.Experiment, programs: dict, *, anchor: bool, identical: bool = False
+    ):
         layout, dataset, n = exp.layout, exp.dataset, exp.layout.num_nodes
-        self.layout, self.programs, self.anchor = layout, programs, anchor
+        self.layout, self.programs = layout, programs
+        self.anchor, self.identical = anchor, identical
         self.exchange_every = exp.exchange_every
         self.next_token = dataset.task == "next_token"
         self.sharded = exp.shard_plan is not None
@@ -93,7 +100,9 @@ class Evaluator:
     ) -> dict[str, float]:
         """The evaluation metrics and the consensus distance of the models after `step`."""
         programs = self.programs
-        if self.anchor and step % self.exchange_every == 0:
+        if self.identical:
+            reference, reference_state, per_node = params, model_state, True
+        elif self.anchor and step % self.exchange_every == 0:
             reference, reference_state = diloco_anchor(opt_state), model_state
             per_node = True
         else:

@@ -99,7 +99,9 @@ def _train(
 
     targets = dataset.x_test.shape[1] - 1 if next_token else 1
     tokens_per_step = n * exp.batch_size * targets
-    evaluator = evaluation.Evaluator(exp, programs, loop.evaluate_anchor)
+    evaluator = evaluation.Evaluator(
+        exp, programs, anchor=loop.evaluate_anchor, identical=loop.replicas_identical
+    )
     # Compiled before the first step, as the training program is: eval_time_s then
     # times evaluations, not their compilation.
     evaluator.evaluate(params, opt_state, model_state, step)

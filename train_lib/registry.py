@@ -443,8 +443,19 @@ def _check_outer(c) -> None:
         raise ConfigError(f"config.outer_momentum={c.outer_momentum!r} must be in [0, 1).")
 
 
+def _check_compressed_mean_fields_unused(c) -> None:
+    """mean_rounds and error_decay belong to exchange='compressed_mean'."""
+    for field, default in (("mean_rounds", 2), ("error_decay", 1.0)):
+        if getattr(c, field) != default:
+            raise ConfigError(
+                f"config.{field}={getattr(c, field)!r} needs config.exchange='compressed_mean'; "
+                f"got {c.exchange!r}."
+            )
+
+
 def _check_mean_exchange(c) -> None:
     _check_outer(c)
+    _check_compressed_mean_fields_unused(c)
     if c.error_feedback:
         raise ConfigError(
             "config.error_feedback=True needs config.exchange='compressed_mean': "
@@ -464,12 +475,24 @@ def _compressed_mean_exchange(c, b: Built) -> optax.GradientTransformation:
         local_axis=b.local_axis,
         seed=c.seed,
         error_feedback=c.error_feedback,
+        rounds=c.mean_rounds,
+        error_decay=c.error_decay,
     )
     return optax.chain(mean, _outer_optimizer(c))
 
 
 def _check_compressed_mean_exchange(c) -> None:
     _check_outer(c)
+    if c.mean_rounds not in (1, 2):
+        raise ConfigError(
+            f"config.mean_rounds={c.mean_rounds!r} must be 2 (scatter-reduce + all-gather) "
+            "or 1 (an all-gather of every machine's payload)."
+        )
+    if not 0 < c.error_decay <= 1 or (c.error_decay != 1 and not c.error_feedback):
+        raise ConfigError(
+            f"config.error_decay={c.error_decay!r} must be in (0, 1], and below 1 only with "
+            "config.error_feedback=True (it decays the residual)."
+        )
     if c.compressor == "modulo":
         raise ConfigError(
             "config.compressor='modulo' cannot serve config.exchange='compressed_mean': it "
@@ -479,6 +502,7 @@ def _check_compressed_mean_exchange(c) -> None:
 
 def _check_gossip_exchange(c) -> None:
     _check_outer(c)
+    _check_compressed_mean_fields_unused(c)
     if c.error_feedback:
         raise ConfigError(
             "config.error_feedback=True does not apply to config.exchange='gossip': CHOCO's "
@@ -500,15 +524,23 @@ def _gossip_exchange(c, b: Built) -> optax.GradientTransformation:
 
 
 EXCHANGES = {
-    "mean": Entry(_mean_exchange, ("error_feedback", *OUTER), check=_check_mean_exchange),
+    "mean": Entry(
+        _mean_exchange,
+        ("error_feedback", *OUTER),
+        check=_check_mean_exchange,
+        check_fields=("mean_rounds", "error_decay", "exchange"),
+    ),
     "compressed_mean": Entry(
         _compressed_mean_exchange,
-        ("error_feedback", "seed", *OUTER),
+        ("error_feedback", "seed", "mean_rounds", "error_decay", *OUTER),
         check=_check_compressed_mean_exchange,
         check_fields=("compressor",),
     ),
     "gossip": Entry(
-        _gossip_exchange, ("error_feedback", "gamma", "seed", *OUTER), check=_check_gossip_exchange
+        _gossip_exchange,
+        ("error_feedback", "gamma", "seed", *OUTER),
+        check=_check_gossip_exchange,
+        check_fields=("mean_rounds", "error_decay", "exchange"),
     ),
 }
 

@@ -45,6 +45,9 @@ class LoopPlan:
         (0 = never stop a run for its loss).
       divergence_patience: log intervals in a row of such a loss that stop the run.
       save_final_params: export the final parameters (not after a stop by a signal).
+      replicas_identical: a mean of the gradients (the all-reduce, the compressed
+        mean) leaves every node with the same bits, so each node's own model is the
+        averaged model and evaluating it sends nothing.
       evaluate_anchor: DiLoCo without overlap: after a step that ends an exchange
         round, its anchor, the same on every node, stands for the averaged model
         (`train_lib.evaluation`), so evaluating sends nothing between nodes.
@@ -58,6 +61,7 @@ class LoopPlan:
     divergence_patience: int
     save_final_params: bool
     evaluate_anchor: bool = False
+    replicas_identical: bool = False
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -184,6 +188,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         divergence_patience=config.divergence_patience,
         save_final_params=config.save_final_params,
         evaluate_anchor=config.algorithm == "diloco" and not config.overlap,
+        replicas_identical=registry.choose(config, "algorithm", registry.ALGORITHMS).role == "mean",
     )
     return Experiment(
         config_dict=config.to_dict(),
@@ -381,7 +386,13 @@ def _check_local_steps(config: ml_collections.ConfigDict) -> None:
     if config.algorithm == "diloco":
         registry.check(config, "exchange", registry.EXCHANGES)
         return
-    for field, off in (("local_steps", 1), ("overlap", False), ("error_feedback", False)):
+    for field, off in (
+        ("local_steps", 1),
+        ("overlap", False),
+        ("error_feedback", False),
+        ("mean_rounds", 2),
+        ("error_decay", 1.0),
+    ):
         if config[field] != off:
             _fail(
                 f"config.{field}={config[field]!r} needs config.algorithm='diloco' "

@@ -59,6 +59,8 @@ from lpdec.compress import base as compress_base
 
 _SCATTER_REDUCE = 1
 _ALL_GATHER = 2
+_GATHER_ONLY = 3  # the one-round form's key stream (`rounds=1`)
+ROUNDS = (1, 2)
 
 
 class CompressedMeanState(NamedTuple):
@@ -96,9 +98,30 @@ class Hyperparams:
     local_axis: str | None = None
     seed: int | jax.Array = 0
     error_feedback: bool = False
+    rounds: int = 2
+    error_decay: float = 1.0
 
     def __post_init__(self):
         _common.check_compressor(self.compressor, "compressed_mean", "lpdec.minmax(8)")
+        if self.rounds not in ROUNDS or isinstance(self.rounds, bool):
+            raise ValueError(
+                f"compressed_mean: rounds must be 2 (scatter-reduce + all-gather) or 1 (an "
+                f"all-gather of every node's payload); got {self.rounds!r}."
+            )
+        if (
+            isinstance(self.error_decay, bool)
+            or not isinstance(self.error_decay, (int, float))
+            or not 0 < self.error_decay <= 1
+        ):
+            raise ValueError(
+                f"compressed_mean: error_decay must be a number in (0, 1]; got "
+                f"{self.error_decay!r}."
+            )
+        if self.error_decay != 1 and not self.error_feedback:
+            raise ValueError(
+                "compressed_mean: error_decay applies to the error-feedback residual: set "
+                "error_feedback=True, or leave error_decay at 1."
+            )
         if isinstance(self.compressor, Modulo):
             raise ValueError(
                 "compressed_mean cannot use modulo: it decodes against the receiver's own model, "
@@ -268,6 +291,45 @@ def _two_round_mean(
     return mean, skipped, error.reshape(-1)[: vector.size]
 
 
+def _gathered_mean(
+    vector: jax.Array,
+    state: CompressedMeanState,
+    *,
+    compressor: compress_base.Compressor,
+    axis_name: gossip.AxisName,
+    device_id: Callable[[jax.Array], jax.Array],
+    error_feedback: bool,
+) -> tuple[jax.Array, jax.Array, jax.Array | None]:
+    """One round: every node's whole payload to every node (one all-gather), averaged.
+
+    Nothing is compressed twice: each node decodes the n payloads and sums them in
+    node order, so every node ends with the same bits. Returns what `_two_round_mean`
+    returns; the residual is v - Q(v).
+    """
+    n = jax.lax.axis_size(axis_name)
+    me = gossip.node_index(axis_name)
+    senders = device_id(jnp.arange(n))
+
+    def key_of(sender):
+        return _chunk_key(state.key, state.count, sender, _GATHER_ONLY, 0)
+
+    payload = compressor.encode(vector, key_of(device_id(me)))
+    rows = jax.tree.map(lambda x: x[None], payload)
+    gathered = gossip.all_gather_payload(_pack_rows(rows)[0], axis_name=axis_name)
+    decoded, ok = _decode_rows(
+        compressor, _unpack_rows(gathered, _row_of(rows)), jax.vmap(key_of)(senders)
+    )
+    decoded = jnp.where(ok[:, None], decoded, 0.0)
+    total = decoded[0]
+    for j in range(1, n):
+        total = total + decoded[j]
+    mean = total / jnp.maximum(jnp.sum(ok.astype(jnp.int32)), 1).astype(jnp.float32)
+    skipped = jnp.sum((~ok).astype(jnp.int32))
+    if not error_feedback:
+        return mean, skipped, None
+    return mean, skipped, vector - jnp.take(decoded, me, axis=0)
+
+
 def step(
     updates: optax.Updates,
     state: CompressedMeanState,
@@ -318,8 +380,9 @@ def step(
     if hp.local_axis is not None:
         share = gossip.local_reduce_scatter(_pad(flat, local_size), axis_name=hp.local_axis)
     if hp.error_feedback:
-        share = share + state.residual
-    mean, skipped, error = _two_round_mean(
+        share = share + hp.error_decay * state.residual
+    exchange = _two_round_mean if hp.rounds == 2 else _gathered_mean
+    mean, skipped, error = exchange(
         share,
         state,
         compressor=hp.compressor,
@@ -348,6 +411,8 @@ def compressed_mean(
     local_axis: str | None = None,
     seed: int | jax.Array = 0,
     error_feedback: bool = False,
+    rounds: int = 2,
+    error_decay: float = 1.0,
 ) -> optax.GradientTransformationExtraArgs:
     r"""Mean of the updates over the nodes by a two-round compressed all-reduce (seeds 001, 004).
 
@@ -387,6 +452,16 @@ def compressed_mean(
     the residual unchanged (and the identity then holds over the steps where
     all nodes' v were finite).
 
+    One round (``rounds=1``, SparseLoCo's sparse aggregation): every node sends
+    its whole payload :math:`Q(v^{(j)})` to every node (one all-gather) and each
+    averages the n decoded payloads, :math:`\bar g = \frac{1}{n}\sum_j Q(v^{(j)})`;
+    nothing is compressed twice, so top-k supports add up instead of being cut
+    again, and the residual is :math:`e^{(j)} \leftarrow v^{(j)} - Q(v^{(j)})`.
+    Each node receives n - 1 payloads per step (the two rounds: about 2): the
+    right form for payloads that are small next to the model (sparse ones) or
+    few nodes. A decayed residual (``error_decay`` = β < 1, SparseLoCo's
+    :math:`e \leftarrow \beta e + \Delta`) sends :math:`v^{(j)} = g^{(j)} + \beta e^{(j)}`.
+
     With `local_axis`, the mean is over both axes: a full-precision
     reduce-scatter (mean) over `local_axis` first, then the two rounds between
     the nodes of `axis_name` on each 1/L shard, then a full-precision
@@ -409,6 +484,10 @@ def compressed_mean(
         or an int scalar array, so ``optax.inject_hyperparams`` works).
       error_feedback: keep a float32 residual of this device's share in the
         state and feed it back (above).
+      rounds: 2, the scatter-reduce and all-gather above; or 1, an all-gather of
+        every node's payload, averaged without compressing again (above).
+      error_decay: β in (0, 1], the residual's decay before it is added back
+        (error feedback only; 1 keeps it whole).
 
     Returns:
       An optax transform whose `init` and `update` must run under `axis_name`
@@ -425,7 +504,9 @@ def compressed_mean(
       Quantization and Encoding, NeurIPS 2017, https://arxiv.org/abs/1610.02132;
       Bagua's low precision gradient all-reduce, https://github.com/BaguaSys/bagua;
       Karimireddy et al., Error Feedback Fixes SignSGD and other Gradient
-      Compression Schemes, ICML 2019, https://arxiv.org/abs/1901.09847
+      Compression Schemes, ICML 2019, https://arxiv.org/abs/1901.09847;
+      Sarfi et al., Communication Efficient LLM Pre-training with SparseLoCo,
+      2025, https://arxiv.org/abs/2508.15706
     """
     hp = Hyperparams(**locals())
 
