@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import importlib.metadata
 import os
 import statistics
 import sys
@@ -53,7 +54,7 @@ def config(args, overrides):
     if args.quick:
         c.sequence_length, c.text_bytes, c.validation_windows = 32, 200_000, 16
         c.model_kwargs.update(context=32, d_model=32, num_layers=1, num_heads=2)
-        c.model_kwargs.dtype, c.model_kwargs.attention_implementation = np.float32, None
+        c.model_kwargs.dtype, c.model_kwargs.attention_implementation = "float32", None
         c.batch_size, c.local_steps = 2, 5
     for key, value in overrides.items():
         setattr(c, key, value)
@@ -110,7 +111,7 @@ def main(argv=None) -> int:
         f"`python -m bench.gpu_lm {' '.join(sys.argv[1:] if argv is None else argv)}`",
         "",
         f"Python {sys.version.split()[0]}, jax {jax.__version__}, jaxlib "
-        f"{jax.lib.__version__ if hasattr(jax.lib, '__version__') else '?'}; "
+        f"{importlib.metadata.version('jaxlib')}, {device.device_kind}; "
         f"{parameters:,} parameters, 8 nodes vmapped on the device, "
         f"{c.batch_size} windows of {c.sequence_length} bytes per node and step, "
         f"{args.steps} steps; MFU against {args.peak_tflops:g} TFLOP/s.",

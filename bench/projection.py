@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -73,8 +74,15 @@ def project(results: list[dict], methods: dict, parameters: int, args) -> str:
     for r in results:
         if "error" in r:
             continue
-        overrides = methods[r["method"]].overrides
+        # PyTorch DDP all-reduces every step, as the fp32 all-reduce does.
+        overrides = methods[r["method"]].overrides if r["method"] in methods else {}
         every = int(overrides.get("local_steps", 1))
+        if math.isnan(r["link_bytes_per_step"]):
+            lines.append(
+                f"| {r['label']} | (link bytes not measured) | {every} |"
+                + " |" * len(args.machines)
+            )
+            continue
         per_param = r["link_bytes_per_step"] * every / parameters
         cells = []
         for m in args.machines:

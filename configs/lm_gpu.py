@@ -13,8 +13,6 @@ Expected: not yet measured on a GPU (no GPU session so far); on CPU it is far
 too slow to run. The GPU figures, when measured, go to BENCHMARKS.md.
 """
 
-import jax.numpy as jnp
-
 from configs import lm_tiny
 
 
@@ -27,7 +25,7 @@ def get_config():
     config.model_kwargs.d_model = 768
     config.model_kwargs.num_layers = 12
     config.model_kwargs.num_heads = 12
-    config.model_kwargs.dtype = jnp.bfloat16
+    config.model_kwargs.dtype = "bfloat16"  # a name: the config stays JSON (summary, checkpoints)
     config.model_kwargs.attention_implementation = "cudnn"
     config.hierarchical = False
     config.machines = 0
