@@ -48,7 +48,6 @@ machine, which the wire audit checks.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Any
 
 import jax
@@ -120,14 +119,6 @@ class ShardPlan:
             return np.concatenate(np.split(rows, self.workers, axis=1), axis=dim + 2)[:, 0]
 
         return jax.tree.map(join, blocks, self.dims)
-
-    def bytes_per_worker(self, itemsize: int = 4) -> int:
-        """Bytes of one worker's blocks (one copy of the model's leaves, split)."""
-        return sum(math.prod(s) * itemsize for s in jax.tree.leaves(self.block_shapes, _is_shape))
-
-
-def _is_shape(x) -> bool:
-    return isinstance(x, tuple)
 
 
 def plan_shards(params: PyTree, workers: int) -> ShardPlan:
