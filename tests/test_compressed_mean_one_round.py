@@ -74,9 +74,33 @@ def test_without_error_feedback_one_round_is_the_mean_of_the_quantized_updates(r
         (dict(error_feedback=True, error_decay=0.0), r"error_decay must be a number in \(0, 1\]"),
         (dict(error_feedback=True, error_decay=1.5), "error_decay must be a number"),
         (dict(error_decay=0.9), "error_decay applies to the error-feedback residual"),
+        (dict(error_feedback=True, error_decay=True), "error_decay must be a number"),
     ],
 )
 def test_bad_rounds_and_decay_are_one_line_errors(kwargs, message):
     with pytest.raises(ValueError, match=message) as info:
         lpdec.compressed_mean(lpdec.minmax(8), **kwargs)
     assert "\n" not in str(info.value)
+
+
+def test_error_decay_can_be_injected_as_a_hyperparameter():
+    """optax.inject_hyperparams passes numbers as scalar arrays: the decay still applies."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    kwargs = dict(error_feedback=True, rounds=1, axis_name="i")
+    injected = optax.inject_hyperparams(lpdec.compressed_mean)(
+        lpdec.minmax(BITS), error_decay=0.5, **kwargs
+    )
+    plain = lpdec.compressed_mean(lpdec.minmax(BITS), error_decay=0.5, **kwargs)
+
+    def two_steps(tx, g):
+        state = tx.init(g)
+        _, state = tx.update(g, state)
+        return tx.update(g, state)[0]
+
+    g = jnp.asarray(np.random.default_rng(0).normal(size=(4, 9)), jnp.float32)
+    a = jax.vmap(lambda x: two_steps(injected, x), axis_name="i")(g)
+    b = jax.vmap(lambda x: two_steps(plain, x), axis_name="i")(g)
+    np.testing.assert_array_equal(a, b)

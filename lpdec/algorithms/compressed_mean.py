@@ -108,16 +108,15 @@ class Hyperparams:
                 f"compressed_mean: rounds must be 2 (scatter-reduce + all-gather) or 1 (an "
                 f"all-gather of every node's payload); got {self.rounds!r}."
             )
-        if (
-            isinstance(self.error_decay, bool)
-            or not isinstance(self.error_decay, (int, float))
-            or not 0 < self.error_decay <= 1
-        ):
+        decay = self.error_decay
+        # A scalar array passes as is (optax.inject_hyperparams makes numbers arrays).
+        number = isinstance(decay, (int, float)) and not isinstance(decay, bool)
+        scalar_array = not number and not isinstance(decay, bool) and jnp.ndim(decay) == 0
+        if not (number and 0 < decay <= 1) and not scalar_array:
             raise ValueError(
-                f"compressed_mean: error_decay must be a number in (0, 1]; got "
-                f"{self.error_decay!r}."
+                f"compressed_mean: error_decay must be a number in (0, 1]; got {decay!r}."
             )
-        if self.error_decay != 1 and not self.error_feedback:
+        if (not number or decay != 1) and not self.error_feedback:
             raise ValueError(
                 "compressed_mean: error_decay applies to the error-feedback residual: set "
                 "error_feedback=True, or leave error_decay at 1."
