@@ -109,17 +109,22 @@ def test_a_sharded_step_takes_each_machines_whole_batch_gradient(rng):
                 np.testing.assert_allclose(whole[name][machine], expected, rtol=0, atol=2e-6)
 
 
+def _diloco_with_error_feedback():
+    """DiLoCo with Adam inside and a 4-bit error-feedback mean between the machines."""
+    outer = optax.chain(
+        lpdec.compressed_mean(lpdec.minmax(bits=4), axis_name="machines", error_feedback=True),
+        optax.sgd(0.7, momentum=0.9, nesterov=True),
+    )
+    return lpdec.diloco(optax.adam(1e-3), outer, local_steps=4, axis_name="machines")
+
+
 def test_the_optimizer_state_beside_the_blocks_is_a_quarter_of_the_replicated_one(rng):
     """Per device, parameters + Adam + DiLoCo (anchor, outer momentum) + compressed-mean
     error feedback, read from the arrays' addressable shards: 1/k of what a device holds
     when every worker keeps the whole model."""
     params = {"w": rng.normal(size=(256, 64)).astype(np.float32)}
     layout = lpdec.make_layout(8, machines=2)
-    outer = optax.chain(
-        lpdec.compressed_mean(lpdec.minmax(bits=4), axis_name="machines", error_feedback=True),
-        optax.sgd(0.7, momentum=0.9, nesterov=True),
-    )
-    tx = lpdec.diloco(optax.adam(1e-3), outer, local_steps=4, axis_name="machines")
+    tx = _diloco_with_error_feedback()
 
     def device_bytes(tree):
         return sum(
@@ -145,11 +150,7 @@ def test_the_compiled_step_takes_a_quarter_of_the_replicated_arguments(rng):
     arguments (parameters, state, gradients), per device."""
     params = {"w": rng.normal(size=(256, 64)).astype(np.float32)}
     layout = lpdec.make_layout(8, machines=2)
-    outer = optax.chain(
-        lpdec.compressed_mean(lpdec.minmax(bits=4), axis_name="machines", error_feedback=True),
-        optax.sgd(0.7, momentum=0.9, nesterov=True),
-    )
-    tx = lpdec.diloco(optax.adam(1e-3), outer, local_steps=4, axis_name="machines")
+    tx = _diloco_with_error_feedback()
 
     def step(params, state, grads):
         updates, state = tx.update(grads, state, params)
