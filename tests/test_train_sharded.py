@@ -50,7 +50,10 @@ def test_a_sharded_run_lands_where_the_replicated_run_lands(shared_run, algorith
         # Replicated: one row per worker, the 4 workers of a machine equal; sharded: one
         # row per machine.
         assert sharded[name].shape == (2,) + whole.shape[1:], name
-        np.testing.assert_allclose(sharded[name], whole[[0, 4]], rtol=0, atol=1e-6, err_msg=name)
+        # float32 rounding: the reduce-scatter and the mean sum in other orders, and
+        # DiLoCo's outer momentum carries the difference along (jax 0.12: 7e-6 after 40
+        # steps; a gradient 1% off misses by 6e-4).
+        np.testing.assert_allclose(sharded[name], whole[[0, 4]], rtol=0, atol=3e-5, err_msg=name)
     for metric in ("train_loss", "test_accuracy_avg_model"):
         assert fsdp["final"][metric] == pytest.approx(rep["final"][metric], abs=1e-5), metric
 
