@@ -104,11 +104,19 @@ def test_bad_sharding_requests_fail_in_one_line_before_training(tmp_path, overri
 def test_two_processes_of_four_workers_match_two_simulated_machines(tmp_path):
     """Sharded DiLoCo across 2 real processes (each a machine of 4 CPU devices) lands
     where the one-process simulation of 2 machines lands (gloo sums the in-machine
-    reduce-scatter in another order: float32 rounding)."""
+    reduce-scatter in another order: float32 rounding), and each process's devices hold
+    a quarter of what a device of the replicated run holds."""
     overrides = dict(ALGORITHMS["diloco"], num_steps=20)
-    config = tiny_config(**SHARED, shard_model=True, **overrides)
-    config.model_kwargs = ml_collections.ConfigDict()  # the MLP's defaults, as the flags
-    train_lib.train_and_evaluate(config, str(tmp_path / "single"))
+
+    def config(**more):
+        config = tiny_config(**{**SHARED, **overrides, **more})
+        config.model_kwargs = ml_collections.ConfigDict()  # the MLP's defaults, as the flags
+        return config
+
+    train_lib.train_and_evaluate(config(shard_model=True), str(tmp_path / "single"))
+    replicated = train_lib.train_and_evaluate(
+        config(num_steps=1, save_final_params=False), str(tmp_path / "replicated")
+    )
     flags = [f for f in TINY_FLAGS if "precision" not in f and "num_steps" not in f] + [
         "--config.hierarchical=True",
         "--config.shard_model=True",
@@ -119,6 +127,11 @@ def test_two_processes_of_four_workers_match_two_simulated_machines(tmp_path):
     _two_processes(tmp_path / "multi", flags)
     summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["devices"] == 8
+    # Read from the arrays' shards on process 0's devices: parameters, Nesterov momentum,
+    # DiLoCo's anchor and outer momentum, 4 whole models on a device of the replicated run.
+    model_bytes = 4 * sum(x[0].size for x in jax.tree.leaves(final_params(tmp_path / "single")))
+    assert replicated["state_bytes_per_device"] >= 4 * model_bytes
+    assert summary["state_bytes_per_device"] <= 1.1 * replicated["state_bytes_per_device"] / 4
     a, b = final_params(tmp_path / "single"), final_params(tmp_path / "multi")
     for name in a:
         assert a[name].shape[0] == 2, name  # one whole model per machine

@@ -96,6 +96,7 @@ def _train(
         logging.info("resumed from step %d of %s", step, workdir)
     resumed_from = step
     params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
+    held_bytes = metrics_lib.device_bytes((params, opt_state))
 
     targets = dataset.x_test.shape[1] - 1 if next_token else 1
     tokens_per_step = n * exp.batch_size * targets
@@ -199,6 +200,8 @@ def _train(
         "devices": layout.mesh.devices.size,
         "processes": jax.process_count(),
         "nodes_per_device": layout.per_device,
+        # Parameters and optimizer state on the fullest device (sharded: 1/k per worker).
+        "state_bytes_per_device": held_bytes,
         "wire_bytes_source": wire_source,
         "collectives_per_step": collectives,
         "wire_bytes_by_axis": bytes_by_axis,

@@ -186,6 +186,16 @@ class MetricWriter:
             self.tensorboard.close()
 
 
+def device_bytes(tree) -> int:
+    """The most bytes of `tree` that one of this process's devices holds (its arrays'
+    addressable shards): what a device keeps of parameters and state between steps."""
+    held: dict[Any, int] = {}
+    for leaf in jax.tree.leaves(tree):
+        for shard in getattr(leaf, "addressable_shards", ()):
+            held[shard.device] = held.get(shard.device, 0) + shard.data.nbytes
+    return max(held.values(), default=0)
+
+
 def write_summary(workdir: str, summary: dict[str, Any]) -> None:
     """`summary` to `workdir/summary.json` (process 0)."""
     if jax.process_index() == 0:
