@@ -815,6 +815,14 @@ def main(argv=None) -> int:
     port = iter(range(FIRST_PORT, FIRST_PORT + 10_000))
     netns.install_cleanup()
     all_results: dict[int, list[dict]] = {}
+    results_path = args.results or os.path.join(workdir, "link_results.json")
+
+    def save() -> None:
+        # After every method: a run stopped later still renders with --from-results.
+        with open(results_path, "w") as f:
+            record = {"args": vars(args), "command": command, "results": all_results}
+            json.dump(record, f, indent=2, default=str)
+
     try:
         for processes in args.processes:
             network = netns.Network(processes, f"{prefix}-p{processes}", os.getpid() % 256)
@@ -833,6 +841,7 @@ def main(argv=None) -> int:
                     results.append({"method": name, "label": label,
                                     "error": str(error)})  # fmt: skip
                 print(json.dumps(results[-1], default=str)[:400], flush=True)
+                save()
             baseline = next((r for r in results if r["method"] == BASELINE), None)
             if args.torch_python and baseline is not None and "error" not in baseline:
                 print(f"[{processes} processes] PyTorch DDP ...", flush=True)
@@ -845,6 +854,7 @@ def main(argv=None) -> int:
                 except Exception as error:  # noqa: BLE001 - a baseline's failure is a table row
                     results.append({"method": "ddp", "label": "PyTorch DDP", "error": str(error)})
                 print(json.dumps(results[-1], default=str)[:400], flush=True)
+                save()
             network.destroy()
             netns.NETWORKS.remove(network)
     except netns.Interrupted as signame:
@@ -853,14 +863,7 @@ def main(argv=None) -> int:
         return 130
     finally:
         netns.teardown()
-    results_path = args.results or os.path.join(workdir, "link_results.json")
-    with open(results_path, "w") as f:
-        json.dump(
-            {"args": vars(args), "command": command, "results": all_results},
-            f,
-            indent=2,
-            default=str,
-        )
+    save()
     body = section(all_results, args, command)
     _sections.replace_section(args.output, args.section, body, header=_sections.BENCHMARKS_HEADER)
     plot(all_results, args)
