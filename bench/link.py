@@ -444,6 +444,8 @@ def measure(network, name, args, port, workdir) -> dict:
     overrides = dict(workload.methods[name].overrides, **args.set)
     if args.quick:
         overrides.setdefault("num_nodes", network.hosts * args.devices)
+    if args.workload == "lm":  # each process is a machine (lm_small says 2)
+        overrides.setdefault("machines", network.hosts)
     # A run that exchanges every H steps is measured over whole rounds: probes, chunks
     # (log rows) and runs are multiples of H, so every row holds the same exchanges.
     h = int(overrides.get("local_steps", 1))
