@@ -77,7 +77,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.overlap = False
 
     # Compression of what crosses the wire.
-    config.compressor = "minmax"  # see train_lib/registry.py: COMPRESSORS
+    # see train_lib/registry.py: COMPRESSORS; "mxfp4" / "mxfp8": MX block-scaled floats
+    config.compressor = "minmax"
     config.bits = 8
     config.rounding = "nearest"
     # min-max elements per (lo, unit) pair; None: 2048 * (8 // bits), the scales then

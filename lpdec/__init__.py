@@ -24,6 +24,7 @@ from lpdec.compress import chunked_top_k
 from lpdec.compress import identity
 from lpdec.compress import minmax
 from lpdec.compress import modulo
+from lpdec.compress import mx
 from lpdec.compress import payload_nbytes
 from lpdec.compress import random_k
 from lpdec.compress import top_k
@@ -73,6 +74,7 @@ __all__ = [
     "minmax",
     "models",
     "modulo",
+    "mx",
     "nn",
     "one_peer_exponential",
     "payload_nbytes",

@@ -365,6 +365,8 @@ def expected_wire_bytes(comp, d, dtype):
         return math.ceil(d * comp.bits / 8) + 8 * chunks
     if isinstance(comp, compress.Modulo):
         return math.ceil(d * comp.bits / 8) + 1
+    if isinstance(comp, compress.MX):  # codes of 4 or 8 bits, one E8M0 byte per 32 values
+        return math.ceil(d * {"fp4": 4, "fp8": 8}[comp.format] / 8) + math.ceil(d / 32)
     if isinstance(comp, compress.ChunkedTopK):
         chunk = min(comp.chunk_size, d)
         entries = math.ceil(d / chunk) * min(comp.k, chunk)
@@ -392,6 +394,8 @@ ALL_COMPRESSORS = [
     lpdec.random_k(0.3),
     lpdec.chunked_top_k(),
     lpdec.chunked_top_k(5, chunk_size=100, bits=3),
+    lpdec.mx("fp4"),
+    lpdec.mx("fp8", "stochastic"),
 ]
 
 

@@ -113,6 +113,23 @@ def test_modulo_compressor_lowers_to_kernels(implementation, bits, dtype, size):
     assert_kernels(decode, {p: packing for p in PLATFORMS})
 
 
+@pytest.mark.parametrize("implementation", [None, "pallas"])
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("size", [32 * 4096, 32 * 1000 + 7])
+def test_mx_compressor_lowers_to_kernels(implementation, fmt, dtype, size):
+    """MX blocks are [rows, 32]: every row count and size compiles on both platforms."""
+    comp = lpdec.mx(fmt, "stochastic", implementation=implementation)
+    x = jax.ShapeDtypeStruct((size,), dtype)
+    acc = jax.ShapeDtypeStruct((size,), jnp.float32)
+    packing = int(fmt == "fp4")
+    assert_kernels(trace(lambda x: comp.encode(x, KEY), x), {p: 1 + packing for p in PLATFORMS})
+    payload = jax.eval_shape(lambda x: comp.encode(x, KEY), x)
+    assert_kernels(trace(comp.decode, payload), {p: packing + 1 for p in PLATFORMS})
+    accumulate = trace(lambda p, a: comp.decode_accumulate(p, a, 0.5), payload, acc)
+    assert_kernels(accumulate, {p: packing + 1 for p in PLATFORMS})
+
+
 def test_the_cpu_lowering_keeps_the_jnp_path():
     comp = lpdec.minmax(4)
     x = jax.ShapeDtypeStruct((SIZES[1],), jnp.float32)

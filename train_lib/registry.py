@@ -295,6 +295,9 @@ COMPRESSORS = {
         lambda c: lpdec.minmax(bits=c.bits, rounding=c.rounding, chunk_size=c.chunk_size),
         ("bits", "rounding", "chunk_size"),
     ),
+    # The MX block-scaled floats fix their own widths (4.25 and 8.25 bits per value).
+    "mxfp4": Entry(lambda c: lpdec.mx("fp4", rounding=c.rounding), ("rounding",)),
+    "mxfp8": Entry(lambda c: lpdec.mx("fp8", rounding=c.rounding), ("rounding",)),
     "modulo": Entry(
         lambda c: lpdec.modulo(bits=c.bits, theta=c.theta, rounding=c.rounding),
         ("bits", "theta", "rounding"),

@@ -14,6 +14,9 @@ from lpdec.compress.minmax_quantizer import minmax
 from lpdec.compress.modulo_quantizer import Modulo
 from lpdec.compress.modulo_quantizer import ModuloPayload
 from lpdec.compress.modulo_quantizer import modulo
+from lpdec.compress.mx_quantizer import MX
+from lpdec.compress.mx_quantizer import MXPayload
+from lpdec.compress.mx_quantizer import mx
 from lpdec.compress.sparse import RandomK
 from lpdec.compress.sparse import RandomKPayload
 from lpdec.compress.sparse import TopK
@@ -34,6 +37,8 @@ __all__ = [
     "MinMaxPayload",
     "Modulo",
     "ModuloPayload",
+    "MX",
+    "MXPayload",
     "RandomK",
     "RandomKPayload",
     "TopK",
@@ -44,6 +49,7 @@ __all__ = [
     "identity",
     "minmax",
     "modulo",
+    "mx",
     "payload_nbytes",
     "random_k",
     "top_k",

@@ -1,0 +1,240 @@
+"""MX block-scaled formats (MXFP8 E4M3, MXFP4 E2M1): against ml_dtypes' float casts.
+
+The independent reference is numpy: each block's scale from float64 logarithms
+(the smallest power of two that fits the block's largest magnitude), then the
+element rounding by ml_dtypes' own float8_e4m3fn / float4_e2m1fn casts (round to
+nearest even). The kernels (interpreted as each platform builds them, and
+compiled where a GPU or TPU is present) must match the jnp references bit for bit.
+"""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+import lpdec
+from lpdec import kernels_pallas as kernels
+from lpdec.kernels_pallas import mx as mx_kernels
+from lpdec.kernels_pallas import platforms
+
+NP_TYPES = {"fp8": ml_dtypes.float8_e4m3fn, "fp4": ml_dtypes.float4_e2m1fn}
+LARGEST = {"fp8": 448.0, "fp4": 6.0}
+FORMATS = ["fp8", "fp4"]
+
+
+def np_block_exponent(block: np.ndarray, fmt: str) -> int:
+    """Smallest e with max|block| <= largest * 2**e, in float64 (clamped to [-126, 126])."""
+    amax = float(np.max(np.abs(block.astype(np.float64))))
+    if amax == 0:
+        return -126
+    e = int(np.ceil(np.log2(amax / LARGEST[fmt])))
+    # log2 of an exact power-of-two ratio can land a hair off: settle it exactly.
+    while amax > LARGEST[fmt] * 2.0**e:
+        e += 1
+    while e > -126 and amax <= LARGEST[fmt] * 2.0 ** (e - 1):
+        e -= 1
+    return max(-126, min(126, e))
+
+
+def np_mx_nearest(x: np.ndarray, fmt: str) -> np.ndarray:
+    """MX round trip of flat float32 `x` with ml_dtypes' round-to-nearest-even casts."""
+    x = x.astype(np.float32).reshape(-1)
+    out = np.empty_like(x)
+    for start in range(0, x.size, 32):
+        block = x[start : start + 32]
+        e = np_block_exponent(block, fmt)
+        scaled = (block.astype(np.float64) / 2.0**e).astype(np.float32)
+        out[start : start + 32] = scaled.astype(NP_TYPES[fmt]).astype(np.float64) * 2.0**e
+    return out
+
+
+def np_grid_neighbours(x: np.ndarray, fmt: str):
+    """The element-format values just below and above each x / 2**e, times 2**e."""
+    codes = np.arange(256 if fmt == "fp8" else 16, dtype=np.uint8)
+    grid = codes.view(NP_TYPES[fmt]).astype(np.float64)
+    grid = np.unique(grid[np.isfinite(grid)])
+    lo, hi = np.empty(x.size), np.empty(x.size)
+    for start in range(0, x.size, 32):
+        block = x[start : start + 32].astype(np.float64)
+        e = np_block_exponent(block.astype(np.float32), fmt)
+        v = block / 2.0**e
+        i = np.searchsorted(grid, v, side="right") - 1
+        lo[start : start + 32] = grid[i] * 2.0**e
+        hi[start : start + 32] = grid[np.minimum(i + 1, grid.size - 1)] * 2.0**e
+        exact = grid[i] == v
+        hi[start : start + 32][exact] = lo[start : start + 32][exact]
+    return lo, hi
+
+
+def wide_range(rng, size):
+    """Gaussian values spread over 6 decades, with zeros and exact grid points mixed in."""
+    x = rng.standard_normal(size) * 10.0 ** rng.uniform(-4, 2, size)
+    x[rng.random(size) < 0.05] = 0.0
+    x[:8] = [448.0, -6.0, 1.5, 0.25, 2.0**-9, -(2.0**-140), 3.0, 1e30][: min(8, size)]
+    return x.astype(np.float32)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("size", [1, 31, 32, 1000, 4099])
+def test_nearest_matches_ml_dtypes_cast_per_block(rng, fmt, size):
+    x = wide_range(rng, size)
+    comp = lpdec.mx(fmt)
+    decoded = np.asarray(jax.jit(lambda x: comp.decode(comp.encode(x)))(x))
+    np.testing.assert_array_equal(decoded, np_mx_nearest(x, fmt))
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_scale_fits_the_largest_magnitude_without_clipping(rng, fmt):
+    """max|decoded| <= the block's 2**e * largest, and the block's largest entry is kept close."""
+    x = wide_range(rng, 32 * 50)
+    comp = lpdec.mx(fmt)
+    payload = jax.jit(comp.encode)(x)
+    decoded = np.asarray(jax.jit(comp.decode)(payload))
+    e = np.asarray(payload.scales).astype(np.int64) - 127
+    expected_e = [np_block_exponent(x[i : i + 32], fmt) for i in range(0, x.size, 32)]
+    np.testing.assert_array_equal(e, expected_e)
+    blocks = x.reshape(-1, 32).astype(np.float64)
+    amax = np.abs(blocks).max(axis=1)
+    assert np.all(np.abs(decoded.reshape(-1, 32)).max(axis=1) <= LARGEST[fmt] * 2.0**e)
+    # The block's largest entry is within half a top-binade step (relative 2**-(mbits+1)).
+    mbits = mx_kernels.FORMATS[fmt].mbits
+    kept = np.abs(decoded.reshape(-1, 32)).max(axis=1)
+    assert np.all(np.abs(kept - amax) <= amax * 2.0 ** -(mbits + 1) + 1e-45)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_stochastic_rounding_picks_a_neighbour_and_is_unbiased(rng, fmt):
+    x = (rng.standard_normal(64 * 32) * 10.0 ** rng.uniform(-2, 1, 64 * 32)).astype(np.float32)
+    comp = lpdec.mx(fmt, "stochastic")
+    encode = jax.jit(jax.vmap(lambda k: comp.decode(comp.encode(jnp.asarray(x), k))))
+    draws = np.asarray(encode(jax.random.split(jax.random.key(3), 2000)), np.float64)
+    lo, hi = np_grid_neighbours(x, fmt)
+    assert np.all((draws == lo) | (draws == hi))
+    # Unbiased: the mean of 2000 draws is within 5 standard errors of x.
+    p = np.where(hi > lo, (x - lo) / np.where(hi > lo, hi - lo, 1.0), 0.0)
+    std = (hi - lo) * np.sqrt(p * (1 - p))
+    err = np.abs(draws.mean(axis=0) - x)
+    assert np.all(err <= 5 * std / np.sqrt(draws.shape[0]) + 1e-6 * np.abs(x))
+    assert (draws.std(axis=0) > 0).sum() > x.size // 2  # it does round both ways
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_every_code_decodes_to_its_ml_dtypes_value(fmt):
+    """The element decode (scale 2**0) against ml_dtypes' interpretation of each bit pattern."""
+    n = 2 ** mx_kernels.FORMATS[fmt].bits
+    codes = np.arange(n, dtype=np.uint8)
+    values = np.asarray(
+        mx_kernels.dequantize_reference(
+            jnp.asarray(codes).reshape(1, n), jnp.full((1, 1), 127, jnp.uint8), fmt=fmt
+        )
+    ).reshape(-1)
+    # ml_dtypes' float4 unpacks one code per byte (low nibble).
+    expected = codes.view(NP_TYPES[fmt]).astype(np.float32)
+    finite = np.isfinite(expected)
+    np.testing.assert_array_equal(values[finite], expected[finite])
+    assert fmt == "fp4" or (~finite).sum() == 2  # E4M3's two NaN codes are never sent
+
+
+def test_non_finite_block_gets_the_nan_scale_and_stays_in_its_block(rng):
+    x = rng.standard_normal(32 * 4).astype(np.float32)
+    x[40] = np.inf
+    x[100] = np.nan
+    comp = lpdec.mx("fp4")
+    payload = jax.jit(comp.encode)(x)
+    np.testing.assert_array_equal(np.asarray(payload.scales) == 255, [False, True, False, True])
+    assert not bool(comp.is_finite(payload))
+    decoded = np.asarray(jax.jit(comp.decode)(payload)).reshape(4, 32)
+    assert np.isnan(decoded[[1, 3]]).all() and np.isfinite(decoded[[0, 2]]).all()
+
+
+@pytest.mark.parametrize("fmt,bits_per_value", [("fp8", 8.25), ("fp4", 4.25)])
+def test_wire_bytes(fmt, bits_per_value):
+    comp = lpdec.mx(fmt)
+    assert comp.wire_bytes(32 * 1000) * 8 == bits_per_value * 32 * 1000
+    assert comp.wire_bytes(33) == -(-33 * comp.bits // 8) + 2
+
+
+@pytest.mark.parametrize(
+    "kwargs,match", [({"format": "fp6"}, "format"), ({"rounding": "up"}, "rounding")]
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        lpdec.mx(**kwargs)
+
+
+# ----------------------------------------------------------------------------
+# Kernels: each platform's kernel (interpreted here, compiled on an accelerator).
+# ----------------------------------------------------------------------------
+
+SHAPES = [(1, 32), (300, 32)]
+
+
+def random_seeds(rng):
+    return jnp.asarray(rng.integers(0, 2**32, (1, 2), dtype=np.uint64).astype(np.uint32))
+
+
+def same_bits(a, b):
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.dtype == b.dtype and a.shape == b.shape
+    np.testing.assert_array_equal(a.view(np.uint8), b.view(np.uint8))
+
+
+def kernel_modes():
+    """(platform, interpret) pairs: every platform interpreted, the local one compiled."""
+    modes = [("gpu", True), ("tpu", True)]
+    if jax.default_backend() in ("gpu", "cuda"):
+        modes.append(("gpu", False))
+    if jax.default_backend() == "tpu":
+        modes.append(("tpu", False))
+    return modes
+
+
+@pytest.mark.parametrize("platform,interpret", kernel_modes())
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("stochastic", [False, True])
+def test_kernels_match_references(rng, platform, interpret, fmt, shape, stochastic):
+    x = jnp.asarray(wide_range(rng, shape[0] * 32).reshape(shape))
+    seeds = random_seeds(rng)
+    args = {"fmt": fmt, "interpret": interpret, "platform": platform}
+    codes, scales = mx_kernels.quantize_pallas(x, seeds, stochastic=stochastic, **args)
+    ref_codes, ref_scales = mx_kernels.quantize_reference(x, seeds, fmt=fmt, stochastic=stochastic)
+    same_bits(codes, ref_codes)
+    same_bits(scales, ref_scales)
+    same_bits(
+        mx_kernels.dequantize_pallas(codes, scales, dtype=jnp.bfloat16, **args),
+        mx_kernels.dequantize_reference(codes, scales, fmt=fmt, dtype=jnp.bfloat16),
+    )
+    acc = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    same_bits(
+        mx_kernels.dequantize_accumulate_pallas(acc, 0.3, codes, scales, **args),
+        mx_kernels.dequantize_accumulate_reference(acc, 0.3, codes, scales, fmt=fmt),
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_public_ops_agree_across_implementations(rng, fmt, dtype):
+    x = jnp.asarray(wide_range(rng, 3001), dtype)
+    key = jax.random.key(1)
+    outs = []
+    for implementation in ("xla", "pallas"):
+        comp = lpdec.mx(fmt, "stochastic", implementation=implementation)
+        acc = jnp.linspace(-1, 1, x.size, dtype=jnp.float32)
+
+        @jax.jit
+        def run(x, acc, comp=comp):
+            payload = comp.encode(x, key)
+            return payload, comp.decode(payload), comp.decode_accumulate(payload, acc, 0.5)
+
+        outs.append(run(x, acc))
+    for a, b in zip(jax.tree.leaves(outs[0]), jax.tree.leaves(outs[1]), strict=True):
+        same_bits(a, b)
+
+
+def test_kernels_take_any_row_count_on_every_platform():
+    for rows in (1, 3, 1000, 4097):
+        assert mx_kernels.kernel_lowers(platforms.Target("gpu"), rows, jnp.float32)
+        assert mx_kernels.kernel_lowers(platforms.Target("tpu"), rows, jnp.bfloat16)
+    assert kernels.packed_size(33, 4) == 17
