@@ -12,7 +12,17 @@ import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
-STUDIES = ("gamma", "table2", "precision", "qgm", "moniqua", "theorem1", "centralized", "tradeoff")
+STUDIES = (
+    "gamma",
+    "table2",
+    "precision",
+    "qgm",
+    "moniqua",
+    "theorem1",
+    "centralized",
+    "tradeoff",
+    "mx",
+)
 
 
 def run_experiments(tmp_path, *args):

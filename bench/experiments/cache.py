@@ -18,7 +18,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 # a study's tables keeps its runs).
 CODE = ("train.py", "train_lib", "lpdec", os.path.join("configs", "default.py"))
 # The studies, in the order docs/experiments.json and EXPERIMENTS.md list them.
-STUDIES = ("gamma", "table2", "precision", "qgm", "moniqua", "theorem1", "centralized", "tradeoff")
+STUDIES = (
+    "gamma",
+    "table2",
+    "precision",
+    "qgm",
+    "moniqua",
+    "theorem1",
+    "centralized",
+    "tradeoff",
+    "mx",
+)
 
 
 def code_fingerprint(root: str = ROOT) -> str:

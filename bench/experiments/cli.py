@@ -13,6 +13,7 @@ from bench.experiments import cache
 from bench.experiments import centralized
 from bench.experiments import gamma
 from bench.experiments import moniqua
+from bench.experiments import mx
 from bench.experiments import precision
 from bench.experiments import qgm
 from bench.experiments import render
@@ -35,6 +36,7 @@ STUDY_FUNCTIONS = {
     "theorem1": theorem1.theorem1,
     "centralized": centralized.centralized,
     "tradeoff": tradeoff.tradeoff,
+    "mx": mx.mx,
 }
 
 

@@ -1,0 +1,100 @@
+"""Study "mx": MXFP4 (block-scaled E2M1) against 4-bit min-max at equal bytes (issue 26).
+
+Both cost 4.25 bits per value on the wire: MXFP4 sends 4-bit codes and one E8M0
+byte per 32 values; min-max sends 4-bit codes and 8 bytes (lo, unit) per chunk,
+so chunks of 256 values. Two places the exchange matters: CHOCO's gossip of
+compressed model differences, and the DiLoCo exchange of pseudo-gradients (a
+compressed mean with error feedback, as Streaming DiLoCo sends FP4 outer
+gradients).
+"""
+
+# Markdown table rows are long lines by nature.
+
+from __future__ import annotations
+
+from bench.experiments.render import fmt
+from bench.experiments.runner import Runner
+from bench.experiments.runner import describe_schedule
+from bench.experiments.runner import seed002_config
+
+# 4 + 64 / 256 = 4.25 bits per value, as MXFP4's 4 + 8 / 32.
+MINMAX4 = dict(compressor="minmax", bits=4, chunk_size=256)
+MXFP4 = dict(compressor="mxfp4")
+COMPRESSORS = {
+    "min-max 4-bit, chunks of 256": MINMAX4,
+    "MXFP4": MXFP4,
+}
+ROUNDINGS = ("stochastic", "nearest")
+# CHOCO (Quant-SGP) on the directed ring with the gamma the gamma study chose for
+# 8-bit codes; skew 0.9, where compression error shows most in Table 2.
+CHOCO = dict(topology="directed_ring", algorithm="quant_sgp", gamma=0.3, skew=0.9)
+# DiLoCo: 10 local steps, the pseudo-gradients' compressed mean with error feedback.
+DILOCO = dict(
+    algorithm="diloco",
+    local_steps=10,
+    exchange="compressed_mean",
+    error_feedback=True,
+    skew=0.9,
+)
+SETTINGS = {"CHOCO, directed ring of 8": CHOCO, "DiLoCo H=10, compressed mean + EF": DILOCO}
+
+
+def mx_runs(runner: Runner) -> dict:
+    """{(setting, compressor, rounding): records}, plus each setting's fp32 reference."""
+    runs = {}
+    # --quick (CI's smoke test) runs one rounding and no reference: 4 runs, not 10.
+    roundings = ROUNDINGS[:1] if runner.quick else ROUNDINGS
+    for setting, overrides in SETTINGS.items():
+        for label, comp in COMPRESSORS.items():
+            for rounding in roundings:
+                runs[(setting, label, rounding)] = runner.repeat(
+                    "mx",
+                    f"{setting}, {label}, {rounding}",
+                    seed002_config,
+                    rounding=rounding,
+                    **overrides,
+                    **comp,
+                )
+        if runner.quick:
+            continue
+        reference = dict(overrides, compressor="identity")
+        if overrides is DILOCO:
+            reference = dict(overrides, exchange="mean", error_feedback=False)
+        runs[(setting, "fp32", "")] = runner.repeat(
+            "mx", f"{setting}, fp32", seed002_config, **reference
+        )
+    return runs
+
+
+def mx(runner: Runner, docs: str) -> str:
+    """MXFP4 against min-max 4-bit at equal bytes, on CHOCO and on the DiLoCo exchange."""
+    del docs
+    runs = mx_runs(runner)
+    columns = [(label, r) for label in COMPRESSORS for r in ROUNDINGS] + [("fp32", "")]
+    columns = [c for c in columns if (next(iter(SETTINGS)), *c) in runs]
+    rows = []
+    for setting in SETTINGS:
+        cells = [fmt(runs[(setting, *column)]) for column in columns]
+        rows.append(f"| {setting} | " + " | ".join(cells) + " |")
+    header = " | ".join(f"{label}, {r}" if r else label for label, r in columns)
+    config = seed002_config(runner.quick)
+    seeds = 1 if runner.quick else runner.seeds
+    return "\n".join(
+        [
+            "## MXFP4 against 4-bit min-max at equal bytes",
+            "",
+            "Seed 002's recipe (MNIST-1D, 8 nodes, "
+            f"{describe_schedule(config)}), {config.num_steps} steps, skew 0.9, "
+            f"{seeds} seed(s). Both compressors send 4.25 bits per value: MXFP4 (E2M1 "
+            "codes, one power-of-two E8M0 scale per 32 values) and min-max with 4-bit codes "
+            "and a (lo, unit) float32 pair per 256 values. CHOCO = Quant-SGP on the "
+            "directed ring, gamma 0.3 (the gamma study's choice for 8-bit codes); DiLoCo "
+            "= 10 local steps, then the compressed mean of the pseudo-gradients with "
+            "error feedback (fp32: the exact mean). Test accuracy (%) of the averaged "
+            "model, mean ± std over seeds.",
+            "",
+            f"| setting | {header} |",
+            "|---|" + "---|" * len(columns),
+            *rows,
+        ]
+    )
