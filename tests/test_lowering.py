@@ -111,6 +111,8 @@ def test_modulo_compressor_lowers_to_kernels(implementation, bits, dtype, size):
     payload = jax.eval_shape(lambda x: comp.encode(x, KEY), x)
     decode = trace(lambda p, y: comp.decode(p, reference=y), payload, x)
     assert_kernels(decode, {p: packing for p in PLATFORMS})
+    # The GPU kernels take the ragged array as it is (masked loads), unpadded.
+    assert "stablehlo.pad" not in lowered_text(encode, "cuda")
 
 
 @pytest.mark.parametrize("implementation", [None, "pallas"])
@@ -143,26 +145,34 @@ def test_the_cpu_lowering_keeps_the_jnp_path():
 
 
 @pytest.mark.parametrize("bits", [3, 5, 6, 7])
-def test_gpu_packs_odd_bit_widths_with_jnp(bits):
-    """Triton blocks need power-of-two extents: a [G, bits] byte block has none."""
+def test_gpu_packs_odd_bit_widths_with_its_kernel(bits):
+    """A [G, bits] byte block is no Triton block: the GPU kernels address flat arrays."""
     comp = lpdec.minmax(bits)
-    x = jax.ShapeDtypeStruct((SIZES[0],), jnp.float32)
-    assert not bitpack.pack_lowers(platforms.Target("gpu"), SIZES[0] // 8, bits)
-    # cuda: the quantize kernel only; tpu: quantize and pack.
-    assert_kernels(trace(comp.encode, x), {"cuda": 1, "tpu": 2})
+    x = jax.ShapeDtypeStruct((SIZES[1],), jnp.float32)
+    assert bitpack.pack_lowers(platforms.Target("gpu"), SIZES[1] // 8, bits)
+    assert_kernels(trace(comp.encode, x), {"cuda": 2, "tpu": 2})  # quantize and pack
     payload = jax.eval_shape(comp.encode, x)
-    assert_kernels(trace(comp.decode, payload), {"cuda": 1, "tpu": 2})
+    assert_kernels(trace(comp.decode, payload), {"cuda": 2, "tpu": 2})
+    assert "stablehlo.pad" not in lowered_text(trace(comp.encode, x), "cuda")
 
 
-def test_gpu_quantizes_a_chunk_that_is_not_a_power_of_two_with_jnp():
-    """A 1000-element leaf is one 1000-element chunk: jnp on GPU, the kernel on TPU."""
-    comp = lpdec.minmax(8)
-    x = jax.ShapeDtypeStruct((1000,), jnp.float32)
-    assert not minmax_kernels.quantize_lowers(platforms.Target("gpu"), 1, 1000, jnp.float32)
-    assert minmax_kernels.quantize_lowers(platforms.Target("tpu"), 1, 1000, jnp.float32)
-    assert_kernels(trace(comp.encode, x), {"cuda": 0, "tpu": 1})
+@pytest.mark.parametrize("size, chunk_size", [(1000, None), (1000 * 7 + 13, 1000), (4099, 2048)])
+def test_gpu_quantizes_any_chunk_and_size_with_its_kernel(size, chunk_size):
+    """Chunks that are not a power of two, and ragged sizes, compile on GPU and TPU alike.
+
+    The GPU kernels address the flat array with masked loads and stores
+    (`minmax.gpu_quantize`), so neither needs the jnp path or a padded copy.
+    """
+    comp = lpdec.minmax(8, chunk_size=chunk_size)
+    x = jax.ShapeDtypeStruct((size,), jnp.float32)
+    chunk = min(comp.chunk_size, size)
+    rows = -(-size // chunk)
+    assert minmax_kernels.quantize_lowers(platforms.Target("gpu"), rows, chunk, jnp.float32)
+    assert_kernels(trace(comp.encode, x), {"cuda": 1, "tpu": 1})
     payload = jax.eval_shape(comp.encode, x)
-    assert_kernels(trace(comp.decode, payload), {"cuda": 0, "tpu": 1})
+    assert_kernels(trace(comp.decode, payload), {"cuda": 1, "tpu": 1})
+    text = lowered_text(trace(comp.encode, x), "cuda")
+    assert "stablehlo.pad" not in text  # the flat array goes to the kernel as it is
 
 
 F32, BF16, U8 = jnp.float32, jnp.bfloat16, jnp.uint8

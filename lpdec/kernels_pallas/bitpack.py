@@ -36,10 +36,13 @@ def _or_disjoint(piece: jax.Array) -> jax.Array:
     return jnp.sum(piece.astype(jnp.int32), axis=-1, dtype=jnp.int32).astype(jnp.uint8)
 
 
-def _pack_groups(codes: jax.Array, bits: int) -> jax.Array:
-    """[G, 8] codes -> [G, bits] bytes. Shared by the reference and the kernel."""
+def _pack_groups(codes: jax.Array, bits: int, width: int | None = None) -> jax.Array:
+    """[G, 8] codes -> [G, bits] bytes. Shared by the reference and the kernels.
+
+    `width` > bits (the GPU kernel's power-of-two tile) adds bytes that stay 0.
+    """
     c = (codes.astype(jnp.uint32) & jnp.uint32((1 << bits) - 1))[:, None, :]
-    shape = (1, bits, _GROUP)
+    shape = (1, width or bits, _GROUP)
     j = jax.lax.broadcasted_iota(jnp.int32, shape, 1)  # output byte
     k = jax.lax.broadcasted_iota(jnp.int32, shape, 2)  # input code
     # Code k's bit t is stream bit k*b + t, i.e. bit (s + t) of byte j.
@@ -52,9 +55,12 @@ def _pack_groups(codes: jax.Array, bits: int) -> jax.Array:
 
 
 def _unpack_groups(packed: jax.Array, bits: int) -> jax.Array:
-    """[G, bits] bytes -> [G, 8] codes. Shared by the reference and the kernel."""
+    """[G, bits] bytes -> [G, 8] codes. Shared by the reference and the kernels.
+
+    Bytes past the first `bits` of a row (the GPU kernel's tile) must be 0.
+    """
     p = packed.astype(jnp.uint32)[:, None, :]
-    shape = (1, _GROUP, bits)
+    shape = (1, _GROUP, packed.shape[-1])
     k = jax.lax.broadcasted_iota(jnp.int32, shape, 1)  # output code
     j = jax.lax.broadcasted_iota(jnp.int32, shape, 2)  # input byte
     # Byte j's bit t is stream bit 8j + t, i.e. bit (s + t) of code k.
@@ -101,15 +107,102 @@ def pack_lowers(target, groups: int, bits: int) -> bool:
     """Whether `target` runs the pack/unpack kernels on `groups` groups of `bits`-bit codes.
 
     False for the jnp path (`target` None), for no groups, and where the platform's
-    compiler rejects the blocks (`bits` not a power of two on GPU).
+    compiler rejects the blocks. The GPU kernels address the flat arrays
+    themselves (`_gpu_pack`): every width, any size below 2**31 codes.
     """
     if target is None or not groups:
         return False
+    if target.platform == "gpu":
+        return platforms.pallas_triton is not None and groups * _GROUP < 2**31
     return target.lowers(*_group_blocks(target, groups, bits)[2])
+
+
+# ----------------------------------------------------------------------------
+# GPU (Triton) kernels on the flat arrays. A grid step takes `bg` groups: codes
+# at offsets 8g + k, bytes at bits * g + j for j below the power-of-two tile
+# width; loads and stores past the arrays (and past `bits` bytes of a group) are
+# masked, so every width compiles and nothing is padded (minmax's GPU kernels
+# do the same for chunks).
+# ----------------------------------------------------------------------------
+
+
+def _gpu_group_offsets(bg: int, width: int, stride: int, limit: int):
+    group = pl.program_id(0) * bg + jax.lax.broadcasted_iota(jnp.int32, (bg, width), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (bg, width), 1)
+    offsets = group * stride + col
+    return offsets, (col < stride) & (offsets < limit)
+
+
+def _gpu_pack_kernel(codes_ref, out_ref, *, bits, bg, width):
+    code_offsets, code_valid = _gpu_group_offsets(bg, _GROUP, _GROUP, codes_ref.shape[0])
+    codes = platforms.pallas_triton.load(codes_ref.at[code_offsets], mask=code_valid, other=0)
+    packed = _pack_groups(codes, bits, width)
+    offsets, valid = _gpu_group_offsets(bg, width, bits, out_ref.shape[0])
+    platforms.pallas_triton.store(out_ref.at[offsets], packed, mask=valid)
+
+
+def _gpu_unpack_kernel(packed_ref, out_ref, *, bits, bg, width):
+    offsets, valid = _gpu_group_offsets(bg, width, bits, packed_ref.shape[0])
+    packed = platforms.pallas_triton.load(packed_ref.at[offsets], mask=valid, other=0)
+    codes = _unpack_groups(packed, bits)
+    code_offsets, code_valid = _gpu_group_offsets(bg, _GROUP, _GROUP, out_ref.shape[0])
+    platforms.pallas_triton.store(out_ref.at[code_offsets], codes, mask=code_valid)
+
+
+def _gpu_call(kernel, flat, *, out_size: int, groups: int, bits: int, target, block_groups=None):
+    width = 1 << (bits - 1).bit_length()
+    bg = block_groups or platforms.block_rows_for(groups, 2 * _GROUP, target.block_elements)
+    return target.pallas_call(
+        functools.partial(kernel, bits=bits, bg=bg, width=width),
+        block_elements=bg * 2 * _GROUP,
+        grid=(platforms.num_rows(groups, bg),),
+        in_specs=[pl.BlockSpec((flat.size,), lambda i: (0,))],
+        out_specs=pl.BlockSpec((out_size,), lambda i: (0,)),
+        out_shape=platforms.out_struct((out_size,), jnp.uint8, flat),
+    )(flat)
+
+
+def _gpu_pack(codes, *, bits: int, target, block_groups=None):
+    """GPU kernel: uint8[d] codes -> uint8[ceil(d * bits / 8)] bytes."""
+    d = codes.size
+    return _gpu_call(
+        _gpu_pack_kernel,
+        codes.reshape(-1).astype(jnp.uint8),
+        out_size=packed_size(d, bits),
+        groups=platforms.num_rows(d, _GROUP),
+        bits=bits,
+        target=target,
+        block_groups=block_groups,
+    )
+
+
+def _gpu_unpack(packed, *, bits: int, num_elements: int, target, block_groups=None):
+    """GPU kernel: uint8[ceil(d * bits / 8)] bytes -> uint8[d] codes."""
+    return _gpu_call(
+        _gpu_unpack_kernel,
+        packed.reshape(-1),
+        out_size=num_elements,
+        groups=platforms.num_rows(num_elements, _GROUP),
+        bits=bits,
+        target=target,
+        block_groups=block_groups,
+    )
 
 
 def _group_call(kernel, grouped, *, width_in, width_out, bits, block_groups, target):
     groups = grouped.shape[0]
+    if target.platform == "gpu":  # [G, 8] <-> [G, bits] as the flat arrays they are
+        if kernel is _pack_kernel:
+            out = _gpu_pack(grouped, bits=bits, target=target, block_groups=block_groups)
+        else:
+            out = _gpu_unpack(
+                grouped,
+                bits=bits,
+                num_elements=groups * _GROUP,
+                target=target,
+                block_groups=block_groups,
+            )
+        return out.reshape(groups, width_out)
     bg, padded, _ = _group_blocks(target, groups, bits, block_groups)
     out = target.pallas_call(
         functools.partial(kernel, bits=bits),
@@ -181,6 +274,8 @@ def _pack_bits_on(codes: jax.Array, *, bits: int, target) -> jax.Array:
     if bits == 8:
         return codes.astype(jnp.uint8)
     groups = platforms.num_rows(d, _GROUP)
+    if target is not None and target.platform == "gpu" and pack_lowers(target, groups, bits):
+        return _gpu_pack(codes, bits=bits, target=target)
     grouped = jnp.pad(codes.astype(jnp.uint8), (0, groups * _GROUP - d)).reshape(groups, _GROUP)
     if pack_lowers(target, groups, bits):
         out = pack_pallas(grouped, bits=bits, interpret=target.interpret, platform=target.platform)
@@ -200,6 +295,8 @@ def _unpack_bits_on(packed: jax.Array, *, bits: int, num_elements: int, target) 
     if bits == 8:
         return packed
     groups = platforms.num_rows(num_elements, _GROUP)
+    if target is not None and target.platform == "gpu" and pack_lowers(target, groups, bits):
+        return _gpu_unpack(packed, bits=bits, num_elements=num_elements, target=target)
     grouped = jnp.pad(packed, (0, groups * bits - expected)).reshape(groups, bits)
     if pack_lowers(target, groups, bits):
         out = unpack_pallas(

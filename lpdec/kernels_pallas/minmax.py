@@ -289,14 +289,22 @@ def _row_spec(br, width):
     return pl.BlockSpec((br, width), lambda i: (i, 0))
 
 
+def _gpu_lowers(target, size: int) -> bool:
+    """The flat GPU kernels need Triton and int32 offsets."""
+    return platforms.pallas_triton is not None and size < 2**31
+
+
 def quantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
     """Whether `target` runs the quantize kernel on a [rows, chunk] `dtype` array.
 
     False for the jnp path (`target` None), for no rows, and where the platform's
-    compiler rejects the blocks (a chunk that is not a power of two on GPU).
+    compiler rejects the blocks. The GPU kernels address the flat array
+    themselves (`gpu_quantize`): any chunk and size below 2**31 elements.
     """
     if target is None or not rows:
         return False
+    if target.platform == "gpu":
+        return _gpu_lowers(target, rows * chunk)
     return target.lowers(*_row_blocks(target, rows, chunk, (dtype, jnp.uint8))[2])
 
 
@@ -304,6 +312,8 @@ def dequantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
     """Whether `target` runs the dequantize (-accumulate) kernel writing `dtype`."""
     if target is None or not rows:
         return False
+    if target.platform == "gpu":
+        return _gpu_lowers(target, rows * chunk)
     return target.lowers(*_row_blocks(target, rows, chunk, (jnp.uint8, dtype))[2])
 
 
@@ -338,6 +348,17 @@ def quantize_pallas(
 
 def _quantize_call(x2d, seeds, *, bits, stochastic, block_rows, target):
     rows, chunk = x2d.shape
+    if target.platform == "gpu":
+        codes, lo, unit = gpu_quantize(
+            x2d.reshape(-1),
+            seeds,
+            chunk=chunk,
+            bits=bits,
+            stochastic=stochastic,
+            target=target,
+            block_rows=block_rows,
+        )
+        return codes.reshape(rows, chunk), lo[:, None], unit[:, None]
     br, padded, _ = _row_blocks(target, rows, chunk, (x2d.dtype, jnp.uint8), block_rows)
     # The CPU kernel reduces like the reference (one variadic reduce); Triton and
     # Mosaic know only reduce_min/reduce_max (same values, see _row_min_max).
@@ -383,6 +404,17 @@ def dequantize_pallas(
 
 def _dequantize_call(codes, lo, unit, *, dtype, block_rows, target):
     rows, chunk = codes.shape
+    if target.platform == "gpu":
+        out = gpu_dequantize(
+            codes.reshape(-1),
+            lo.reshape(-1),
+            unit.reshape(-1),
+            chunk=chunk,
+            dtype=dtype,
+            target=target,
+            block_rows=block_rows,
+        )
+        return out.reshape(rows, chunk)
     br, padded, _ = _row_blocks(target, rows, chunk, (jnp.uint8, dtype), block_rows)
     out = target.pallas_call(
         _dequantize_kernel,
@@ -424,6 +456,18 @@ def dequantize_accumulate_pallas(
 
 def _accumulate_call(acc, weight, codes, lo, unit, *, block_rows, target):
     rows, chunk = codes.shape
+    if target.platform == "gpu":
+        out = gpu_dequantize_accumulate(
+            acc.astype(jnp.float32).reshape(-1),
+            weight,
+            codes.reshape(-1),
+            lo.reshape(-1),
+            unit.reshape(-1),
+            chunk=chunk,
+            target=target,
+            block_rows=block_rows,
+        )
+        return out.reshape(rows, chunk)
     br, padded, _ = _row_blocks(target, rows, chunk, (jnp.uint8, jnp.float32), block_rows)
     out = target.pallas_call(
         _accumulate_kernel,
@@ -447,6 +491,161 @@ def _accumulate_call(acc, weight, codes, lo, unit, *, block_rows, target):
         platforms.pad_rows(unit, padded),
     )
     return out[:rows]
+
+
+# ----------------------------------------------------------------------------
+# GPU (Triton) kernels on the flat array: any chunk length, any size, no padding.
+#
+# Triton blocks need power-of-two extents, and a [rows, chunk] view of a
+# ragged array needs a padded copy. These kernels instead take the whole flat
+# array and address it themselves: a grid step covers `br` chunks as a
+# [br, next_pow2(chunk)] tile of element offsets row * chunk + col, with the
+# columns past the chunk and the elements past the array masked off (loads
+# give the min/max identity there, stores skip them). The arithmetic is the
+# row functions', so the codes and scales are the references' bit for bit.
+# ----------------------------------------------------------------------------
+
+_INT32_MAX = jnp.iinfo(jnp.int32).max
+_INT32_MIN = jnp.iinfo(jnp.int32).min
+
+
+def _gpu_tile(size: int, chunk: int, block_rows: int | None):
+    """(rows, rows per grid step, tile width) of `size` elements in chunks of `chunk`."""
+    rows = platforms.num_rows(size, chunk)
+    width = 1 << max(chunk - 1, 0).bit_length()
+    br = block_rows or block_rows_for_gpu(rows, width)
+    return rows, br, width
+
+
+def block_rows_for_gpu(rows: int, width: int) -> int:
+    """Chunks per GPU grid step: a power of two near 4096 / width (at least 1)."""
+    return platforms.block_rows_for(rows, width, platforms.Target("gpu").block_elements)
+
+
+def _gpu_offsets(br: int, width: int, chunk: int, size: int):
+    """The grid step's (row indices [br], flat offsets [br, width], valid [br, width])."""
+    row = pl.program_id(0) * br + jax.lax.broadcasted_iota(jnp.int32, (br, width), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (br, width), 1)
+    offsets = row * chunk + col
+    rows = pl.program_id(0) * br + jax.lax.broadcasted_iota(jnp.int32, (br,), 0)
+    return rows, offsets, (col < chunk) & (offsets < size)
+
+
+def _gpu_quantize_kernel(
+    seeds_ref, x_ref, codes_ref, lo_ref, unit_ref, *, size, chunk, br, width, bits, stochastic
+):
+    rows, offsets, valid = _gpu_offsets(br, width, chunk, size)
+    x = platforms.pallas_triton.load(x_ref.at[offsets], mask=valid, other=0).astype(jnp.float32)
+    key = _order_key(x)
+    lo = _from_order_key(jnp.min(jnp.where(valid, key, _INT32_MAX), axis=1, keepdims=True))
+    hi = _from_order_key(jnp.max(jnp.where(valid, key, _INT32_MIN), axis=1, keepdims=True))
+    # _row_scales' arithmetic, on the masked min and max.
+    unit = (hi - lo) * jnp.float32(1.0 / numerics.levels(bits))
+    inv_unit = 1.0 / jnp.where(unit > 0, unit, jnp.float32(jnp.inf))
+    index = offsets.astype(jnp.uint32) if stochastic else None
+    codes = _codes(x, lo, inv_unit, seeds_ref, index, bits=bits)
+    platforms.pallas_triton.store(codes_ref.at[offsets], codes, mask=valid)
+    in_rows = rows < lo_ref.shape[0]
+    platforms.pallas_triton.store(lo_ref.at[rows], lo[:, 0], mask=in_rows)
+    platforms.pallas_triton.store(unit_ref.at[rows], unit[:, 0], mask=in_rows)
+
+
+def _gpu_scales(lo_ref, unit_ref, rows):
+    in_rows = rows < lo_ref.shape[0]
+    lo = platforms.pallas_triton.load(lo_ref.at[rows], mask=in_rows, other=0)
+    unit = platforms.pallas_triton.load(unit_ref.at[rows], mask=in_rows, other=0)
+    return lo[:, None], unit[:, None]
+
+
+def _gpu_dequantize_kernel(codes_ref, lo_ref, unit_ref, out_ref, *, size, chunk, br, width):
+    rows, offsets, valid = _gpu_offsets(br, width, chunk, size)
+    lo, unit = _gpu_scales(lo_ref, unit_ref, rows)
+    codes = platforms.pallas_triton.load(codes_ref.at[offsets], mask=valid, other=0)
+    out = _dequantize_rows(codes, lo, unit).astype(out_ref.dtype)
+    platforms.pallas_triton.store(out_ref.at[offsets], out, mask=valid)
+
+
+def _gpu_accumulate_kernel(
+    weight_ref, acc_ref, codes_ref, lo_ref, unit_ref, out_ref, *, size, chunk, br, width
+):
+    rows, offsets, valid = _gpu_offsets(br, width, chunk, size)
+    lo, unit = _gpu_scales(lo_ref, unit_ref, rows)
+    codes = platforms.pallas_triton.load(codes_ref.at[offsets], mask=valid, other=0)
+    acc = platforms.pallas_triton.load(acc_ref.at[offsets], mask=valid, other=0)
+    out = _accumulate_rows(acc, weight_ref[0, 0], codes, lo, unit)
+    platforms.pallas_triton.store(out_ref.at[offsets], out, mask=valid)
+
+
+def _whole(n: int):
+    """BlockSpec of a flat array every grid step addresses itself."""
+    return pl.BlockSpec((n,), lambda i: (0,))
+
+
+def _gpu_call(kernel, *, size, chunk, block_rows, target, **kwargs):
+    rows, br, width = _gpu_tile(size, chunk, block_rows)
+    return target.pallas_call(
+        functools.partial(kernel, size=size, chunk=chunk, br=br, width=width),
+        block_elements=br * width,
+        grid=(platforms.num_rows(rows, br),),
+        **kwargs,
+    )
+
+
+def gpu_quantize(flat, seeds, *, chunk, bits, stochastic, target, block_rows=None):
+    """GPU kernel: (codes [size], lo [rows], unit [rows]) of a flat float array."""
+    size = flat.size
+    rows = platforms.num_rows(size, chunk)
+    return _gpu_call(
+        functools.partial(_gpu_quantize_kernel, bits=bits, stochastic=stochastic),
+        size=size,
+        chunk=chunk,
+        block_rows=block_rows,
+        target=target,
+        in_specs=[target.scalar_spec((1, 2)), _whole(size)],
+        out_specs=[_whole(size), _whole(rows), _whole(rows)],
+        out_shape=[
+            platforms.out_struct((size,), jnp.uint8, flat),
+            platforms.out_struct((rows,), jnp.float32, flat),
+            platforms.out_struct((rows,), jnp.float32, flat),
+        ],
+    )(seeds, flat)
+
+
+def gpu_dequantize(codes, lo, unit, *, chunk, dtype, target, block_rows=None):
+    """GPU kernel: lo + codes * unit of flat codes, as flat `dtype`."""
+    size, rows = codes.size, lo.size
+    return _gpu_call(
+        _gpu_dequantize_kernel,
+        size=size,
+        chunk=chunk,
+        block_rows=block_rows,
+        target=target,
+        in_specs=[_whole(size), _whole(rows), _whole(rows)],
+        out_specs=_whole(size),
+        out_shape=platforms.out_struct((size,), dtype, codes),
+    )(codes, lo, unit)
+
+
+def gpu_dequantize_accumulate(acc, weight, codes, lo, unit, *, chunk, target, block_rows=None):
+    """GPU kernel: acc + weight * (lo + codes * unit), flat float32, in place on acc."""
+    size, rows = codes.size, lo.size
+    return _gpu_call(
+        _gpu_accumulate_kernel,
+        size=size,
+        chunk=chunk,
+        block_rows=block_rows,
+        target=target,
+        in_specs=[
+            target.scalar_spec((1, 1)),
+            _whole(size),
+            _whole(size),
+            _whole(rows),
+            _whole(rows),
+        ],
+        out_specs=_whole(size),
+        out_shape=platforms.out_struct((size,), jnp.float32, acc),
+        input_output_aliases={1: 0},
+    )(weight, acc, codes, lo, unit)
 
 
 # ----------------------------------------------------------------------------
@@ -484,6 +683,11 @@ def _quantize_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
     rows, chunk = _layout(x.size, chunk, x.shape)
     if not quantize_lowers(target, rows, chunk, x.dtype):
         return _quantize_elementwise(x, seeds, chunk=chunk, bits=bits, stochastic=stochastic)
+    if target.platform == "gpu":  # the flat array as it is: no padded copy
+        codes, lo, unit = gpu_quantize(
+            x.reshape(-1), seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
+        )
+        return codes.reshape(x.shape), lo[:, None], unit[:, None]
     # Repeat the last element: a partial chunk's min and max are unchanged.
     codes, lo, unit = quantize_pallas(
         _as_rows(x, rows, chunk, "edge"),
@@ -503,6 +707,16 @@ def _dequantize_on(codes, lo, unit, *, chunk, dtype, target):
         return dequantize_reference(
             codes, _spread(lo, chunk, codes.shape), _spread(unit, chunk, codes.shape), dtype=dtype
         )
+    if target.platform == "gpu":
+        x = gpu_dequantize(
+            codes.reshape(-1),
+            lo.reshape(-1),
+            unit.reshape(-1),
+            chunk=chunk,
+            dtype=dtype,
+            target=target,
+        )
+        return x.reshape(codes.shape)
     x = dequantize_pallas(
         _as_rows(codes, rows, chunk, "constant"),
         lo.reshape(rows, 1),
@@ -522,6 +736,17 @@ def _dequantize_accumulate_on(acc, weight, codes, lo, unit, *, chunk, target):
         return _accumulate_rows(
             acc, weight, codes, _spread(lo, chunk, codes.shape), _spread(unit, chunk, codes.shape)
         )
+    if target.platform == "gpu":
+        out = gpu_dequantize_accumulate(
+            acc.reshape(-1),
+            weight.reshape(1, 1),
+            codes.reshape(-1),
+            lo.reshape(-1),
+            unit.reshape(-1),
+            chunk=chunk,
+            target=target,
+        )
+        return out.reshape(codes.shape)
     out = dequantize_accumulate_pallas(
         _as_rows(acc, rows, chunk, "constant"),
         weight,

@@ -29,11 +29,12 @@ _MAGIC = 2.0**23
 _ROW = 1024
 
 
-def _encode_rows(x, seeds, scale, row0, *, bits: int, stochastic: bool):
-    """[r, c] float -> uint8 codes [r, c]. Shared by the reference and the kernel.
+def _encode_rows(x, seeds, scale, row0, *, bits: int, stochastic: bool, index=None):
+    """[r, c] float -> uint8 codes [r, c]. Shared by the reference and the kernels.
 
     `seeds` is a uint32[1, 2] array or ref and `scale` a float32 scalar or [1, 1]
     array: the kernel reads both from refs as scalars (Triton cannot slice arrays).
+    `index`: each element's flat index (default: that of a [r, c] block at `row0`).
     """
     points = float(1 << bits)
     mask = (1 << bits) - 1
@@ -41,7 +42,8 @@ def _encode_rows(x, seeds, scale, row0, *, bits: int, stochastic: bool):
     s = numerics.rounded(x.astype(jnp.float32) * scale)
     m = s - jnp.float32(points) * jnp.floor(s * jnp.float32(1.0 / points))
     if stochastic:
-        index = numerics.element_index(x.shape, row0, x.shape[1])
+        if index is None:
+            index = numerics.element_index(x.shape, row0, x.shape[1])
         r = jnp.floor(m + numerics.hash_uniform(seeds[0, 0], seeds[0, 1], index))
         r = jnp.where(jnp.isfinite(r), r, 0.0)
         # r is in [0, 2**bits]; the mask maps the point 2**bits back to 0 (the circle wraps).
@@ -78,11 +80,44 @@ def encode_lowers(target, rows: int, width: int, dtype) -> bool:
     """Whether `target` runs the encode kernel on a [rows, width] `dtype` array.
 
     False for the jnp path (`target` None), for no rows, and where the platform's
-    compiler rejects the blocks (a width that is not a power of two on GPU).
+    compiler rejects the blocks. The GPU kernel addresses the flat array itself
+    (`_gpu_encode`): any width and size below 2**31 elements.
     """
     if target is None or not rows:
         return False
+    if target.platform == "gpu":
+        return platforms.pallas_triton is not None and rows * width < 2**31
     return target.lowers(*_row_blocks(target, rows, width, dtype)[2])
+
+
+def _gpu_encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochastic, rows):
+    # Flat offsets of a [rows, _ROW] tile; a code depends only on its element and
+    # its flat index, so the tile need not match any view of x. Past the end: masked.
+    row = pl.program_id(0) * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, _ROW), 0)
+    offsets = row * _ROW + jax.lax.broadcasted_iota(jnp.int32, (rows, _ROW), 1)
+    valid = offsets < x_ref.shape[0]
+    x = platforms.pallas_triton.load(x_ref.at[offsets], mask=valid, other=0)
+    index = offsets.astype(jnp.uint32)
+    codes = _encode_rows(
+        x, seeds_ref, scale_ref[0, 0], 0, bits=bits, stochastic=stochastic, index=index
+    )
+    platforms.pallas_triton.store(codes_ref.at[offsets], codes, mask=valid)
+
+
+def _gpu_encode(flat, seeds, scale, *, bits: int, stochastic: bool, target, block_rows=None):
+    """GPU kernel: uint8 codes of a flat float array, no padding (see encode_lowers)."""
+    d = flat.size
+    rows = platforms.num_rows(d, _ROW)
+    br = block_rows or platforms.block_rows_for(rows, _ROW, target.block_elements)
+    whole = pl.BlockSpec((d,), lambda i: (0,))
+    return target.pallas_call(
+        functools.partial(_gpu_encode_kernel, bits=bits, stochastic=stochastic, rows=br),
+        block_elements=br * _ROW,
+        grid=(platforms.num_rows(rows, br),),
+        in_specs=[target.scalar_spec((1, 2)), target.scalar_spec((1, 1)), whole],
+        out_specs=whole,
+        out_shape=platforms.out_struct((d,), jnp.uint8, flat),
+    )(seeds, scale.reshape(1, 1), flat)
 
 
 @functools.partial(
@@ -116,6 +151,17 @@ def encode_pallas(
 
 def _encode_call(x2d, seeds, scale, *, bits, stochastic, block_rows, target):
     rows, width = x2d.shape
+    if target.platform == "gpu":
+        codes = _gpu_encode(
+            x2d.reshape(-1),
+            seeds,
+            scale,
+            bits=bits,
+            stochastic=stochastic,
+            target=target,
+            block_rows=block_rows,
+        )
+        return codes.reshape(rows, width)
     br, padded, _ = _row_blocks(target, rows, width, x2d.dtype, block_rows)
     codes = target.pallas_call(
         functools.partial(_encode_kernel, bits=bits, stochastic=stochastic, rows=br),
@@ -138,6 +184,13 @@ def _encode_on(x, seeds, scale, *, bits: int, stochastic: bool, target):
     width = max(1, min(_ROW, d))
     rows = platforms.num_rows(d, width)
     flat = x.reshape(-1)
+    if (
+        target is not None
+        and target.platform == "gpu"
+        and encode_lowers(target, rows, width, x.dtype)
+    ):
+        codes = _gpu_encode(flat, seeds, scale, bits=bits, stochastic=stochastic, target=target)
+        return codes.reshape(x.shape)
     if rows * width != d:
         flat = jnp.pad(flat, (0, rows * width - d))
     x2d = flat.reshape(rows, width)
