@@ -160,7 +160,8 @@ class MetricWriter:
             logging.warning("tensorboardX is not installed: no TensorBoard event files.")
 
     def write(self, metrics: dict[str, Any]) -> None:
-        """One row: `metrics` holds every field of the writer's `fields`."""
+        """One row of the writer's `fields`; a field `metrics` lacks (the nodes' own
+        models' `*_local_mean` when `config.eval_local_examples` = 0) is an empty cell."""
         if not self.enabled:
             return
         step = metrics["step"]
