@@ -3,9 +3,11 @@
 A checkpoint holds the train state `{"params", "opt_state", "model_state"}`
 (every node's; the optimizer state with the algorithms' replicas, error
 buffers, push-sum weights and keys) and a JSON `meta` `{"step", "batcher",
-"checksum", "fingerprint"}`: the data position, which with the state is all a
-restarted run needs to end bit-identical to an uninterrupted one; a checksum of
-the state's bits; and the config fields that shape the state and the math.
+"divergence", "checksum", "fingerprint"}`: the data position, which with the
+state is all a restarted run needs to end bit-identical to an uninterrupted one;
+the divergence check's streak of bad log intervals, so that it reaches the same
+verdict; a checksum of the state's bits; and the config fields that shape the
+state and the math.
 
 Restoring is checked, newest step first:
 

@@ -37,8 +37,9 @@ def train_and_evaluate(
 
     Returns:
       The summary (also written to `workdir/summary.json`); `summary["diverged"]`
-      says whether the run stopped because its loss diverged, `summary["interrupted"]`
-      names the signal that stopped it.
+      says whether its loss diverged (it stopped for it, or ended on a bad log
+      interval; `summary["stopped"]` says which), `summary["interrupted"]` names the
+      signal that stopped it.
 
     Raises:
       RunError: a bad config, workdir or checkpoint, in one line.
@@ -93,6 +94,7 @@ def _train(
     if meta is not None:
         step = int(meta["step"])
         batcher.restore(meta["batcher"])
+        divergence.restore(meta.get("divergence", {}))
         logging.info("resumed from step %d of %s", step, workdir)
     resumed_from = step
     params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
@@ -158,20 +160,22 @@ def _train(
             "theta_warnings": health[2],
         }
         writer.write(metrics)
-        stopped = diverged = divergence.update(step, metrics["train_loss"])
+        last = step == exp.total_steps
+        stopped = diverged = divergence.update(step, metrics["train_loss"], last=last)
         if diverged:
-            # No checkpoint of a diverged state: a resumed run starts from the last good one.
+            # No checkpoint of a diverged state, the final one included: a resumed run
+            # starts from the last good one.
             logging.error("stopping: %s", diverged)
             break
         interrupted = stop.agreed() if stop is not None else None
         if (
             (loop.checkpoint_every and step % loop.checkpoint_every == 0)
-            or step == exp.total_steps
+            or last
             or step == halt_at
             or interrupted
         ):
             state = {"params": params, "opt_state": opt_state, "model_state": model_state}
-            meta = {"step": step, "batcher": batcher.state()}
+            meta = {"step": step, "batcher": batcher.state(), "divergence": divergence.state()}
             checkpoint.save(manager, step, state, meta, exp.config_dict)
         if interrupted:
             stopped = (

@@ -210,17 +210,23 @@ class DivergenceMonitor:
     An interval is bad when its loss is NaN/Inf or above `factor` times
     `reference`: train.py passes ln(num_classes), the cross-entropy of a uniform
     guess (an absolute yardstick: a run can already have diverged in its first
-    interval); None takes the first finite interval's loss. `patience` bad
-    intervals in a row end the run; a good one resets the count, so one bad step
-    (a NaN gradient that lpdec's guards drop) does not. `factor=0` never stops a run.
+    interval); None takes the first finite interval's loss. Mid-run, `patience`
+    bad intervals in a row end the run; a good one resets the count, so one bad
+    interval (a NaN gradient that lpdec's guards drop) does not. The run's last
+    interval has no later one to recover in: a run that ends on a bad interval has
+    diverged, however short its streak. `factor=0` never stops a run.
+
+    The streak is part of a checkpoint (`state`, `restore`), so a resumed run
+    reaches the verdict an uninterrupted one would.
     """
 
     def __init__(self, factor: float, patience: int, reference: float | None = None):
         self.factor, self.patience = factor, patience
         self.reference, self.bad = reference, 0
 
-    def update(self, step: int, loss: float) -> str | None:
-        """Records the interval ending at `step`; returns why the run must stop, or None."""
+    def update(self, step: int, loss: float, *, last: bool = False) -> str | None:
+        """Records the interval ending at `step` (`last`: the run's final one); returns
+        why the run has diverged, or None."""
         if not self.factor:
             return None
         finite = bool(np.isfinite(loss))
@@ -228,10 +234,24 @@ class DivergenceMonitor:
             self.reference = loss
         exploding = finite and self.reference is not None and loss > self.factor * self.reference
         self.bad = self.bad + 1 if (not finite or exploding) else 0
-        if self.bad < self.patience:
+        if not self.bad or (self.bad < self.patience and not last):
             return None
         what = "not finite" if not finite else f"above {self.factor:g} x {self.reference:.4g}"
+        if self.bad < self.patience:
+            return (
+                f"diverged: train_loss {loss:.4g} at step {step} ({what}) when the run ended, "
+                f"bad for its last {self.bad} log interval(s) (config.divergence_factor; "
+                "config.divergence_patience only spares a run that goes on)"
+            )
         return (
             f"diverged: train_loss {loss:.4g} at step {step} ({what}) for {self.bad} log "
             "intervals in a row (config.divergence_factor, config.divergence_patience)"
         )
+
+    def state(self) -> dict[str, Any]:
+        """The bad intervals in a row so far, for a checkpoint's JSON meta."""
+        return {"bad": self.bad}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """The streak `state` saved (a checkpoint written before it was saved: none)."""
+        self.bad = int(state.get("bad", 0))
