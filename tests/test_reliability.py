@@ -1,7 +1,9 @@
 """train.py under faults: damaged checkpoints, a changed config on resume, a second run in
 the workdir, divergence, and bad command lines (issue 14, points 1-5 and 12)."""
 
+import csv
 import json
+import math
 import os
 import pathlib
 import shutil
@@ -242,6 +244,82 @@ def test_the_bad_streak_survives_a_checkpoint():
     old = metrics.DivergenceMonitor(10.0, 3, reference=1.0)
     old.restore({})
     assert old.update(30, 70.0) is None
+
+
+def test_a_loss_jump_far_above_its_minimum_is_a_warning():
+    """With 10 classes the margin is 0.25 x ln 10 = 0.576 above the running minimum, and
+    the loss must also be above 1.5 x it; one warning per episode of jumping intervals."""
+    monitor = metrics.LossJumpMonitor(reference=math.log(10))
+    history = [
+        (10, 2.3, False),
+        (20, 1.0, False),
+        (30, 0.003, False),
+        (40, 0.01, False),  # 3.3 x the minimum, but noise: 0.007 above it
+        (50, 0.5, False),  # 0.497 above: under the margin
+        (60, 0.9, True),  # EXPERIMENTS.md's torus collapse: 0.003 -> 0.9
+        (70, 1.2, True),  # the same episode: no second warning
+        (80, float("nan"), False),  # the divergence check's business
+        (90, 0.002, False),
+        (100, 2.0, True),
+    ]
+    lines = []
+    for step, loss, jumping in history:
+        line = monitor.update(step, loss)
+        assert monitor.jumping == jumping, step
+        lines.append(line)
+    assert [i for i, line in enumerate(lines) if line] == [5, 9]
+    assert lines[5].startswith("loss jump: train_loss 0.9 at step 60, up from its lowest 0.003")
+    assert monitor.warnings == [
+        {"step": 60, "train_loss": 0.9, "running_min": 0.003, "running_min_step": 30},
+        {"step": 100, "train_loss": 2.0, "running_min": 0.002, "running_min_step": 90},
+    ]
+    # A high loss's wobble: 0.6 above the minimum (over the margin) but 1.375 x it.
+    high = metrics.LossJumpMonitor(reference=math.log(10))
+    assert high.update(10, 1.6) is None and high.update(20, 2.2) is None and not high.jumping
+
+
+def test_loss_jumps_survive_a_checkpoint():
+    """Restored from the JSON meta, the monitor goes on as if never interrupted: the
+    minimum, the episode in progress and the warnings so far."""
+    straight, first = (metrics.LossJumpMonitor(reference=1.0) for _ in range(2))
+    for step, loss in ((10, 0.1), (20, 0.8), (30, 0.9)):
+        straight.update(step, loss)
+        first.update(step, loss)
+    resumed = metrics.LossJumpMonitor(reference=1.0)
+    resumed.restore(json.loads(json.dumps(first.state())))
+    for step, loss in ((40, 1.0), (50, 0.05), (60, 0.9)):
+        assert resumed.update(step, loss) == straight.update(step, loss)
+    assert resumed.warnings == straight.warnings and len(straight.warnings) == 2
+    old = metrics.LossJumpMonitor(reference=1.0)
+    old.restore({})  # a checkpoint written before the monitor
+    assert old.update(40, 1.0) is None and old.warnings == []
+
+
+def test_a_collapsing_run_warns_and_goes_on(tmp_path):
+    """The learning rate x 30 after step 20 (0.05 -> 1.5; fp32) throws the loss back up
+    in the third interval (7.2 on 2 CPU cores, from 0.11), finite and under the
+    divergence threshold (raised to 100 x ln 4, so as not to hang on how far): a warning,
+    not a stop. Halted at 20 and resumed, the run keeps its minimum."""
+    common = dict(
+        precision="fp32",
+        num_steps=30,
+        lr_boundaries=(2 / 3,),
+        lr_decay=30.0,
+        divergence_factor=100.0,
+    )
+    train.train_and_evaluate(tiny_config(halt_after_steps=20, **common), str(tmp_path))
+    summary = train.train_and_evaluate(tiny_config(**common), str(tmp_path))
+    assert summary["resumed_from_step"] == 20 and summary["steps"] == 30
+    assert not summary["diverged"] and summary["stopped"] is None
+    with open(tmp_path / "metrics.csv") as f:
+        rows = {int(r["step"]): r for r in csv.DictReader(f)}
+    assert [rows[s]["loss_jump"] for s in (10, 20, 30)] == ["0", "0", "1"]
+    losses = {s: float(r["train_loss"]) for s, r in rows.items()}
+    assert losses[20] < losses[10] and losses[30] > 1.5 * losses[20] + 0.25 * math.log(4)
+    assert summary["loss_jumps"] == [
+        {"step": 30, "train_loss": losses[30], "running_min": losses[20], "running_min_step": 20}
+    ]
+    assert json.loads((tmp_path / "summary.json").read_text())["loss_jumps"][0]["step"] == 30
 
 
 def test_an_existing_directory_that_cannot_be_written_is_refused():

@@ -65,6 +65,8 @@ def test_smoke_run_writes_metrics_tensorboard_checkpoints_and_summary(shared_run
     with open(workdir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [10, 20, 30, 40]
+    # A loss that only falls: no jump, and no warning.
+    assert [r["loss_jump"] for r in rows] == ["0"] * 4 and summary["loss_jumps"] == []
     final = summary["final"]
     # 4 balanced classes: chance is 0.25; a trained model does much better.
     assert final["test_accuracy_avg_model"] > 0.6
