@@ -108,7 +108,8 @@ def get_config() -> ml_collections.ConfigDict:
     config.save_final_params = False  # write final_params.npz (all nodes)
     # Divergence stops the run (summary.json says why; exit status 3): the mean train
     # loss of a log interval non-finite, or above divergence_factor x ln(classes) (a
-    # uniform guess's loss), for divergence_patience intervals in a row. 0: off.
+    # uniform guess's loss), for divergence_patience intervals in a row; a run that
+    # ends on such an interval has diverged, whatever the streak. 0: off.
     config.divergence_factor = 10.0
     config.divergence_patience = 3
     return config
