@@ -104,12 +104,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.seed = 0
     config.log_every = 50  # steps per compiled chunk; metrics after each chunk
     config.checkpoint_every = 500  # a multiple of log_every; 0 = only at the end
-    config.eval_local_examples = 1000  # test examples for each node's own model
+    config.eval_local_examples = 1000  # test examples for each node's own model (0: none)
     config.halt_after_steps = 0  # stop after this many steps (as if killed after a checkpoint)
     config.save_final_params = False  # write final_params.npz (all nodes)
     # Divergence stops the run (summary.json says why; exit status 3): the mean train
     # loss of a log interval non-finite, or above divergence_factor x ln(classes) (a
-    # uniform guess's loss), for divergence_patience intervals in a row. 0: off.
+    # uniform guess's loss), for divergence_patience intervals in a row; a run that
+    # ends on such an interval has diverged, whatever the streak. 0: off.
     config.divergence_factor = 10.0
     config.divergence_patience = 3
     return config

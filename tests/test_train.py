@@ -65,6 +65,8 @@ def test_smoke_run_writes_metrics_tensorboard_checkpoints_and_summary(shared_run
     with open(workdir / "metrics.csv") as f:
         rows = list(csv.DictReader(f))
     assert [int(r["step"]) for r in rows] == [10, 20, 30, 40]
+    # A loss that only falls: no jump, and no warning.
+    assert [r["loss_jump"] for r in rows] == ["0"] * 4 and summary["loss_jumps"] == []
     final = summary["final"]
     # 4 balanced classes: chance is 0.25; a trained model does much better.
     assert final["test_accuracy_avg_model"] > 0.6
@@ -74,6 +76,27 @@ def test_smoke_run_writes_metrics_tensorboard_checkpoints_and_summary(shared_run
     assert os.listdir(workdir / "tensorboard")
     assert sorted(os.listdir(workdir / "checkpoints")) == ["30", "40"]
     assert json.loads((workdir / "summary.json").read_text())["steps"] == 40
+
+
+def test_no_local_evaluation_leaves_its_metrics_out(tmp_path):
+    """config.eval_local_examples = 0 evaluates only the node-averaged model: the nodes'
+    own models' metrics are absent (an empty cell in metrics.csv), never NaN."""
+    summary = train.train_and_evaluate(
+        tiny_config(eval_local_examples=0, num_steps=10, checkpoint_every=0), str(tmp_path)
+    )
+    assert summary["steps"] == 10
+    final = summary["final"]
+    assert "test_accuracy_local_mean" not in final
+    # 4 balanced classes: chance is 0.25.
+    assert final["test_accuracy_avg_model"] > 0.3
+    with open(tmp_path / "metrics.csv") as f:
+        (row,) = csv.DictReader(f)
+    assert row["test_accuracy_local_mean"] == "" and float(row["test_accuracy_avg_model"]) > 0.3
+
+    def refuse(constant):
+        raise AssertionError(f"summary.json holds {constant}")
+
+    json.loads((tmp_path / "summary.json").read_text(), parse_constant=refuse)
 
 
 DILOCO = {"algorithm": "diloco", "optimizer": "adam", "learning_rate": 0.01, "local_steps": 3}
@@ -248,6 +271,7 @@ BAD_CONFIGS = [
     ({"algorithm": "moniqua", "compressor": "top_k"}, "config.compressor='top_k' would be ignored"),
     ({"divergence_factor": 0.5}, r"config.divergence_factor=0.5 must be > 1"),
     ({"divergence_patience": 0}, r"config.divergence_patience=0 must be a positive integer"),
+    ({"eval_local_examples": -1}, r"config.eval_local_examples=-1 must be an integer >= 0"),
     (DILOCO | {"local_steps": 0}, r"config.local_steps=0 must be an integer >= 1"),
     (DILOCO | {"outer_lr": 0.0}, r"config.outer_lr=0.0 must be > 0"),
     (DILOCO | {"outer_momentum": 1.0}, r"config.outer_momentum=1.0 must be in \[0, 1\)"),

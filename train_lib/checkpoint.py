@@ -3,9 +3,12 @@
 A checkpoint holds the train state `{"params", "opt_state", "model_state"}`
 (every node's; the optimizer state with the algorithms' replicas, error
 buffers, push-sum weights and keys) and a JSON `meta` `{"step", "batcher",
-"checksum", "fingerprint"}`: the data position, which with the state is all a
-restarted run needs to end bit-identical to an uninterrupted one; a checksum of
-the state's bits; and the config fields that shape the state and the math.
+"divergence", "loss_jumps", "checksum", "fingerprint"}`: the data position,
+which with the state is all a restarted run needs to end bit-identical to an
+uninterrupted one; what the divergence and loss-jump checks have seen (the
+streak of bad log intervals, the running minimum and the warnings), so that a
+resumed run reaches the same verdict and summary; a checksum of the state's bits;
+and the config fields that shape the state and the math.
 
 Restoring is checked, newest step first:
 

@@ -115,14 +115,14 @@ class Evaluator:
         out = metrics_lib.evaluation(
             metrics_lib.to_host(avg), self.avg_count, "avg_model", self.next_token
         )
+        # With no examples for them (config.eval_local_examples = 0, or fewer than a
+        # sharded machine's workers) the nodes' own models go unevaluated and their
+        # metrics are left out, rather than logged as NaN.
         if self.local_count:
             local = programs["local_eval"](params, model_state, self.local_x, self.local_y)
             out |= metrics_lib.evaluation(
                 metrics_lib.to_host(local), self.local_total, "local_mean", self.next_token
             )
-        else:  # config.eval_local_examples = 0: no local evaluation
-            nan = (np.full(1, np.nan), np.full(1, np.nan))
-            out |= metrics_lib.evaluation(nan, 1, "local_mean", self.next_token)
         # (1/models) sum_i ||x_i - x_bar||^2: one model per node, or per machine when sharded.
         models = self.layout.machines if self.sharded else self.layout.num_nodes
         distances = np.asarray(metrics_lib.to_host(distance), np.float64)

@@ -37,8 +37,9 @@ def train_and_evaluate(
 
     Returns:
       The summary (also written to `workdir/summary.json`); `summary["diverged"]`
-      says whether the run stopped because its loss diverged, `summary["interrupted"]`
-      names the signal that stopped it.
+      says whether its loss diverged (it stopped for it, or ended on a bad log
+      interval; `summary["stopped"]` says which), `summary["interrupted"]` names the
+      signal that stopped it.
 
     Raises:
       RunError: a bad config, workdir or checkpoint, in one line.
@@ -90,9 +91,12 @@ def _train(
         loop.divergence_patience,
         reference=math.log(dataset.num_classes),
     )
+    jumps = metrics_lib.LossJumpMonitor(reference=math.log(dataset.num_classes))
     if meta is not None:
         step = int(meta["step"])
         batcher.restore(meta["batcher"])
+        divergence.restore(meta.get("divergence", {}))
+        jumps.restore(meta.get("loss_jumps", {}))
         logging.info("resumed from step %d of %s", step, workdir)
     resumed_from = step
     params, opt_state, model_state = state["params"], state["opt_state"], state["model_state"]
@@ -137,10 +141,12 @@ def _train(
         health = metrics_lib.health_counts(opt_state)
         eval_started = time.time()
         evaluated = evaluator.evaluate(params, opt_state, model_state, step)
+        train_loss = float(np.mean(losses))
+        jump = jumps.update(step, train_loss)
         metrics = {
             "step": step,
             "epoch": step / exp.steps_per_epoch,
-            "train_loss": float(np.mean(losses)),
+            "train_loss": train_loss,
             "train_accuracy": float(np.mean(np.asarray(accuracies))),
             **evaluated,
             "wire_bytes_per_step": float(wire_bytes),
@@ -156,22 +162,32 @@ def _train(
             "nonfinite_updates": health[0],
             "nonfinite_received": health[1],
             "theta_warnings": health[2],
+            "loss_jump": int(jumps.jumping),
         }
         writer.write(metrics)
-        stopped = diverged = divergence.update(step, metrics["train_loss"])
+        if jump:
+            logging.warning("%s", jump)
+        last = step == exp.total_steps
+        stopped = diverged = divergence.update(step, train_loss, last=last)
         if diverged:
-            # No checkpoint of a diverged state: a resumed run starts from the last good one.
+            # No checkpoint of a diverged state, the final one included: a resumed run
+            # starts from the last good one.
             logging.error("stopping: %s", diverged)
             break
         interrupted = stop.agreed() if stop is not None else None
         if (
             (loop.checkpoint_every and step % loop.checkpoint_every == 0)
-            or step == exp.total_steps
+            or last
             or step == halt_at
             or interrupted
         ):
             state = {"params": params, "opt_state": opt_state, "model_state": model_state}
-            meta = {"step": step, "batcher": batcher.state()}
+            meta = {
+                "step": step,
+                "batcher": batcher.state(),
+                "divergence": divergence.state(),
+                "loss_jumps": jumps.state(),
+            }
             checkpoint.save(manager, step, state, meta, exp.config_dict)
         if interrupted:
             stopped = (
@@ -194,6 +210,7 @@ def _train(
         "diverged": bool(diverged),
         "interrupted": interrupted.name if interrupted else None,
         "stopped": stopped,
+        "loss_jumps": jumps.warnings,
         "resumed_from_step": resumed_from,
         "wall_time_s": time.time() - started,
         "num_nodes": n,

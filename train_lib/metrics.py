@@ -39,6 +39,7 @@ METRIC_FIELDS = (
     "nonfinite_updates",
     "nonfinite_received",
     "theta_warnings",
+    "loss_jump",
 )
 
 #: A language model's columns (`next_token`): validation loss in nats and bits per
@@ -160,7 +161,8 @@ class MetricWriter:
             logging.warning("tensorboardX is not installed: no TensorBoard event files.")
 
     def write(self, metrics: dict[str, Any]) -> None:
-        """One row: `metrics` holds every field of the writer's `fields`."""
+        """One row of the writer's `fields`; a field `metrics` lacks (the nodes' own
+        models' `*_local_mean` when `config.eval_local_examples` = 0) is an empty cell."""
         if not self.enabled:
             return
         step = metrics["step"]
@@ -209,17 +211,23 @@ class DivergenceMonitor:
     An interval is bad when its loss is NaN/Inf or above `factor` times
     `reference`: train.py passes ln(num_classes), the cross-entropy of a uniform
     guess (an absolute yardstick: a run can already have diverged in its first
-    interval); None takes the first finite interval's loss. `patience` bad
-    intervals in a row end the run; a good one resets the count, so one bad step
-    (a NaN gradient that lpdec's guards drop) does not. `factor=0` never stops a run.
+    interval); None takes the first finite interval's loss. Mid-run, `patience`
+    bad intervals in a row end the run; a good one resets the count, so one bad
+    interval (a NaN gradient that lpdec's guards drop) does not. The run's last
+    interval has no later one to recover in: a run that ends on a bad interval has
+    diverged, however short its streak. `factor=0` never stops a run.
+
+    The streak is part of a checkpoint (`state`, `restore`), so a resumed run
+    reaches the verdict an uninterrupted one would.
     """
 
     def __init__(self, factor: float, patience: int, reference: float | None = None):
         self.factor, self.patience = factor, patience
         self.reference, self.bad = reference, 0
 
-    def update(self, step: int, loss: float) -> str | None:
-        """Records the interval ending at `step`; returns why the run must stop, or None."""
+    def update(self, step: int, loss: float, *, last: bool = False) -> str | None:
+        """Records the interval ending at `step` (`last`: the run's final one); returns
+        why the run has diverged, or None."""
         if not self.factor:
             return None
         finite = bool(np.isfinite(loss))
@@ -227,10 +235,108 @@ class DivergenceMonitor:
             self.reference = loss
         exploding = finite and self.reference is not None and loss > self.factor * self.reference
         self.bad = self.bad + 1 if (not finite or exploding) else 0
-        if self.bad < self.patience:
+        if not self.bad or (self.bad < self.patience and not last):
             return None
         what = "not finite" if not finite else f"above {self.factor:g} x {self.reference:.4g}"
+        if self.bad < self.patience:
+            return (
+                f"diverged: train_loss {loss:.4g} at step {step} ({what}) when the run ended, "
+                f"bad for its last {self.bad} log interval(s) (config.divergence_factor; "
+                "config.divergence_patience only spares a run that goes on)"
+            )
         return (
             f"diverged: train_loss {loss:.4g} at step {step} ({what}) for {self.bad} log "
             "intervals in a row (config.divergence_factor, config.divergence_patience)"
         )
+
+    def state(self) -> dict[str, Any]:
+        """The bad intervals in a row so far, for a checkpoint's JSON meta."""
+        return {"bad": self.bad}
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """The streak `state` saved (a checkpoint written before it was saved: none)."""
+        self.bad = int(state.get("bad", 0))
+
+
+#: A log interval's mean train loss has jumped when it is above LOSS_JUMP_RATIO times
+#: the run's lowest so far AND more than LOSS_JUMP_MARGIN times a uniform guess's loss
+#: above it. The margin keeps a small loss's noise quiet (0.003 -> 0.01 is no jump):
+#: giving back a quarter of the way from a perfect model to a uniform guess is a
+#: collapse, and an interval's mean over log_every x nodes x batch examples is far
+#: steadier than that. The ratio keeps a high loss's wobbles quiet (early training, a
+#: hard task). Together they catch a fall back to a uniform guess from any minimum
+#: below 2/3 of its loss, and EXPERIMENTS.md's torus runs (0.003 -> 0.9 with 10
+#: classes: 0.9 > 1.5 x 0.003 and 0.9 - 0.003 > 0.25 x ln 10 = 0.58).
+LOSS_JUMP_RATIO = 1.5
+LOSS_JUMP_MARGIN = 0.25
+
+
+class LossJumpMonitor:
+    """Warns when the train loss jumps far above its running minimum and stays finite.
+
+    Such a collapse (a model that had learned and lost it) is no divergence:
+    the run goes on (`DivergenceMonitor` stops runs). Each log interval's mean
+    train loss is compared with the lowest before it (see `LOSS_JUMP_RATIO`);
+    `jumping` says whether the last one jumped, and `warnings` holds one entry
+    per episode of jumping intervals, made by its first: `{"step",
+    "train_loss", "running_min", "running_min_step"}`. NaN/Inf intervals are
+    the divergence check's: they neither jump nor lower the minimum.
+
+    Args:
+      reference: the loss of a uniform guess (train.py: ln(num_classes)), the
+        yardstick of the margin.
+    """
+
+    def __init__(
+        self, reference: float, ratio: float = LOSS_JUMP_RATIO, margin: float = LOSS_JUMP_MARGIN
+    ):
+        self.reference, self.ratio, self.margin = reference, ratio, margin
+        self.running_min: float | None = None
+        self.running_min_step: int | None = None
+        self.jumping = False
+        self.warnings: list[dict[str, Any]] = []
+
+    def update(self, step: int, loss: float) -> str | None:
+        """Records the interval ending at `step`; returns a warning line when a jump
+        begins (the interval before did not jump), else None."""
+        low, before = self.running_min, self.jumping
+        finite = math.isfinite(loss)
+        self.jumping = (
+            finite
+            and low is not None
+            and loss > self.ratio * low
+            and loss - low > self.margin * self.reference
+        )
+        if finite and (low is None or loss < low):
+            self.running_min, self.running_min_step = loss, step
+        if not self.jumping or before:
+            return None
+        self.warnings.append(
+            {
+                "step": step,
+                "train_loss": loss,
+                "running_min": low,
+                "running_min_step": self.running_min_step,
+            }
+        )
+        return (
+            f"loss jump: train_loss {loss:.4g} at step {step}, up from its lowest "
+            f"{low:.4g} (step {self.running_min_step}): above {self.ratio:g} x that and "
+            f"more than {self.margin:g} x {self.reference:.4g} over it; the run goes on"
+        )
+
+    def state(self) -> dict[str, Any]:
+        """Everything `update` has recorded, for a checkpoint's JSON meta."""
+        return {
+            "running_min": self.running_min,
+            "running_min_step": self.running_min_step,
+            "jumping": self.jumping,
+            "warnings": self.warnings,
+        }
+
+    def restore(self, state: dict[str, Any]) -> None:
+        """What `state` saved (a checkpoint written before it was saved: nothing)."""
+        self.running_min = state.get("running_min")
+        self.running_min_step = state.get("running_min_step")
+        self.jumping = bool(state.get("jumping", False))
+        self.warnings = [dict(w) for w in state.get("warnings", [])]

@@ -40,7 +40,8 @@ class LoopPlan:
         at the end, a halt or a stop).
       halt_after_steps: stop (with a checkpoint) this many steps after the run's start
         or resumption; 0 = run to the end.
-      eval_local_examples: test examples each node's own model is evaluated on.
+      eval_local_examples: test examples each node's own model is evaluated on (0: none,
+        and the metrics have no `*_local_mean` fields).
       divergence_factor: a loss above this times a uniform guess's counts as diverged
         (0 = never stop a run for its loss).
       divergence_patience: log intervals in a row of such a loss that stop the run.
@@ -293,6 +294,11 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     for field in ("num_nodes", "batch_size", "log_every"):
         if not isinstance(config[field], int) or config[field] < 1:
             _fail(f"config.{field}={config[field]!r} must be a positive integer.")
+    if not isinstance(config.eval_local_examples, int) or config.eval_local_examples < 0:
+        _fail(
+            f"config.eval_local_examples={config.eval_local_examples!r} must be an integer "
+            ">= 0 (0: no evaluation of each node's own model)."
+        )
     if config.num_steps < 0 or config.num_epochs < 0 or not (config.num_steps or config.num_epochs):
         _fail("set config.num_steps (> 0) or config.num_epochs (> 0).")
     if not (config.divergence_factor == 0 or config.divergence_factor > 1):
