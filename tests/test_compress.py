@@ -558,3 +558,56 @@ def test_tree_helpers_compress_leaf_by_leaf(rng):
     assert int((np.asarray(decoded["w"]) != 0).sum()) == 120
     assert int((np.asarray(decoded["b"], np.float32) != 0).sum()) == 4
     assert decoded["b"].dtype == jnp.bfloat16
+
+
+@pytest.mark.parametrize(
+    "comp",
+    [
+        lpdec.minmax(4),
+        lpdec.minmax(3, "stochastic", chunk_size=100),
+        lpdec.mx("fp4"),
+        lpdec.chunked_top_k(5, chunk_size=100, bits=3),
+        lpdec.top_k(0.1),
+    ],
+    ids=repr,
+)
+def test_encode_feedback_is_encode_of_the_sum_and_its_error(rng, comp):
+    """(Q(v), v - D(Q(v))) for v = u + decay * e, computed here in numpy from encode/decode."""
+    u = rng.standard_normal(1037).astype(np.float32)
+    e = (0.1 * rng.standard_normal(1037)).astype(np.float32)
+    key = jax.random.key(4)
+    payload, error = jax.jit(lambda u, e: comp.encode_feedback(u, e, key, 0.75))(u, e)
+    v = u + np.float32(0.75) * e  # decay * e is exact here, so no rounding question
+    expected = jax.jit(lambda v: comp.encode(v, key))(v)
+    for a, b in zip(jax.tree.leaves(payload), jax.tree.leaves(expected), strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    decoded = np.asarray(jax.jit(lambda p: comp.decode(p, key=key))(expected), np.float32)
+    np.testing.assert_array_equal(np.asarray(error), v - decoded)
+
+
+@pytest.mark.parametrize("chunk_size, stochastic", [(1000, True), (2048, False)])
+def test_minmax_fused_feedback_kernel_matches_the_unfused_path(rng, chunk_size, stochastic):
+    """The GPU kernel (interpreted as the GPU builds it) against quantize + decode."""
+    from lpdec.kernels_pallas import minmax as minmax_kernels
+    from lpdec.kernels_pallas import platforms
+
+    u = jnp.asarray(rng.standard_normal(7013), jnp.float32)
+    e = jnp.asarray(rng.standard_normal(7013), jnp.float32)
+    seeds = jnp.asarray([[11, 12]], jnp.uint32)
+
+    def run(target):
+        return jax.jit(
+            lambda u, e: minmax_kernels._quantize_feedback_on(
+                u,
+                e,
+                jnp.float32(0.3),
+                seeds,
+                chunk=chunk_size,
+                bits=4,
+                stochastic=stochastic,
+                target=target,
+            )
+        )(u, e)
+
+    for a, b in zip(run(platforms.Target("gpu", True)), run(None), strict=True):
+        np.testing.assert_array_equal(np.asarray(a).reshape(-1), np.asarray(b).reshape(-1))

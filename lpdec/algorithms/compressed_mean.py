@@ -42,6 +42,7 @@ its residual unchanged for that step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -56,6 +57,7 @@ from lpdec.algorithms import declaration
 from lpdec.algorithms import health as health_lib
 from lpdec.compress import Modulo
 from lpdec.compress import base as compress_base
+from lpdec.kernels_pallas import numerics
 
 _SCATTER_REDUCE = 1
 _ALL_GATHER = 2
@@ -298,12 +300,16 @@ def _gathered_mean(
     axis_name: gossip.AxisName,
     device_id: Callable[[jax.Array], jax.Array],
     error_feedback: bool,
+    residual: jax.Array | None = None,
+    decay=1.0,
 ) -> tuple[jax.Array, jax.Array, jax.Array | None]:
     """One round: every node's whole payload to every node (one all-gather), averaged.
 
     Nothing is compressed twice: each node decodes the n payloads and sums them in
     node order, so every node ends with the same bits. Returns what `_two_round_mean`
-    returns; the residual is v - Q(v).
+    returns; the residual is v - Q(v). With error feedback `vector` is the update
+    and v = vector + decay * residual is formed inside the compressor's
+    `encode_feedback` (one fused pass on GPU for min-max).
     """
     n = jax.lax.axis_size(axis_name)
     me = gossip.node_index(axis_name)
@@ -312,7 +318,10 @@ def _gathered_mean(
     def key_of(sender):
         return _chunk_key(state.key, state.count, sender, _GATHER_ONLY, 0)
 
-    payload = compressor.encode(vector, key_of(device_id(me)))
+    if error_feedback:
+        payload, error = compressor.encode_feedback(vector, residual, key_of(device_id(me)), decay)
+    else:
+        payload = compressor.encode(vector, key_of(device_id(me)))
     rows = jax.tree.map(lambda x: x[None], payload)
     gathered = gossip.all_gather_payload(_pack_rows(rows)[0], axis_name=axis_name)
     decoded, ok = _decode_rows(
@@ -326,7 +335,7 @@ def _gathered_mean(
     skipped = jnp.sum((~ok).astype(jnp.int32))
     if not error_feedback:
         return mean, skipped, None
-    return mean, skipped, vector - jnp.take(decoded, me, axis=0)
+    return mean, skipped, error
 
 
 def step(
@@ -378,20 +387,31 @@ def step(
     share = flat
     if hp.local_axis is not None:
         share = gossip.local_reduce_scatter(_pad(flat, local_size), axis_name=hp.local_axis)
-    if hp.error_feedback:
-        share = share + hp.error_decay * state.residual
-    exchange = _two_round_mean if hp.rounds == 2 else _gathered_mean
-    mean, skipped, error = exchange(
-        share,
-        state,
+    exchange = functools.partial(
+        _two_round_mean,
         compressor=hp.compressor,
         axis_name=hp.axis_name,
         device_id=device_id,
         error_feedback=hp.error_feedback,
     )
+    if hp.rounds == 1:
+        # One round sends the whole share once: the residual enters inside the encode.
+        exchange = functools.partial(
+            _gathered_mean,
+            compressor=hp.compressor,
+            axis_name=hp.axis_name,
+            device_id=device_id,
+            error_feedback=hp.error_feedback,
+            residual=state.residual if hp.error_feedback else None,
+            decay=hp.error_decay,
+        )
+    elif hp.error_feedback:
+        share = numerics.feedback_sum(share, state.residual, hp.error_decay)
+    mean, skipped, error = exchange(share, state)
     residual = state.residual
     if hp.error_feedback:
-        residual = jnp.where(jnp.all(jnp.isfinite(share)), error, state.residual)
+        # v = share (+ decay * residual) non-finite: keep the old residual.
+        residual = jnp.where(jnp.all(jnp.isfinite(error)), error, state.residual)
     if hp.local_axis is not None:
         mean = gossip.local_all_gather(mean, axis_name=hp.local_axis)[: flat.size]
     offset = 0

@@ -22,6 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lpdec.kernels_pallas import numerics
+
 ROUNDINGS = ("nearest", "stochastic")
 
 
@@ -88,6 +90,20 @@ class Compressor(abc.ABC):
     @abc.abstractmethod
     def is_finite(self, payload: Any) -> jax.Array:
         """bool scalar: False when the encoded array held NaN or Inf."""
+
+    def encode_feedback(
+        self, update: jax.Array, residual: jax.Array, key: jax.Array | None = None, decay=1.0
+    ) -> tuple[Any, jax.Array]:
+        """Error feedback's encode: (encode(v), v - decode(...)) for v = update + decay * residual.
+
+        v and the new residual are float32 (`update`'s shape); the product decay *
+        residual is rounded before the add (`lpdec.kernels_pallas.rounded`), so every
+        implementation sums the same bits. Compressors with a fused kernel (min-max
+        on GPU) override this to read each input once.
+        """
+        v = numerics.feedback_sum(update, residual, decay)
+        payload = self.encode(v, key)
+        return payload, v - self.decode(payload, key=key).astype(jnp.float32)
 
     def decode_accumulate(
         self, payload: Any, acc: jax.Array, weight, *, reference=None, key=None

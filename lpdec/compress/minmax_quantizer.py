@@ -100,6 +100,32 @@ class MinMax(base.Compressor):
         )
         return MinMaxPayload(packed, lo.reshape(-1), unit.reshape(-1), tuple(x.shape), x.dtype)
 
+    def encode_feedback(
+        self, update: jax.Array, residual: jax.Array, key: jax.Array | None = None, decay=1.0
+    ) -> tuple[MinMaxPayload, jax.Array]:
+        """`Compressor.encode_feedback`, bit for bit; on GPU one fused pass over both inputs."""
+        update = base.check_float_input(update, "minmax")
+        seeds = None
+        if self.needs_key:
+            seeds = kernels.seeds_from_key(base.check_key(key, "minmax(rounding='stochastic')"))
+        codes, lo, unit, error = kernels.minmax_quantize_feedback(
+            update,
+            residual,
+            decay,
+            seeds,
+            bits=self.bits,
+            stochastic=self.needs_key,
+            chunk=self._layout(update.size)[1],
+            implementation=self.implementation,
+        )
+        packed = kernels.pack_bits(
+            codes.reshape(-1), bits=self.bits, implementation=self.implementation
+        )
+        payload = MinMaxPayload(
+            packed, lo.reshape(-1), unit.reshape(-1), tuple(update.shape), jnp.dtype(jnp.float32)
+        )
+        return payload, error
+
     def _codes(self, payload: MinMaxPayload, shape: tuple[int, ...]) -> jax.Array:
         """The payload's codes, unpacked, in `shape`."""
         codes = kernels.unpack_bits(

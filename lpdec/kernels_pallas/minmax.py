@@ -576,6 +576,43 @@ def _gpu_accumulate_kernel(
     platforms.pallas_triton.store(out_ref.at[offsets], out, mask=valid)
 
 
+def _gpu_feedback_kernel(
+    seeds_ref,
+    decay_ref,
+    update_ref,
+    residual_ref,
+    codes_ref,
+    lo_ref,
+    unit_ref,
+    out_residual_ref,
+    *,
+    size,
+    chunk,
+    br,
+    width,
+    bits,
+    stochastic,
+):
+    """One pass of error feedback: v = u + decay * e -> codes, scales and v - decode."""
+    rows, offsets, valid = _gpu_offsets(br, width, chunk, size)
+    update = platforms.pallas_triton.load(update_ref.at[offsets], mask=valid, other=0)
+    residual = platforms.pallas_triton.load(residual_ref.at[offsets], mask=valid, other=0)
+    v = numerics.feedback_sum(update, residual, decay_ref[0, 0])
+    key = _order_key(v)
+    lo = _from_order_key(jnp.min(jnp.where(valid, key, _INT32_MAX), axis=1, keepdims=True))
+    hi = _from_order_key(jnp.max(jnp.where(valid, key, _INT32_MIN), axis=1, keepdims=True))
+    unit = (hi - lo) * jnp.float32(1.0 / numerics.levels(bits))
+    inv_unit = 1.0 / jnp.where(unit > 0, unit, jnp.float32(jnp.inf))
+    index = offsets.astype(jnp.uint32) if stochastic else None
+    codes = _codes(v, lo, inv_unit, seeds_ref, index, bits=bits)
+    platforms.pallas_triton.store(codes_ref.at[offsets], codes, mask=valid)
+    error = v - _dequantize_rows(codes, lo, unit)
+    platforms.pallas_triton.store(out_residual_ref.at[offsets], error, mask=valid)
+    in_rows = rows < lo_ref.shape[0]
+    platforms.pallas_triton.store(lo_ref.at[rows], lo[:, 0], mask=in_rows)
+    platforms.pallas_triton.store(unit_ref.at[rows], unit[:, 0], mask=in_rows)
+
+
 def _whole(n: int):
     """BlockSpec of a flat array every grid step addresses itself."""
     return pl.BlockSpec((n,), lambda i: (0,))
@@ -609,6 +646,39 @@ def gpu_quantize(flat, seeds, *, chunk, bits, stochastic, target, block_rows=Non
             platforms.out_struct((rows,), jnp.float32, flat),
         ],
     )(seeds, flat)
+
+
+def gpu_quantize_feedback(
+    update, residual, decay, seeds, *, chunk, bits, stochastic, target, block_rows=None
+):
+    """GPU kernel: (codes, lo, unit, new residual) of v = update + decay * residual, flat.
+
+    Reads the update and the residual once and writes the codes and the new
+    residual v - decode(codes) in the same pass (the residual aliases in place).
+    """
+    size = update.size
+    rows = platforms.num_rows(size, chunk)
+    return _gpu_call(
+        functools.partial(_gpu_feedback_kernel, bits=bits, stochastic=stochastic),
+        size=size,
+        chunk=chunk,
+        block_rows=block_rows,
+        target=target,
+        in_specs=[
+            target.scalar_spec((1, 2)),
+            target.scalar_spec((1, 1)),
+            _whole(size),
+            _whole(size),
+        ],
+        out_specs=[_whole(size), _whole(rows), _whole(rows), _whole(size)],
+        out_shape=[
+            platforms.out_struct((size,), jnp.uint8, update),
+            platforms.out_struct((rows,), jnp.float32, update),
+            platforms.out_struct((rows,), jnp.float32, update),
+            platforms.out_struct((size,), jnp.float32, update),
+        ],
+        input_output_aliases={3: 3},
+    )(seeds, jnp.asarray(decay, jnp.float32).reshape(1, 1), update, residual)
 
 
 def gpu_dequantize(codes, lo, unit, *, chunk, dtype, target, block_rows=None):
@@ -819,4 +889,70 @@ def dequantize_accumulate(
     body = functools.partial(_dequantize_accumulate_on, chunk=chunk)
     return platforms.dispatch(
         implementation, body, acc, weight, codes, lo, unit, interpret=interpret
+    )
+
+
+def _quantize_feedback_on(update, residual, decay, seeds, *, chunk, bits, stochastic, target):
+    """The error-feedback quantize `target` runs: the fused GPU kernel, or quantize + residual."""
+    rows, chunk = _layout(update.size, chunk, update.shape)
+    if (
+        target is not None
+        and target.platform == "gpu"
+        and quantize_lowers(target, rows, chunk, jnp.float32)
+    ):
+        codes, lo, unit, error = gpu_quantize_feedback(
+            update.reshape(-1),
+            residual.astype(jnp.float32).reshape(-1),
+            decay,
+            seeds,
+            chunk=chunk,
+            bits=bits,
+            stochastic=stochastic,
+            target=target,
+        )
+        return codes.reshape(update.shape), lo[:, None], unit[:, None], error.reshape(update.shape)
+    v = numerics.feedback_sum(update, residual, decay)
+    codes, lo, unit = _quantize_on(
+        v, seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
+    )
+    decoded = _dequantize_on(codes, lo, unit, chunk=chunk, dtype=jnp.float32, target=target)
+    return codes, lo, unit, v - decoded
+
+
+def quantize_feedback(
+    update,
+    residual,
+    decay=1.0,
+    seeds=None,
+    *,
+    bits: int,
+    stochastic: bool,
+    chunk: int | None = None,
+    implementation: platforms.Implementation = None,
+    interpret: bool = False,
+):
+    """Error feedback's quantize: v = update + decay * residual, its codes, and v - decode.
+
+    The result is `quantize(numerics.feedback_sum(update, residual, decay))` and the new
+    residual v - dequantize(...) in float32, bit for bit; on GPU one kernel reads
+    each input once and writes the codes and the residual in the same pass.
+
+    Returns:
+      (codes in update's shape, lo [rows, 1], unit [rows, 1], new residual float32).
+    """
+    if stochastic and seeds is None:
+        raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
+    if seeds is None:
+        seeds = jnp.zeros((1, 2), jnp.uint32)
+    body = functools.partial(
+        _quantize_feedback_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
+    )
+    return platforms.dispatch(
+        implementation,
+        body,
+        update,
+        residual,
+        jnp.asarray(decay, jnp.float32),
+        seeds,
+        interpret=interpret,
     )

@@ -112,3 +112,13 @@ def round_up_significand(value, bits: int = 16):
     u = jax.lax.bitcast_convert_type(f, jnp.uint32)
     u = (u + jnp.uint32(mask)) & jnp.uint32(~mask & 0xFFFFFFFF)
     return jax.lax.bitcast_convert_type(u, jnp.float32)
+
+
+def feedback_sum(update, residual, decay):
+    """v = update + decay * residual in float32: what error feedback compresses.
+
+    The product is `rounded`, so the sum rounds the same in every program (a
+    fused multiply-add would round once).
+    """
+    decay = jnp.asarray(decay, jnp.float32)
+    return update.astype(jnp.float32) + rounded(decay * residual.astype(jnp.float32))
