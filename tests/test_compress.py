@@ -611,3 +611,37 @@ def test_minmax_fused_feedback_kernel_matches_the_unfused_path(rng, chunk_size, 
 
     for a, b in zip(run(platforms.Target("gpu", True)), run(None), strict=True):
         np.testing.assert_array_equal(np.asarray(a).reshape(-1), np.asarray(b).reshape(-1))
+
+
+@pytest.mark.parametrize("bits, rounding", [(8, "stochastic"), (3, "nearest")])
+def test_minmax_encode_leaves_equals_leaf_by_leaf_encode(rng, bits, rounding):
+    """One launch for many leaves (the GPU kernel, interpreted as the GPU builds it),
+    against each leaf's own encode."""
+    from lpdec.kernels_pallas import minmax as minmax_kernels
+    from lpdec.kernels_pallas import platforms
+
+    comp = lpdec.minmax(bits, rounding, chunk_size=1000)
+    leaves = [rng.standard_normal(s).astype(np.float32) for s in [(7013,), (64, 3), (5,), (1,)]]
+    keys = list(jax.random.split(jax.random.key(9), len(leaves)))
+    expected = [
+        jax.jit(lambda x, k: comp.encode(x, k))(x, k) for x, k in zip(leaves, keys, strict=True)
+    ]
+    got = jax.jit(lambda xs, ks: comp.encode_leaves(xs, ks))(leaves, keys)
+    seeds = jnp.concatenate([lpdec.kernels_pallas.seeds_from_key(k) for k in keys])
+    on_gpu = jax.jit(
+        lambda xs: minmax_kernels._quantize_leaves_on(
+            xs,
+            seeds,
+            chunks=(1000,) * len(xs),
+            bits=bits,
+            stochastic=rounding == "stochastic",
+            target=platforms.Target("gpu", True),
+        )
+    )(leaves)
+    for e, g, (codes, lo, unit) in zip(expected, got, on_gpu, strict=True):
+        for a, b in zip(jax.tree.leaves(e), jax.tree.leaves(g), strict=True):
+            np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        np.testing.assert_array_equal(np.asarray(lo).reshape(-1), np.asarray(e.lo))
+        np.testing.assert_array_equal(np.asarray(unit).reshape(-1), np.asarray(e.unit))
+        unpacked = lpdec.kernels_pallas.unpack_bits(e.codes, bits=bits, num_elements=codes.size)
+        np.testing.assert_array_equal(np.asarray(codes).reshape(-1), np.asarray(unpacked))

@@ -297,3 +297,20 @@ def test_choco_step_under_shard_map_lowers_to_kernels():
         }
         counts[platform] = kernel_calls(trace(sharded, params, params), platform)
     assert all(np.array(list(counts.values())) > 0), counts
+
+
+def test_a_whole_tree_quantizes_in_one_gpu_launch():
+    """encode_tree of a model's leaves: one quantize kernel on GPU (8-bit codes need no packing).
+
+    Leaves of every kind (a 1000-element chunk, a ragged size, a scalar bias) share it.
+    """
+    comp = lpdec.minmax(8, "stochastic")
+    tree = {
+        "embed": jax.ShapeDtypeStruct((256, 64), jnp.float32),
+        "w": [jax.ShapeDtypeStruct((64, 192), jnp.float32) for _ in range(4)],
+        "b": [jax.ShapeDtypeStruct((1000,), jnp.float32), jax.ShapeDtypeStruct((7,), jnp.bfloat16)],
+        "scale": jax.ShapeDtypeStruct((), jnp.float32),
+    }
+    encode = trace(lambda t: lpdec.compress.encode_tree(comp, t, KEY), tree)
+    assert kernel_calls(encode, "cuda") == 1
+    assert kernel_calls(encode, "tpu") > 1  # TPU keeps one launch per leaf

@@ -12,6 +12,7 @@ gradients).
 
 from __future__ import annotations
 
+from bench.experiments.render import accuracy
 from bench.experiments.render import fmt
 from bench.experiments.runner import Runner
 from bench.experiments.runner import describe_schedule
@@ -72,11 +73,15 @@ def mx(runner: Runner, docs: str) -> str:
     del docs
     runs = mx_runs(runner)
     columns = [c for c in (*COMPRESSORS, "fp32") if (next(iter(SETTINGS)), c) in runs]
+    minmax, mxfp4 = COMPRESSORS
     rows = []
     for setting in SETTINGS:
         cells = [fmt(runs[(setting, column)]) for column in columns]
+        gap = accuracy(runs[(setting, mxfp4)])[0] - accuracy(runs[(setting, minmax)])[0]
+        sent = [runs[(setting, c)][0]["bytes_per_node_per_step"] for c in (minmax, mxfp4)]
+        cells += [f"{gap:+.1f}", " / ".join(f"{b:,.0f}" for b in sent)]
         rows.append(f"| {setting} | " + " | ".join(cells) + " |")
-    header = " | ".join(columns)
+    header = " | ".join(columns) + " | MXFP4 − min-max (points) | bytes per node per step"
     config = seed002_config(runner.quick)
     seeds = 1 if runner.quick else runner.seeds
     return "\n".join(
@@ -94,7 +99,7 @@ def mx(runner: Runner, docs: str) -> str:
             "model, mean ± std over seeds.",
             "",
             f"| setting | {header} |",
-            "|---|" + "---|" * len(columns),
+            "|---|" + "---|" * (len(columns) + 2),
             *rows,
         ]
     )

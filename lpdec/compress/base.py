@@ -91,6 +91,11 @@ class Compressor(abc.ABC):
     def is_finite(self, payload: Any) -> jax.Array:
         """bool scalar: False when the encoded array held NaN or Inf."""
 
+    def encode_leaves(self, leaves: list, keys: list) -> list:
+        """`encode` of each array (`keys[i]` may be None); compressors with a
+        many-array kernel (min-max on GPU) override it to launch once for all."""
+        return [self.encode(x, k) for x, k in zip(leaves, keys, strict=True)]
+
     def encode_feedback(
         self, update: jax.Array, residual: jax.Array, key: jax.Array | None = None, decay=1.0
     ) -> tuple[Any, jax.Array]:

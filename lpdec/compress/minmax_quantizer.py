@@ -100,6 +100,35 @@ class MinMax(base.Compressor):
         )
         return MinMaxPayload(packed, lo.reshape(-1), unit.reshape(-1), tuple(x.shape), x.dtype)
 
+    def encode_leaves(self, leaves: list, keys: list) -> list[MinMaxPayload]:
+        """`encode` of each leaf, bit for bit; on GPU one quantize launch for all of them."""
+        leaves = [base.check_float_input(x, "minmax") for x in leaves]
+        if not leaves:
+            return []
+        seeds = jnp.zeros((len(leaves), 2), jnp.uint32)
+        if self.needs_key:
+            who = "minmax(rounding='stochastic')"
+            seeds = jnp.concatenate(
+                [kernels.seeds_from_key(base.check_key(k, who)) for k in keys], axis=0
+            )
+        quantized = kernels.minmax_quantize_leaves(
+            leaves,
+            seeds,
+            bits=self.bits,
+            stochastic=self.needs_key,
+            chunks=[self._layout(x.size)[1] for x in leaves],
+            implementation=self.implementation,
+        )
+        payloads = []
+        for x, (codes, lo, unit) in zip(leaves, quantized, strict=True):
+            packed = kernels.pack_bits(
+                codes.reshape(-1), bits=self.bits, implementation=self.implementation
+            )
+            payloads.append(
+                MinMaxPayload(packed, lo.reshape(-1), unit.reshape(-1), tuple(x.shape), x.dtype)
+            )
+        return payloads
+
     def encode_feedback(
         self, update: jax.Array, residual: jax.Array, key: jax.Array | None = None, decay=1.0
     ) -> tuple[MinMaxPayload, jax.Array]:

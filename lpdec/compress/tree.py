@@ -10,10 +10,14 @@ from lpdec.compress import base
 
 
 def encode_tree(compressor: base.Compressor, tree: Any, key: jax.Array | None = None) -> Any:
-    """Encodes every leaf of `tree`; returns a tree of payloads of the same structure."""
+    """Encodes every leaf of `tree`; returns a tree of payloads of the same structure.
+
+    Each leaf is its own payload (layer-wise); `Compressor.encode_leaves` may run
+    them as one kernel launch (min-max on GPU), with the same bytes.
+    """
     leaves, treedef = jax.tree.flatten(tree)
     keys = [None] * len(leaves) if key is None else list(jax.random.split(key, len(leaves)))
-    return treedef.unflatten([compressor.encode(x, k) for x, k in zip(leaves, keys, strict=True)])
+    return treedef.unflatten(compressor.encode_leaves(leaves, keys))
 
 
 def decode_tree(compressor: base.Compressor, payloads: Any, like: Any) -> Any:

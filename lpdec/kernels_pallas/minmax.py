@@ -132,11 +132,13 @@ def _codes(x, lo, inv_unit, seeds, index, *, bits: int):
     """Element-wise codes of float32 x given scales broadcastable to x.
 
     `index` (uint32, x's shape) is each element's flat index for stochastic
-    rounding, None for nearest.
+    rounding, None for nearest. `seeds`: a uint32[1, 2] array or ref, or the
+    pair of scalars already loaded (a kernel reading one row of a seed table).
     """
     t = (x - lo) * inv_unit
     if index is not None:
-        t = jnp.floor(numerics.rounded(t) + numerics.hash_uniform(seeds[0, 0], seeds[0, 1], index))
+        seed0, seed1 = seeds if isinstance(seeds, tuple) else (seeds[0, 0], seeds[0, 1])
+        t = jnp.floor(numerics.rounded(t) + numerics.hash_uniform(seed0, seed1, index))
     # Rounding error can push t just outside [0, top]: the codes clamp at both ends.
     # A NaN t (the row's scales already carry the NaN) gets code 0.
     return _codes_from_levels(t, numerics.levels(bits))
@@ -522,19 +524,35 @@ def block_rows_for_gpu(rows: int, width: int) -> int:
     return platforms.block_rows_for(rows, width, platforms.Target("gpu").block_elements)
 
 
-def _gpu_offsets(br: int, width: int, chunk: int, size: int):
-    """The grid step's (row indices [br], flat offsets [br, width], valid [br, width])."""
-    row = pl.program_id(0) * br + jax.lax.broadcasted_iota(jnp.int32, (br, width), 0)
+def _gpu_offsets(br: int, width: int, chunk: int, size: int, step=None):
+    """The grid step's (row indices [br], flat offsets [br, width], valid [br, width]).
+
+    `step`: the step within this array's grid (default: the program id).
+    """
+    step = pl.program_id(0) if step is None else step
+    row = step * br + jax.lax.broadcasted_iota(jnp.int32, (br, width), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (br, width), 1)
     offsets = row * chunk + col
-    rows = pl.program_id(0) * br + jax.lax.broadcasted_iota(jnp.int32, (br,), 0)
+    rows = step * br + jax.lax.broadcasted_iota(jnp.int32, (br,), 0)
     return rows, offsets, (col < chunk) & (offsets < size)
 
 
 def _gpu_quantize_kernel(
-    seeds_ref, x_ref, codes_ref, lo_ref, unit_ref, *, size, chunk, br, width, bits, stochastic
+    seeds_ref,
+    x_ref,
+    codes_ref,
+    lo_ref,
+    unit_ref,
+    *,
+    size,
+    chunk,
+    br,
+    width,
+    bits,
+    stochastic,
+    step=None,
 ):
-    rows, offsets, valid = _gpu_offsets(br, width, chunk, size)
+    rows, offsets, valid = _gpu_offsets(br, width, chunk, size, step)
     x = platforms.pallas_triton.load(x_ref.at[offsets], mask=valid, other=0).astype(jnp.float32)
     key = _order_key(x)
     lo = _from_order_key(jnp.min(jnp.where(valid, key, _INT32_MAX), axis=1, keepdims=True))
@@ -679,6 +697,73 @@ def gpu_quantize_feedback(
         ],
         input_output_aliases={3: 3},
     )(seeds, jnp.asarray(decay, jnp.float32).reshape(1, 1), update, residual)
+
+
+def _gpu_leaves_kernel(seeds_ref, *refs, plans, bits, stochastic):
+    """One launch for many arrays: grid steps [start, start + steps) belong to array i."""
+    n = len(plans)
+    x_refs, codes_refs, lo_refs, unit_refs = (refs[k * n : (k + 1) * n] for k in range(4))
+    pid = pl.program_id(0)
+    for i, (start, steps, size, chunk, br, width) in enumerate(plans):
+
+        @pl.when((pid >= start) & (pid < start + steps))
+        def _(i=i, start=start, size=size, chunk=chunk, br=br, width=width):
+            _gpu_quantize_kernel(
+                (seeds_ref[i, 0], seeds_ref[i, 1]),
+                x_refs[i],
+                codes_refs[i],
+                lo_refs[i],
+                unit_refs[i],
+                size=size,
+                chunk=chunk,
+                br=br,
+                width=width,
+                bits=bits,
+                stochastic=stochastic,
+                step=pid - start,
+            )
+
+
+def gpu_quantize_leaves(flats, seeds, *, chunks, bits, stochastic, target):
+    """GPU kernel: `gpu_quantize` of many flat arrays in one launch.
+
+    A model's parameter tree has tens to hundreds of leaves; one launch each
+    costs more than the encode of the small ones. Here each array keeps its own
+    grid steps, chunks and outputs (the wire format does not change), and the
+    grid runs them all.
+
+    Args:
+      flats: flat float arrays.
+      seeds: uint32[len(flats), 2], each array's hash seeds.
+      chunks: each array's chunk length.
+
+    Returns:
+      [(codes [size], lo [rows], unit [rows]) per array].
+    """
+    plans, start = [], 0
+    for flat, chunk in zip(flats, chunks, strict=True):
+        rows, br, width = _gpu_tile(flat.size, chunk, None)
+        steps = platforms.num_rows(rows, br)
+        plans.append((start, steps, flat.size, chunk, br, width))
+        start += steps
+    sizes = [
+        (flat.size, platforms.num_rows(flat.size, c)) for flat, c in zip(flats, chunks, strict=True)
+    ]
+    out_shape = (
+        [platforms.out_struct((d,), jnp.uint8, flats[0]) for d, _ in sizes]
+        + [platforms.out_struct((r,), jnp.float32, flats[0]) for _, r in sizes]
+        + [platforms.out_struct((r,), jnp.float32, flats[0]) for _, r in sizes]
+    )
+    outs = target.pallas_call(
+        functools.partial(_gpu_leaves_kernel, plans=tuple(plans), bits=bits, stochastic=stochastic),
+        block_elements=max(br * width for *_, br, width in plans),
+        grid=(start,),
+        in_specs=[pl.BlockSpec(seeds.shape, lambda i: (0, 0))] + [_whole(f.size) for f in flats],
+        out_specs=[_whole(o.shape[0]) for o in out_shape],
+        out_shape=out_shape,
+    )(seeds, *flats)
+    n = len(flats)
+    return [(outs[i], outs[n + i], outs[2 * n + i]) for i in range(n)]
 
 
 def gpu_dequantize(codes, lo, unit, *, chunk, dtype, target, block_rows=None):
@@ -956,3 +1041,63 @@ def quantize_feedback(
         seeds,
         interpret=interpret,
     )
+
+
+def _quantize_leaves_on(xs, seeds, *, chunks, bits: int, stochastic: bool, target):
+    """`_quantize_on` of each array; on GPU the arrays the kernel takes share one launch."""
+    out = [None] * len(xs)
+    batched = []
+    for i, (x, chunk) in enumerate(zip(xs, chunks, strict=True)):
+        rows, chunk = _layout(x.size, chunk, x.shape)
+        if (
+            target is not None
+            and target.platform == "gpu"
+            and quantize_lowers(target, rows, chunk, x.dtype)
+        ):
+            batched.append((i, chunk))
+        else:
+            out[i] = _quantize_on(
+                x, seeds[i : i + 1], chunk=chunk, bits=bits, stochastic=stochastic, target=target
+            )
+    if batched:
+        index = [i for i, _ in batched]
+        results = gpu_quantize_leaves(
+            [xs[i].reshape(-1) for i in index],
+            seeds[jnp.asarray(index)],
+            chunks=[c for _, c in batched],
+            bits=bits,
+            stochastic=stochastic,
+            target=target,
+        )
+        for i, (codes, lo, unit) in zip(index, results, strict=True):
+            out[i] = (codes.reshape(xs[i].shape), lo[:, None], unit[:, None])
+    return out
+
+
+def quantize_leaves(
+    xs,
+    seeds,
+    *,
+    bits: int,
+    stochastic: bool,
+    chunks,
+    implementation: platforms.Implementation = None,
+    interpret: bool = False,
+):
+    """`quantize` of many arrays (a model's leaves), one kernel launch for all on GPU.
+
+    Args:
+      xs: float arrays of any shapes.
+      seeds: uint32[len(xs), 2]: row i is array i's hash seeds (zeros for nearest).
+      chunks: each array's chunk length (as `quantize`'s `chunk`).
+
+    Returns:
+      [(codes, lo, unit) per array], each as `quantize` returns it, bit for bit.
+    """
+    body = functools.partial(
+        _quantize_leaves_on,
+        chunks=tuple(chunks),
+        bits=numerics.check_bits(bits),
+        stochastic=stochastic,
+    )
+    return platforms.dispatch(implementation, body, list(xs), seeds, interpret=interpret)

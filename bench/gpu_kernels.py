@@ -1,0 +1,233 @@
+"""Encode throughput on an accelerator, as a fraction of the device's copy bandwidth.
+
+Issue 26's measurement, repeatable: on the default jax device, each candidate is
+jitted, warmed up, and timed (median of `--repeats` calls, each synchronised):
+
+* ``copy``: ``x + 1`` on a float32 array (4 B read + 4 B written per element),
+  the device's bandwidth yardstick;
+* single arrays, 8- and 4-bit min-max encode (the public API) at power-of-two and
+  ragged sizes; bytes moved: 4 in + bits / 8 out per element;
+* whole trees (GPT-2-small-shaped: byte vocabulary, d_model, 4 * d_model MLP, one
+  bias per matrix) through `lpdec.compress.encode_tree`, 8- and 4-bit;
+* error feedback: `encode_feedback` (one fused pass on GPU) against the unfused
+  sum, encode and decode; bytes: 8 in + bits / 8 + 4 out;
+* MXFP4 / MXFP8 encode;
+* torch's per-tensor quantizer (``aminmax`` + ``quantize_per_tensor``) on the same
+  device, when torch sees it.
+
+Writes its section of BENCHMARKS.md (``--write``) and the raw numbers as JSON
+(``--json``). On CPU, ``--quick`` runs tiny sizes as a smoke test.
+
+Usage::
+
+    python bench/gpu_kernels.py --write --json docs/gpu_kernels.json
+    python bench/gpu_kernels.py --quick
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+import lpdec  # noqa: E402
+from bench import _sections  # noqa: E402
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+SIZES = [1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28, 86_017_024, 10_000_037]
+QUICK_SIZES = [1 << 12, 10_037]
+TREES = {
+    "d=256, 4 blocks": (256, 4),
+    "d=768, 12 blocks": (768, 12),
+    "d=1024, 24 blocks": (1024, 24),
+}
+QUICK_TREES = {"d=32, 2 blocks": (32, 2)}
+
+
+def gpt_tree(d_model: int, blocks: int, vocab: int = 256) -> dict:
+    """Random float32 leaves shaped like a GPT-2 decoder with a byte vocabulary."""
+    key = jax.random.key(0)
+    shapes = {"embed": (vocab, d_model), "pos": (1024, d_model), "ln_f": (d_model,)}
+    for b in range(blocks):
+        shapes |= {
+            f"{b}/qkv": (d_model, 3 * d_model),
+            f"{b}/qkv_b": (3 * d_model,),
+            f"{b}/proj": (d_model, d_model),
+            f"{b}/proj_b": (d_model,),
+            f"{b}/up": (d_model, 4 * d_model),
+            f"{b}/up_b": (4 * d_model,),
+            f"{b}/down": (4 * d_model, d_model),
+            f"{b}/down_b": (d_model,),
+            f"{b}/ln1": (d_model,),
+            f"{b}/ln2": (d_model,),
+        }
+    keys = jax.random.split(key, len(shapes))
+    return {
+        n: jax.random.normal(k, s, jnp.float32)
+        for (n, s), k in zip(shapes.items(), keys, strict=True)
+    }
+
+
+def timed(fn, *args, repeats: int) -> float:
+    """Median seconds of `fn(*args)` (jitted, warmed up, each call synchronised)."""
+    jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def torch_encode(size: int, repeats: int) -> float | None:
+    """torch's per-tensor 8-bit quantizer on its default accelerator (None without one)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    x = torch.randn(size, device="cuda")
+
+    def run():
+        lo, hi = torch.aminmax(x)
+        scale = float((hi - lo) / 255) or 1.0
+        return torch.quantize_per_tensor(x, scale, int(-lo / scale), torch.quint8)
+
+    run()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        run()
+        torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure(quick: bool, repeats: int) -> dict:
+    rows = {"arrays": [], "trees": []}
+    key = jax.random.key(1)
+    for size in QUICK_SIZES if quick else SIZES:
+        x = jax.random.normal(key, (size,), jnp.float32)
+        e = 0.01 * jax.random.normal(jax.random.key(2), (size,), jnp.float32)
+        row = {"elements": size, "copy_s": timed(jax.jit(lambda x: x + 1), x, repeats=repeats)}
+        for bits in (8, 4):
+            comp = lpdec.minmax(bits)
+            row[f"minmax{bits}_s"] = timed(jax.jit(comp.encode), x, repeats=repeats)
+            row[f"minmax{bits}_xla_s"] = timed(
+                jax.jit(lpdec.minmax(bits, implementation="xla").encode), x, repeats=repeats
+            )
+            row[f"feedback{bits}_s"] = timed(
+                jax.jit(lambda x, e, c=comp: c.encode_feedback(x, e)), x, e, repeats=repeats
+            )
+
+            def unfused(x, e, c=comp):
+                v = x + e
+                p = c.encode(v)
+                return p, v - c.decode(p)
+
+            row[f"feedback{bits}_unfused_s"] = timed(jax.jit(unfused), x, e, repeats=repeats)
+        for fmt in ("fp4", "fp8"):
+            row[f"mx{fmt}_s"] = timed(jax.jit(lpdec.mx(fmt).encode), x, repeats=repeats)
+        row["torch_s"] = torch_encode(size, repeats)
+        rows["arrays"].append(row)
+        print(json.dumps(row), flush=True)
+    for name, (d, blocks) in (QUICK_TREES if quick else TREES).items():
+        tree = gpt_tree(d, blocks)
+        params = sum(x.size for x in jax.tree.leaves(tree))
+        flat = jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(tree)])
+        row = {
+            "tree": name,
+            "parameters": params,
+            "leaves": len(jax.tree.leaves(tree)),
+            "copy_s": timed(jax.jit(lambda x: x + 1), flat, repeats=repeats),
+        }
+        for bits in (8, 4):
+            comp = lpdec.minmax(bits)
+            row[f"minmax{bits}_s"] = timed(
+                jax.jit(lambda t, c=comp: lpdec.compress.encode_tree(c, t)), tree, repeats=repeats
+            )
+        rows["trees"].append(row)
+        print(json.dumps(row), flush=True)
+    return rows
+
+
+def fraction(row: dict, field: str, bytes_per_element: float) -> str:
+    """The candidate's bandwidth as a percentage of the copy's (8 B per element)."""
+    seconds = row.get(field)
+    if seconds is None:
+        return "—"
+    elements = row.get("elements", row.get("parameters"))
+    copy = 8 * elements / row["copy_s"]
+    return f"{100 * bytes_per_element * elements / seconds / copy:.0f}%"
+
+
+def section(results: dict, device: str) -> str:
+    lines = [
+        f"Device: {device}; {_sections.versions()}.",
+        "Command: `python bench/gpu_kernels.py --write --json docs/gpu_kernels.json`. "
+        "Each cell: the candidate's bytes moved per second as a percentage of `x + 1`'s "
+        "(4 B read + 4 B written per element) on the same array; encode moves 4 B in and "
+        "bits / 8 out per element, error feedback 8 B in and 4 + bits / 8 out.",
+        "",
+        "| elements | copy GB/s | 8-bit | 4-bit | 8-bit xla | 8-bit EF fused | 8-bit EF unfused "
+        "| MXFP4 | MXFP8 | torch per-tensor 8-bit |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results["arrays"]:
+        copy = 8 * r["elements"] / r["copy_s"] / 1e9
+        lines.append(
+            f"| {r['elements']:,} | {copy:.0f} | {fraction(r, 'minmax8_s', 5)} | "
+            f"{fraction(r, 'minmax4_s', 4.5)} | {fraction(r, 'minmax8_xla_s', 5)} | "
+            f"{fraction(r, 'feedback8_s', 13)} | {fraction(r, 'feedback8_unfused_s', 13)} | "
+            f"{fraction(r, 'mxfp4_s', 4.5)} | {fraction(r, 'mxfp8_s', 5)} | "
+            f"{fraction(r, 'torch_s', 5)} |"
+        )
+    lines += [
+        "",
+        "| tree | parameters | leaves | 8-bit encode_tree | 4-bit encode_tree |",
+        "|---|---|---|---|---|",
+    ]
+    for r in results["trees"]:
+        lines.append(
+            f"| {r['tree']} | {r['parameters']:,} | {r['leaves']} | "
+            f"{1e3 * r['minmax8_s']:.2f} ms ({fraction(r, 'minmax8_s', 5)}) | "
+            f"{1e3 * r['minmax4_s']:.2f} ms ({fraction(r, 'minmax4_s', 4.5)}) |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n", 1)[0])
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (a CPU smoke test)")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
+    parser.add_argument("--json", default=None, help="write the raw numbers here")
+    args = parser.parse_args(argv)
+    device = str(jax.devices()[0].device_kind)
+    results = measure(args.quick, 3 if args.quick else args.repeats)
+    results["device"] = device
+    text = section(results, device)
+    print(text)
+    if args.json:
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    if args.write:
+        _sections.replace_section(
+            ROOT / "BENCHMARKS.md",
+            "bench/gpu_kernels.py",
+            "## bench/gpu_kernels.py: encode against copy bandwidth\n\n" + text,
+            header=_sections.BENCHMARKS_HEADER,
+        )
+
+
+if __name__ == "__main__":
+    main()
