@@ -23,6 +23,13 @@ Decisions, checked against seed 002's Table 1 parameter counts:
     weights are He-normal with fan-out (the authors' init); the classifier
     keeps flax's default init. 3x3 convolutions pad by 1 on each side, as in
     PyTorch, rather than XLA's "SAME" (which pads stride-2 layers unevenly).
+  * With Range EvoNorm the scale (gamma) of each block's second norm starts
+    at 0, so every block starts as its shortcut (`zero_init_residual`): the
+    authors' 8-bit ResNet (the one with Range EvoNorm) does this; their 32-bit
+    one (EvoNorm) keeps gamma = 1, as lpdec does with the other norms. Without
+    it ResNet-20 with Range EvoNorm diverges at seed 002's lr 0.1, in 32 bits
+    as in 8 (docs/training.md, "8-bit training"). (Their 8-bit classifier is
+    also N(0, 0.01); lpdec keeps flax's default there, which is stable.)
 
 References:
   He et al., Deep Residual Learning for Image Recognition, 2016,
@@ -56,6 +63,8 @@ class BasicBlock(nn.Module):
       precision: "fp32" or "int8" (`lpdec.nn.QuantConv`).
       norm: one of `lpdec.nn.NORMS` (resolved, not None).
       groups: channel groups of the EvoNorms.
+      zero_init_residual: start the second norm's scale at 0 (the block is then
+        its shortcut at init).
     """
 
     features: int
@@ -63,6 +72,7 @@ class BasicBlock(nn.Module):
     precision: str = "fp32"
     norm: str = "evonorm"
     groups: int = 8
+    zero_init_residual: bool = False
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
@@ -77,7 +87,7 @@ class BasicBlock(nn.Module):
         y = conv((3, 3), strides=self.strides, padding=1, name="conv1")(x)
         y = norm(y, name="norm1")
         y = conv((3, 3), padding=1, name="conv2")(y)
-        y = norm(y, relu=False, name="norm2")
+        y = norm(y, relu=False, zero_scale=self.zero_init_residual, name="norm2")
         if self.strides != 1 or x.shape[-1] != self.features:
             x = conv((1, 1), strides=self.strides, padding="VALID", name="shortcut_conv")(x)
             x = norm(x, relu=False, name="shortcut_norm")
@@ -98,6 +108,10 @@ class ResNet(nn.Module):
         for fp32, Range EvoNorm-S0 for int8). "batchnorm"/"range_batchnorm"
         keep running statistics in the "batch_stats" collection.
       groups: channel groups of the EvoNorms (8, as in the authors' code).
+      zero_init_residual: whether each block's second norm starts with scale 0
+        (the block starts as its shortcut), or None for seed 002's choice: True
+        with Range EvoNorm, False otherwise (module docstring). No effect with
+        norm="none".
 
     Inputs are NHWC images ([batch, 32, 32, 3] for CIFAR-10); `train` selects
     batch statistics for the batch-norms (the EvoNorms ignore it).
@@ -108,16 +122,24 @@ class ResNet(nn.Module):
     precision: str = "fp32"
     norm: str | None = None
     groups: int = 8
+    zero_init_residual: bool | None = None
 
     def __post_init__(self):
         norms.resolve_norm(self.norm, self.precision)
         if isinstance(self.depth, bool) or not isinstance(self.depth, int) or self.depth < 8:
             raise ValueError(f"depth must be an integer >= 8 (6k + 2); got {self.depth!r}.")
+        if not (self.zero_init_residual is None or isinstance(self.zero_init_residual, bool)):
+            raise ValueError(
+                f"zero_init_residual must be True, False or None; got {self.zero_init_residual!r}."
+            )
         super().__post_init__()
 
     @nn.compact
     def __call__(self, x: jax.Array, train: bool = True) -> jax.Array:
         norm = norms.resolve_norm(self.norm, self.precision)
+        zero_init_residual = (
+            norm == "range_evonorm" if self.zero_init_residual is None else self.zero_init_residual
+        )
         x = QuantConv(
             STAGE_WIDTHS[0],
             (3, 3),
@@ -137,6 +159,7 @@ class ResNet(nn.Module):
                     precision=self.precision,
                     norm=norm,
                     groups=self.groups,
+                    zero_init_residual=zero_init_residual,
                     name=f"stage{stage + 1}_block{block + 1}",
                 )(x, train)
         x = jnp.mean(x, axis=(1, 2))

@@ -45,6 +45,7 @@ References:
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import flax.linen as nn
 import jax
@@ -55,6 +56,8 @@ from lpdec.nn import quant
 #: Model-level normalization choices (`norm_act`).
 NORMS = ("evonorm", "range_evonorm", "batchnorm", "range_batchnorm", "none")
 _EVONORMS = ("evonorm", "range_evonorm")
+
+Initializer = Callable[..., jax.Array]
 
 
 def range_constant(n: int) -> float:
@@ -96,7 +99,7 @@ def _channel_groups(x: jax.Array, groups: int) -> jax.Array:
 
 
 def _per_channel_params(module: nn.Module, channels: int):
-    gamma = module.param("scale", nn.initializers.ones_init(), (channels,), jnp.float32)
+    gamma = module.param("scale", module.scale_init, (channels,), jnp.float32)
     beta = module.param("bias", nn.initializers.zeros_init(), (channels,), jnp.float32)
     v = module.param("v", nn.initializers.ones_init(), (channels,), jnp.float32)
     return gamma, beta, v
@@ -118,17 +121,20 @@ class EvoNormS0(nn.Module):
 
     with sigma the logistic sigmoid and s^2_{b,g} the (biased) variance of sample
     b's channel group g over its spatial positions and C / groups channels.
-    gamma, v init to 1 and beta to 0, one per channel ("scale", "v", "bias").
+    gamma, v init to 1 and beta to 0, one per channel ("scale", "v", "bias");
+    `scale_init` changes gamma's (zeros: the layer outputs beta, 0, at init).
 
     Attributes:
       groups: channel groups; must divide the channel count.
       epsilon: added to the variance.
+      scale_init: initializer of gamma ("scale"), ones by default.
 
     Inputs are [batch, *spatial, channels] (NHWC, NWC or [batch, features]).
     """
 
     groups: int = 8
     epsilon: float = 1e-5
+    scale_init: Initializer = nn.initializers.ones_init()
 
     def __post_init__(self):
         _check_positive_int("groups", self.groups)
@@ -163,11 +169,13 @@ class RangeEvoNormS0(nn.Module):
       groups: channel groups; must divide the channel count.
       num_chunks: most chunks per group (16 in the authors' code).
       epsilon: added to the scaled range.
+      scale_init: initializer of gamma ("scale"), ones by default.
     """
 
     groups: int = 8
     num_chunks: int = 16
     epsilon: float = 1e-5
+    scale_init: Initializer = nn.initializers.ones_init()
 
     def __post_init__(self):
         _check_positive_int("groups", self.groups)
@@ -205,12 +213,14 @@ class RangeBatchNorm(nn.Module):
       momentum: m above.
       epsilon: added to the scaled range.
       num_chunks: most chunks per channel (16 in Banner et al.'s code).
+      scale_init: initializer of gamma ("scale"), ones by default.
     """
 
     use_running_average: bool | None = None
     momentum: float = 0.9
     epsilon: float = 1e-5
     num_chunks: int = 16
+    scale_init: Initializer = nn.initializers.ones_init()
 
     def __post_init__(self):
         _check_positive_int("num_chunks", self.num_chunks)
@@ -222,7 +232,7 @@ class RangeBatchNorm(nn.Module):
             "use_running_average", self.use_running_average, use_running_average
         )
         channels = x.shape[-1]
-        gamma = self.param("scale", nn.initializers.ones_init(), (channels,), jnp.float32)
+        gamma = self.param("scale", self.scale_init, (channels,), jnp.float32)
         beta = self.param("bias", nn.initializers.zeros_init(), (channels,), jnp.float32)
         ra_mean = self.variable("batch_stats", "mean", jnp.zeros, (channels,), jnp.float32)
         ra_scale = self.variable("batch_stats", "scale", jnp.ones, (channels,), jnp.float32)
@@ -270,6 +280,7 @@ def norm_act(
     train: bool,
     relu: bool = True,
     groups: int = 8,
+    zero_scale: bool = False,
     name: str | None = None,
 ) -> jax.Array:
     """The layer that stands where a network had "batch-norm + ReLU" (call inside `compact`).
@@ -286,19 +297,26 @@ def norm_act(
       train: batch statistics (and running-average updates) when True.
       relu: whether this position has a ReLU in the batch-norm network.
       groups: channel groups of the EvoNorms.
+      zero_scale: start the norm's scale (gamma) at 0 instead of 1, so that the
+        layer outputs its bias (0) at init: the last norm of a residual branch,
+        whose block then starts as the identity (`lpdec.models.ResNet`). No
+        effect with "none".
       name: the norm module's name (so trees match across norm choices).
 
     Returns:
       The normalized (and activated) activations.
     """
+    scale_init = nn.initializers.zeros_init() if zero_scale else nn.initializers.ones_init()
     if norm == "evonorm":
-        return EvoNormS0(groups=groups, name=name)(x)
+        return EvoNormS0(groups=groups, scale_init=scale_init, name=name)(x)
     if norm == "range_evonorm":
-        return RangeEvoNormS0(groups=groups, name=name)(x)
+        return RangeEvoNormS0(groups=groups, scale_init=scale_init, name=name)(x)
     if norm == "batchnorm":
-        x = nn.BatchNorm(use_running_average=not train, momentum=0.9, name=name)(x)
+        x = nn.BatchNorm(
+            use_running_average=not train, momentum=0.9, scale_init=scale_init, name=name
+        )(x)
     elif norm == "range_batchnorm":
-        x = RangeBatchNorm(use_running_average=not train, name=name)(x)
+        x = RangeBatchNorm(use_running_average=not train, scale_init=scale_init, name=name)(x)
     else:
         check_norm(norm)
     return nn.relu(x) if relu else x
