@@ -20,6 +20,7 @@ Usage::
     python -m bench.resnet_stability --precision=int8 --norm=range_evonorm \\
         --zero_init_residual=false              # one run (about 1 s a step on 2 cores)
     python -m bench.resnet_stability --table    # EXPERIMENTS.md's table (about 10 min)
+    python -m bench.resnet_stability --init     # loss, gradient and activations at init
 """
 
 from __future__ import annotations
@@ -184,6 +185,37 @@ TABLE = (
 )
 
 
+def init_statistics(
+    precision: str, norm: str, zero_init_residual: bool | None, depth: int = 20
+) -> str:
+    """A table row: loss, gradient norm and RMS of each block's output on one batch at init."""
+    run = Run(precision=precision, norm=norm, zero_init_residual=zero_init_residual, steps=1)
+    xs, ys = random_cifar_batches(run)
+    model = ResNet(
+        depth=depth, precision=precision, norm=norm, zero_init_residual=zero_init_residual
+    )
+    params = model.init(jax.random.key(run.seed), xs[0, :2])["params"]
+
+    def loss_fn(params, x, y):
+        logits, state = model.apply(
+            {"params": params},
+            x,
+            rngs={"quant": jax.random.key(1000)},
+            capture_intermediates=lambda module, _: (module.name or "").startswith("stage"),
+            mutable=["intermediates"],
+        )
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss, state["intermediates"]
+
+    grad_fn = jax.jit(jax.value_and_grad(loss_fn, has_aux=True))
+    (loss, blocks), grads = grad_fn(params, xs[0], ys[0])
+    rms = [float(jnp.sqrt(jnp.mean(blocks[name]["__call__"][0] ** 2))) for name in sorted(blocks)]
+    return (
+        f"| {precision} | {norm} | {zero_init_residual} | {float(loss):.3f} | "
+        f"{float(optax.tree.norm(grads)):.3g} | {' '.join(f'{r:.2f}' for r in rms)} |"
+    )
+
+
 def _bool_or_none(text: str) -> bool | None:
     return {"default": None, "true": True, "false": False}[text.lower()]
 
@@ -191,6 +223,7 @@ def _bool_or_none(text: str) -> bool | None:
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--table", action="store_true", help="run EXPERIMENTS.md's table")
+    parser.add_argument("--init", action="store_true", help="statistics at init, no training")
     for field in dataclasses.fields(Run):
         name = f"--{field.name}"
         if field.name == "zero_init_residual":
@@ -200,8 +233,21 @@ def main(argv=None) -> None:
         else:
             parser.add_argument(name, type=type(field.default), default=field.default)
     args = vars(parser.parse_args(argv))
-    rows = TABLE if args.pop("table") else (("", Run(**args)),)
     print(f"jax {jax.__version__}, {jax.devices()[0].platform}, ln 10 = {math.log(10):.3f}")
+    if args.pop("init"):
+        print(
+            "| precision | norm | zero_init_residual | loss | gradient norm | RMS of blocks 1-9 |"
+        )
+        print("|---|---|---|---|---|---|")
+        for precision in ("fp32", "int8"):
+            for norm, zero in (
+                ("evonorm", False),
+                ("range_evonorm", False),
+                ("range_evonorm", None),
+            ):
+                print(init_statistics(precision, norm, zero), flush=True)
+        return
+    rows = TABLE if args.pop("table") else (("", Run(**args)),)
     print("| run | train loss at step | time |\n|---|---|---|")
     for name, run in rows:
         start = time.time()

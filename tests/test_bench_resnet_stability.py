@@ -33,3 +33,10 @@ def test_the_command_line_builds_the_run(capsys, monkeypatch):
     resnet_stability.main(["--zero_init_residual=false", "--lr=0.03", "--range_sigmoid"])
     assert runs == [resnet_stability.Run(zero_init_residual=False, lr=0.03, range_sigmoid=True)]
     assert "| int8, range_evonorm, zero_init_residual=False, lr 0.03" in capsys.readouterr().out
+
+
+def test_init_statistics_row():
+    row = resnet_stability.init_statistics("fp32", "range_evonorm", None, depth=8)
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    assert cells[:3] == ["fp32", "range_evonorm", "None"]
+    assert float(cells[3]) > 0 and float(cells[4]) > 0 and len(cells[5].split()) == 3
