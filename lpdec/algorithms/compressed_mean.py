@@ -42,7 +42,6 @@ its residual unchanged for that step.
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Callable
 from typing import Any
 from typing import NamedTuple
@@ -387,8 +386,7 @@ def step(
     share = flat
     if hp.local_axis is not None:
         share = gossip.local_reduce_scatter(_pad(flat, local_size), axis_name=hp.local_axis)
-    exchange = functools.partial(
-        _two_round_mean,
+    common = dict(
         compressor=hp.compressor,
         axis_name=hp.axis_name,
         device_id=device_id,
@@ -396,18 +394,14 @@ def step(
     )
     if hp.rounds == 1:
         # One round sends the whole share once: the residual enters inside the encode.
-        exchange = functools.partial(
-            _gathered_mean,
-            compressor=hp.compressor,
-            axis_name=hp.axis_name,
-            device_id=device_id,
-            error_feedback=hp.error_feedback,
-            residual=state.residual if hp.error_feedback else None,
-            decay=hp.error_decay,
+        residual = state.residual if hp.error_feedback else None
+        mean, skipped, error = _gathered_mean(
+            share, state, residual=residual, decay=hp.error_decay, **common
         )
-    elif hp.error_feedback:
-        share = numerics.feedback_sum(share, state.residual, hp.error_decay)
-    mean, skipped, error = exchange(share, state)
+    else:
+        if hp.error_feedback:
+            share = numerics.feedback_sum(share, state.residual, hp.error_decay)
+        mean, skipped, error = _two_round_mean(share, state, **common)
     residual = state.residual
     if hp.error_feedback:
         # v = share (+ decay * residual) non-finite: keep the old residual.

@@ -554,6 +554,18 @@ def _gpu_quantize_kernel(
 ):
     rows, offsets, valid = _gpu_offsets(br, width, chunk, size, step)
     x = platforms.pallas_triton.load(x_ref.at[offsets], mask=valid, other=0).astype(jnp.float32)
+    _gpu_quantize_tile(
+        x, rows, offsets, valid, seeds_ref, codes_ref, lo_ref, unit_ref, bits, stochastic
+    )
+
+
+def _gpu_quantize_tile(
+    x, rows, offsets, valid, seeds, codes_ref, lo_ref, unit_ref, bits, stochastic
+):
+    """Quantizes a loaded [br, width] float32 tile; stores its codes and scales.
+
+    Returns (codes, lo, unit) for a caller that also decodes (error feedback).
+    """
     key = _order_key(x)
     lo = _from_order_key(jnp.min(jnp.where(valid, key, _INT32_MAX), axis=1, keepdims=True))
     hi = _from_order_key(jnp.max(jnp.where(valid, key, _INT32_MIN), axis=1, keepdims=True))
@@ -561,11 +573,12 @@ def _gpu_quantize_kernel(
     unit = (hi - lo) * jnp.float32(1.0 / numerics.levels(bits))
     inv_unit = 1.0 / jnp.where(unit > 0, unit, jnp.float32(jnp.inf))
     index = offsets.astype(jnp.uint32) if stochastic else None
-    codes = _codes(x, lo, inv_unit, seeds_ref, index, bits=bits)
+    codes = _codes(x, lo, inv_unit, seeds, index, bits=bits)
     platforms.pallas_triton.store(codes_ref.at[offsets], codes, mask=valid)
     in_rows = rows < lo_ref.shape[0]
     platforms.pallas_triton.store(lo_ref.at[rows], lo[:, 0], mask=in_rows)
     platforms.pallas_triton.store(unit_ref.at[rows], unit[:, 0], mask=in_rows)
+    return codes, lo, unit
 
 
 def _gpu_scales(lo_ref, unit_ref, rows):
@@ -616,19 +629,11 @@ def _gpu_feedback_kernel(
     update = platforms.pallas_triton.load(update_ref.at[offsets], mask=valid, other=0)
     residual = platforms.pallas_triton.load(residual_ref.at[offsets], mask=valid, other=0)
     v = numerics.feedback_sum(update, residual, decay_ref[0, 0])
-    key = _order_key(v)
-    lo = _from_order_key(jnp.min(jnp.where(valid, key, _INT32_MAX), axis=1, keepdims=True))
-    hi = _from_order_key(jnp.max(jnp.where(valid, key, _INT32_MIN), axis=1, keepdims=True))
-    unit = (hi - lo) * jnp.float32(1.0 / numerics.levels(bits))
-    inv_unit = 1.0 / jnp.where(unit > 0, unit, jnp.float32(jnp.inf))
-    index = offsets.astype(jnp.uint32) if stochastic else None
-    codes = _codes(v, lo, inv_unit, seeds_ref, index, bits=bits)
-    platforms.pallas_triton.store(codes_ref.at[offsets], codes, mask=valid)
+    codes, lo, unit = _gpu_quantize_tile(
+        v, rows, offsets, valid, seeds_ref, codes_ref, lo_ref, unit_ref, bits, stochastic
+    )
     error = v - _dequantize_rows(codes, lo, unit)
     platforms.pallas_triton.store(out_residual_ref.at[offsets], error, mask=valid)
-    in_rows = rows < lo_ref.shape[0]
-    platforms.pallas_triton.store(lo_ref.at[rows], lo[:, 0], mask=in_rows)
-    platforms.pallas_triton.store(unit_ref.at[rows], unit[:, 0], mask=in_rows)
 
 
 def _whole(n: int):
