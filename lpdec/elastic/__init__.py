@@ -1,0 +1,40 @@
+"""Elastic local-step training: machines that come and go (issue 27).
+
+A DiLoCo run whose machines meet only at exchanges, through jax's own
+coordination service run standalone (`service`): a lost machine is dropped
+from the next exchange, a machine that (re)starts joins at an exchange with
+the state of a live one, a late contribution is dropped, machines may take
+different numbers of local steps (FedNova-normalized mean). `group` holds the
+protocol, `codec` the bytes and the arithmetic. Needs nothing beyond jax;
+`train.py --elastic_service=...` runs it (see docs/training.md).
+"""
+
+from lpdec.elastic.codec import nesterov_step
+from lpdec.elastic.codec import normalized_mean
+from lpdec.elastic.codec import pack
+from lpdec.elastic.codec import signature
+from lpdec.elastic.codec import tree_digest
+from lpdec.elastic.codec import unpack
+from lpdec.elastic.group import Contribution
+from lpdec.elastic.group import ElasticGroup
+from lpdec.elastic.group import Exchange
+from lpdec.elastic.group import JoinRefused
+from lpdec.elastic.group import ServiceLost
+from lpdec.elastic.service import serve_forever
+from lpdec.elastic.service import start
+
+__all__ = [
+    "Contribution",
+    "ElasticGroup",
+    "Exchange",
+    "JoinRefused",
+    "ServiceLost",
+    "nesterov_step",
+    "normalized_mean",
+    "pack",
+    "serve_forever",
+    "signature",
+    "start",
+    "tree_digest",
+    "unpack",
+]

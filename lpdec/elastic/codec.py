@@ -1,0 +1,113 @@
+"""Trees of arrays as bytes, and the elastic exchange's arithmetic, in numpy.
+
+The machines of an elastic run may be different hardware; the mean of a round
+and the outer step are computed here in float32 numpy, element by element in a
+fixed order (the decision's machine order), so every machine gets the same
+bits from the same contributions and the anchors never drift apart.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import numpy as np
+
+
+def pack(tree: Any) -> bytes:
+    """The leaves of `tree` (in `jax.tree` order) as one byte string with a header."""
+    leaves = [np.ascontiguousarray(np.asarray(x)) for x in jax.tree.leaves(tree)]
+    header = json.dumps([[list(x.shape), x.dtype.str] for x in leaves]).encode()
+    return b"".join([len(header).to_bytes(4, "little"), header, *(x.tobytes() for x in leaves)])
+
+
+def unpack(blob: bytes, like: Any) -> Any:
+    """Inverse of `pack`, into the structure of `like`; one-line ValueError on a mismatch."""
+    size = int.from_bytes(blob[:4], "little")
+    specs = json.loads(blob[4 : 4 + size])
+    treedef = jax.tree.structure(like)
+    expect = [
+        (list(np.shape(x)), np.dtype(getattr(x, "dtype", np.float32)).str)
+        for x in jax.tree.leaves(like)
+    ]
+    if [[list(s), d] for s, d in specs] != [[s, d] for s, d in expect]:
+        raise ValueError("the bytes hold other shapes or dtypes than the tree they are read into")
+    leaves, offset = [], 4 + size
+    for shape, dtype in specs:
+        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
+        leaves.append(
+            np.frombuffer(blob, dtype, count=int(np.prod(shape)), offset=offset)
+            .reshape(shape)
+            .copy()
+        )
+        offset += n
+    if offset != len(blob):
+        raise ValueError(f"{len(blob) - offset} bytes left over after the tree")
+    return jax.tree.unflatten(treedef, leaves)
+
+
+def tree_digest(tree: Any) -> str:
+    """SHA-256 of the leaves' bytes (equal trees, equal digests)."""
+    h = hashlib.sha256()
+    for x in jax.tree.leaves(tree):
+        h.update(np.ascontiguousarray(np.asarray(x)).tobytes())
+    return h.hexdigest()
+
+
+def signature(tree: Any) -> str:
+    """A short digest of the tree's structure, shapes and dtypes (not its values)."""
+    paths = jax.tree_util.tree_flatten_with_path(tree)[0]
+    spec = [
+        (jax.tree_util.keystr(p), list(np.shape(x)), str(np.asarray(x).dtype)) for p, x in paths
+    ]
+    return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
+
+
+def normalized_mean(deltas: Sequence[Any], steps: Sequence[int]) -> Any:
+    """The round's pseudo-gradient from machines that took different numbers of steps.
+
+    Machine i took steps[i] local steps and moved by deltas[i]. Returned:
+    tau * mean_i(deltas[i] / steps[i]) with tau = mean_i(steps[i]) -- FedNova's
+    normalized averaging (Wang et al. 2020, "Tackling the objective inconsistency
+    problem in heterogeneous federated optimization"): each machine's direction
+    counts once whatever its speed (a plain mean would pull towards the machines
+    that took more steps), and the step length is the machines' average. With
+    equal steps it is the plain mean. float32, summed in the given order.
+    """
+    if not deltas or len(deltas) != len(steps) or min(steps) < 1:
+        raise ValueError(f"need one delta per machine and steps >= 1; got {list(steps)}")
+    count = np.float32(len(deltas))
+    tau = np.float32(sum(int(s) for s in steps)) / count
+
+    def combine(*leaves):
+        total = np.zeros(np.shape(leaves[0]), np.float32)
+        for leaf, s in zip(leaves, steps, strict=True):
+            total = total + np.asarray(leaf, np.float32) / np.float32(s)
+        return (total / count) * tau
+
+    return jax.tree.map(combine, *deltas)
+
+
+def nesterov_step(anchor: Any, momentum: Any, delta: Any, lr: float, mu: float):
+    """DiLoCo's outer step on the anchor: SGD with Nesterov momentum on delta = anchor - x.
+
+    The arithmetic of `optax.sgd(lr, momentum=mu, nesterov=True)` (`optax.trace`):
+    m <- delta + mu * m;  anchor <- anchor - lr * (delta + mu * m).  Returns
+    (anchor, momentum); mu = 0 is plain SGD (momentum stays zero).
+    """
+    lr, mu = np.float32(lr), np.float32(mu)
+
+    def one(a, m, d):
+        d = np.asarray(d, np.float32)
+        m = d + mu * m
+        return a - lr * (d + mu * m), m
+
+    pairs = jax.tree.map(one, anchor, momentum, delta)
+    is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
+    return (
+        jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
+        jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair),
+    )
