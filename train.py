@@ -57,6 +57,36 @@ flags.DEFINE_integer(
     "Multi-host: seconds without a heartbeat after which a connected process counts as lost "
     "(a killed process is noticed at once), then exit 4.",
 )
+flags.DEFINE_string(
+    "elastic_service",
+    None,
+    "Elastic DiLoCo (issue 27): host:port of the run's coordinating service "
+    "(`python -m lpdec.elastic serve`); this process is one machine of the run.",
+)
+flags.DEFINE_integer("elastic_machine", None, "Elastic: this machine's slot, 0 .. machines-1.")
+flags.DEFINE_integer("elastic_machines", None, "Elastic: the run's machine slots.")
+flags.DEFINE_string(
+    "elastic_token_file",
+    None,
+    "Elastic: a file holding the run's secret (or set LPDEC_ELASTIC_TOKEN); never logged.",
+)
+flags.DEFINE_integer(
+    "elastic_local_steps", 0, "Elastic: this machine's local steps per round (0: config's)."
+)
+flags.DEFINE_float("elastic_deadline", 60, "Elastic: seconds an exchange waits for late machines.")
+flags.DEFINE_float(
+    "elastic_join_timeout",
+    600,
+    "Elastic: seconds to wait for a live machine's answer to a join (or to reconnect).",
+)
+flags.DEFINE_integer(
+    "elastic_heartbeat_timeout",
+    10,
+    "Elastic: seconds without a heartbeat before a machine counts as lost (as the service's).",
+)
+flags.DEFINE_float(
+    "elastic_slowdown", 1.0, "Elastic, for fault tests: local steps take this many times as long."
+)
 flags.DEFINE_float(
     "stop_timeout",
     10,
@@ -69,6 +99,9 @@ def main(argv):
     if len(argv) > 1:
         raise app.UsageError("Too many command-line arguments.")
     cli.quiet_orbax()
+    if FLAGS.elastic_service:
+        cli.run_elastic(FLAGS)
+        return
     peers = cli.start_processes(FLAGS)
     # After jax.distributed.initialize, whose preemption service takes SIGTERM.
     stop = watchdog.StopSignals(FLAGS.stop_timeout, peers).install()

@@ -27,6 +27,7 @@ from absl import logging
 from train_lib import checkpoint
 from train_lib import processes
 from train_lib import watchdog
+from train_lib.registry import ConfigError
 from train_lib.registry import RunError
 
 EXIT_BAD_INPUT = 2
@@ -98,6 +99,50 @@ def log_devices() -> None:
         jax.device_count(),
         jax.devices()[0].platform,
     )
+
+
+def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
+    """One machine of an elastic run (`--elastic_service`); exits 0, 2 or 4."""
+    from train_lib import elastic  # noqa: PLC0415 - only elastic runs need it
+
+    try:
+        options = elastic.ElasticOptions(
+            service=flag_values.elastic_service,
+            machine=_required(flag_values, "elastic_machine"),
+            machines=_required(flag_values, "elastic_machines"),
+            token=read_token(flag_values.elastic_token_file),
+            local_steps=flag_values.elastic_local_steps,
+            deadline=flag_values.elastic_deadline,
+            join_timeout=flag_values.elastic_join_timeout,
+            heartbeat_timeout=flag_values.elastic_heartbeat_timeout,
+            slowdown=flag_values.elastic_slowdown,
+        )
+        log_devices()
+        elastic.train_elastic(flag_values.config, flag_values.workdir, options)
+    except elastic.ElasticLost as error:
+        sys.stderr.write(f"error: {error}\n")
+        sys.exit(EXIT_PEER_LOST)
+    except RunError as error:
+        exit_for_error(error, None)
+    sys.exit(0)
+
+
+def _required(flag_values: flags.FlagValues, name: str) -> int:
+    value = flag_values[name].value
+    if value is None:
+        raise ConfigError(f"--elastic_service needs --{name}.")
+    return value
+
+
+def read_token(path: str | None) -> bytes:
+    """The run's secret from `path` or LPDEC_ELASTIC_TOKEN (b"" if neither)."""
+    if path:
+        try:
+            with open(path, "rb") as f:
+                return f.read().strip()
+        except OSError as error:
+            raise ConfigError(f"--elastic_token_file={path!r}: {error.strerror}") from None
+    return os.environ.get("LPDEC_ELASTIC_TOKEN", "").encode()
 
 
 def exit_for_error(error: RunError, peers: watchdog.PeerWatch | None) -> NoReturn:

@@ -19,7 +19,8 @@ import numpy as np
 
 def pack(tree: Any) -> bytes:
     """The leaves of `tree` (in `jax.tree` order) as one byte string with a header."""
-    leaves = [np.ascontiguousarray(np.asarray(x)) for x in jax.tree.leaves(tree)]
+    # np.asarray, not np.ascontiguousarray: that one turns a 0-d array into a 1-d one.
+    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
     header = json.dumps([[list(x.shape), x.dtype.str] for x in leaves]).encode()
     return b"".join([len(header).to_bytes(4, "little"), header, *(x.tobytes() for x in leaves)])
 
@@ -29,12 +30,14 @@ def unpack(blob: bytes, like: Any) -> Any:
     size = int.from_bytes(blob[:4], "little")
     specs = json.loads(blob[4 : 4 + size])
     treedef = jax.tree.structure(like)
-    expect = [
-        (list(np.shape(x)), np.dtype(getattr(x, "dtype", np.float32)).str)
-        for x in jax.tree.leaves(like)
-    ]
-    if [[list(s), d] for s, d in specs] != [[s, d] for s, d in expect]:
-        raise ValueError("the bytes hold other shapes or dtypes than the tree they are read into")
+    expect = [[list(np.shape(x)), _dtype(x).str] for x in jax.tree.leaves(like)]
+    got = [[list(shape), dtype] for shape, dtype in specs]
+    if got != expect:
+        where = next((i for i, (a, b) in enumerate(zip(got, expect, strict=False)) if a != b), None)
+        raise ValueError(
+            f"the bytes hold {len(got)} arrays, the tree {len(expect)}"
+            + ("" if where is None else f"; array {where}: {got[where]} vs {expect[where]}")
+        )
     leaves, offset = [], 4 + size
     for shape, dtype in specs:
         n = int(np.prod(shape)) * np.dtype(dtype).itemsize
@@ -47,6 +50,11 @@ def unpack(blob: bytes, like: Any) -> Any:
     if offset != len(blob):
         raise ValueError(f"{len(blob) - offset} bytes left over after the tree")
     return jax.tree.unflatten(treedef, leaves)
+
+
+def _dtype(x: Any) -> np.dtype:
+    # An array, a numpy scalar or a jax.ShapeDtypeStruct (`jax.eval_shape`'s leaves).
+    return np.dtype(x.dtype) if hasattr(x, "dtype") else np.asarray(x).dtype
 
 
 def tree_digest(tree: Any) -> str:

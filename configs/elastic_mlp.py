@@ -1,0 +1,41 @@
+"""Elastic DiLoCo: 3 machines that may be lost and join, 4-bit error-feedback exchange.
+
+    # the coordinating service (any host the machines reach; loopback here):
+    python -m lpdec.elastic serve --bind 127.0.0.1:29600 --machines 3
+    # each machine m = 0, 1, 2 (its own workdir), with the run's secret in a file:
+    python train.py --config=configs/elastic_mlp.py --workdir=/tmp/elastic/m0 \\
+        --elastic_service=127.0.0.1:29600 --elastic_machines=3 --elastic_machine=0 \\
+        --elastic_token_file=run.token
+
+Kill a machine and the others go on without it after the service misses its
+heartbeats (`--elastic_heartbeat_timeout`, 10 s); start it again with the same
+command and it joins at the next exchange with a live machine's state. A machine
+started with `--elastic_local_steps=2` takes 2 local steps per round instead of
+10 (a slow machine keeping up); the mean weighs each machine's direction equally.
+
+MNIST-1D, an MLP with two hidden layers of 256 (84,746 parameters), 3 machines
+of one worker each (`num_nodes` = machines x workers), batch 32, Nesterov SGD at
+0.1 for 10 local steps, then the 4-bit min-max mean of the pseudo-gradients with
+error feedback and DiLoCo's outer Nesterov step (lr 0.7, momentum 0.9); 300 steps.
+`bench/faults.py --elastic` measures it under faults (BENCHMARKS.md, "Elastic").
+"""
+
+from configs import link_mlp
+
+
+def get_config():
+    config = link_mlp.get_config()
+    config.model_kwargs.hidden_sizes = (256, 256)
+    config.num_nodes = 3
+    config.algorithm = "diloco"
+    config.local_steps = 10
+    config.outer_lr = 0.7
+    config.outer_momentum = 0.9
+    config.exchange = "compressed_mean"
+    config.compressor = "minmax"
+    config.bits = 4
+    config.error_feedback = True
+    config.mean_rounds = 1
+    config.num_steps = 300
+    config.log_every = 50
+    return config

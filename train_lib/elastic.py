@@ -1,0 +1,516 @@
+"""Elastic DiLoCo: one machine of a run whose machines may be lost and join (issue 27).
+
+`train_elastic(config, workdir, options)` runs ONE machine. The machines never
+form a `jax.distributed` gang: each is a single process training on its own
+devices, and they meet only at exchanges, through the run's coordinating
+service (`python -m lpdec.elastic serve`, jax's coordination service run
+standalone; `lpdec.elastic.ElasticGroup` is the protocol).
+
+A machine is one DiLoCo replica trained data-parallel over its devices (the
+config's `num_nodes / machines` workers average their gradients every step, as
+the hierarchical DiLoCo of `train.py` does). A round:
+
+1. `h` local steps (this machine's `--elastic_local_steps`, default
+   `config.local_steps`) from the anchor, on this machine's data shard;
+2. delta = anchor - x, encoded with the config's exchange (`mean`: float32;
+   `compressed_mean`: its compressor, with error feedback when
+   `config.error_feedback`), posted to the service;
+3. the round's decision names the contributions that arrived in time (every
+   live machine's, or whatever came before `--elastic_deadline`); every machine
+   decodes the same ones in the same order, takes their FedNova-normalized mean
+   (`lpdec.elastic.normalized_mean`: equal weight per machine, whatever its h)
+   and the outer Nesterov step in float32 numpy: the same anchor, bit for bit,
+   on every machine, which also starts the next round from it;
+4. the lowest machine of the decision answers join requests with the state to
+   start the next round from: anchor, outer momentum, its inner optimizer
+   state, the round.
+
+A late contribution is dropped (its machine applies the round's mean like the
+others; its steps of that round are lost, `included=0` in `exchanges.csv`). A
+machine that loses the service (its process lived, its link did not)
+reconnects and joins like a restarted one. Data and random streams follow from
+the machine's slot and the round, so a rejoin replays what the machine would
+have seen. Nothing is checkpointed to disk: the live machines hold the state
+(if every machine is lost, the run is lost; see docs/training.md).
+"""
+
+from __future__ import annotations
+
+import csv
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+
+import lpdec
+from lpdec import elastic
+from train_lib import evaluation
+from train_lib import metrics as metrics_lib
+from train_lib import setup
+from train_lib import steps
+from train_lib import workdir as workdir_lib
+from train_lib.registry import ConfigError
+from train_lib.registry import RunError
+
+EXCHANGE_FIELDS = (
+    "round",
+    "step",
+    "members",
+    "included",
+    "reason",
+    "closed_by",
+    "waited_s",
+    "bytes_sent",
+    "bytes_received",
+    "anchors_agree",
+    "local_steps",
+)
+
+
+class ElasticLost(RunError):
+    """The coordinating service could not be reached again (exit status 4)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ElasticOptions:
+    """One machine's command-line settings (`train.py --elastic_*`).
+
+    Attributes:
+      service: the coordinating service, host:port.
+      machine: this machine's slot.
+      machines: the run's slots (the service's `--machines`).
+      token: the run's secret (empty: none, and every join is refused).
+      local_steps: this machine's local steps per round (0: config.local_steps).
+      deadline: seconds an exchange waits for late machines after contributing.
+      join_timeout: seconds a joining machine waits for a live one's answer, and a
+        machine that lost the service tries to reconnect.
+      heartbeat_timeout: seconds without a heartbeat before a machine counts as lost.
+      connect_timeout: seconds a fresh start waits for every machine to register.
+      slowdown: a testing aid: each round's local steps take this many times as long
+        (the machine sleeps the difference); 1 = full speed.
+    """
+
+    service: str
+    machine: int
+    machines: int
+    token: bytes
+    local_steps: int = 0
+    deadline: float = 60.0
+    join_timeout: float = 600.0
+    heartbeat_timeout: int = 10
+    connect_timeout: int = 300
+    slowdown: float = 1.0
+
+
+def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
+    """One-line errors for what an elastic run cannot do, before anything starts."""
+    if config.algorithm != "diloco":
+        raise ConfigError(
+            f"--elastic_service needs config.algorithm='diloco' (machines meet only at "
+            f"exchanges); got {config.algorithm!r}."
+        )
+    if config.exchange not in ("mean", "compressed_mean"):
+        raise ConfigError(
+            f"config.exchange={config.exchange!r}: an elastic run exchanges a mean "
+            "('mean' or 'compressed_mean'), not gossip."
+        )
+    for field, off in (("overlap", False), ("shard_model", False), ("error_decay", 1.0)):
+        if config[field] != off:
+            raise ConfigError(f"config.{field}={config[field]!r} is not supported elastic.")
+    if options.machines < 1 or config.num_nodes % options.machines:
+        raise ConfigError(
+            f"config.num_nodes={config.num_nodes} must be a multiple of "
+            f"--elastic_machines={options.machines} (workers per machine)."
+        )
+    if not 0 <= options.machine < options.machines:
+        raise ConfigError(
+            f"--elastic_machine={options.machine} must be in [0, {options.machines})."
+        )
+    if options.local_steps < 0:
+        raise ConfigError(f"--elastic_local_steps={options.local_steps} must be >= 0.")
+    if not options.deadline > 0 or not options.join_timeout > 0:
+        raise ConfigError("--elastic_deadline and --elastic_join_timeout must be > 0 s.")
+    if not options.slowdown >= 1:
+        raise ConfigError(f"--elastic_slowdown={options.slowdown} must be >= 1.")
+
+
+def fingerprint(config: ml_collections.ConfigDict) -> str:
+    """The run's config, hashed: every machine of a run has the same one."""
+    text = json.dumps(config.to_dict(), sort_keys=True, default=str)
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _machine_config(config: ml_collections.ConfigDict, workers: int) -> ml_collections.ConfigDict:
+    """The config one machine trains with between exchanges: its workers, all-reduced."""
+    local = ml_collections.ConfigDict(config.to_dict())
+    local.algorithm = "allreduce"
+    local.num_nodes = workers
+    local.hierarchical, local.machines = False, 0
+    local.local_steps, local.overlap, local.error_feedback = 1, False, False
+    local.mean_rounds, local.error_decay = 2, 1.0
+    return local
+
+
+def train_elastic(
+    config: ml_collections.ConfigDict, workdir: str, options: ElasticOptions
+) -> dict[str, Any]:
+    """Runs this machine of an elastic DiLoCo run; returns its summary (also written)."""
+    started = time.time()
+    check(config, options)
+    workers = config.num_nodes // options.machines
+    exp = setup.build(_machine_config(config, workers))
+    # Machine m trains on the shards nodes m*k .. m*k+k-1 get in the same run's
+    # non-elastic form: the data follow from the slot, not from who is alive.
+    shards = lpdec.data.skew_partition(
+        exp.dataset.y_train, config.num_nodes, config.skew, config.seed
+    )
+    m = options.machine
+    exp = dataclasses.replace(exp, partitions=tuple(shards[m * workers : (m + 1) * workers]))
+    workdir = workdir_lib.prepare(workdir)
+    with workdir_lib.Lock(workdir, 0):
+        machine = _Machine(config, exp, workdir, options, started)
+        try:
+            return machine.run()
+        finally:
+            # Leave the service before the interpreter tears its client down (a process
+            # that ends with an exception would otherwise abort in jaxlib's destructor).
+            machine.group.close()
+
+
+class _Machine:
+    def __init__(self, config, exp: setup.Experiment, workdir: str, options, started):
+        self.exp, self.workdir, self.options, self.started = exp, workdir, options, started
+        self.layout = layout = exp.layout
+        self.H = int(config.local_steps)
+        self.h = int(options.local_steps or self.H)
+        self.rounds = math.ceil(exp.total_steps / self.H)
+        self.outer_lr, self.outer_mu = float(config.outer_lr), float(config.outer_momentum)
+        self.compressed = config.exchange == "compressed_mean"
+        self.feedback = self.compressed and bool(config.error_feedback)
+        self.compressor = exp.compressor if self.compressed else lpdec.identity()
+        self.next_token = exp.dataset.task == "next_token"
+        self.seed = exp.seed * 1_000_003 + options.machine
+        self.batcher = lpdec.data.NodeBatcher(
+            exp.dataset.x_train,
+            exp.dataset.y_train,
+            exp.partitions,
+            exp.batch_size,
+            self.seed,
+            augment=exp.augment,
+        )
+        example = setup.example_input(exp.dataset)
+        variables = jax.jit(lambda x: exp.model.init(jax.random.key(exp.seed), x, train=False))(
+            example
+        )
+        variables = jax.tree.map(np.asarray, variables)
+        self.anchor = variables.pop("params")
+        self.model_state = dict(variables)
+        self.momentum = jax.tree.map(np.zeros_like, self.anchor)
+        self.residual = jax.tree.map(np.zeros_like, self.anchor)
+        self.programs = steps.make_programs(exp.model, exp.tx, layout, next_token=self.next_token)
+        params = self._put(self.anchor)
+        self.opt_state = self.programs["init"](params)
+        self.model_state_dev = self._put(self.model_state)
+        self.key = layout.put(
+            jax.random.key_data(jax.random.fold_in(jax.random.key(exp.seed + 1), options.machine)),
+            per_node=False,
+        )
+        self.model_sig = elastic.signature(self.anchor)
+        self.group = elastic.ElasticGroup(
+            options.service,
+            options.machine,
+            options.machines,
+            options.token,
+            fingerprint(config),
+            heartbeat_timeout=options.heartbeat_timeout,
+            connect_timeout=options.connect_timeout,
+        )
+        self.evaluator = evaluation.Evaluator(exp, self.programs, anchor=False, identical=True)
+        self._encode = jax.jit(self._encode_fn)
+        self._decode = jax.jit(
+            lambda p: lpdec.compress.tree.decode_tree(self.compressor, p, self.anchor)
+        )
+        self._payload_like = jax.eval_shape(
+            self._encode_fn, self.anchor, self.residual, jax.random.key(0)
+        )[0]
+        self.compiled: dict[int, Any] = {}
+
+    # -- helpers -------------------------------------------------------------
+
+    def _put(self, tree):
+        n = self.layout.num_nodes
+        return self.layout.put(jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape), tree))
+
+    @staticmethod
+    def _node0(tree):
+        return jax.tree.map(lambda x: np.asarray(jax.device_get(x))[0], tree)
+
+    def _encode_fn(self, delta, residual, key):
+        v = jax.tree.map(lambda d, e: d + e, delta, residual) if self.feedback else delta
+        payload = lpdec.compress.tree.encode_tree(
+            self.compressor, v, key if self.compressor.needs_key else None
+        )
+        decoded = lpdec.compress.tree.decode_tree(self.compressor, payload, v)
+        return payload, jax.tree.map(lambda a, b: a - b, v, decoded)
+
+    def _state_bytes(self, round_: int) -> bytes:
+        return elastic.pack(
+            {
+                "round": np.int64(round_),
+                "anchor": self.anchor,
+                "momentum": self.momentum,
+                "inner": self._node0(self.opt_state),
+                "model_state": self.model_state,
+            }
+        )
+
+    def _load_state(self, blob: bytes) -> int:
+        like = {
+            "round": np.int64(0),
+            "anchor": self.anchor,
+            "momentum": self.momentum,
+            "inner": self._node0(self.opt_state),
+            "model_state": self.model_state,
+        }
+        state = elastic.unpack(blob, like)
+        self.anchor, self.momentum = state["anchor"], state["momentum"]
+        self.model_state = state["model_state"]
+        self.opt_state = self._put(state["inner"])
+        self.model_state_dev = self._put(self.model_state)
+        # This machine's unsent error of before its loss belongs to an old anchor.
+        self.residual = jax.tree.map(np.zeros_like, self.anchor)
+        return int(state["round"])
+
+    # -- joining ---------------------------------------------------------------
+
+    def _start(self) -> int:
+        """Connects; returns the round to start from (0, or a live machine's)."""
+        self.group.connect()
+        latest = self.group.latest_round()
+        if latest is None:
+            if not self.options.token:
+                raise RunError(
+                    "an elastic run needs its secret: --elastic_token_file or "
+                    "LPDEC_ELASTIC_TOKEN (a machine without it can only be refused)"
+                )
+            logging.info("elastic: machine %d starts the run", self.options.machine)
+            self.group.mark_active()
+            return 0
+        return self._join()
+
+    def _join(self) -> int:
+        latest = self.group.latest_round()
+        if latest is not None and latest >= self.rounds - 1:
+            raise RunError(f"the run has finished (its last round, {latest}, is decided)")
+        logging.info(
+            "elastic: machine %d joins a running run (last exchange: round %s)",
+            self.options.machine,
+            latest,
+        )
+        try:
+            _, blob = self.group.join(self.model_sig, self.options.join_timeout)
+        except elastic.JoinRefused as error:
+            raise RunError(str(error)) from None
+        round_ = self._load_state(blob)
+        self.joins.append(round_)
+        logging.info("elastic: machine %d joined at round %d", self.options.machine, round_)
+        self.group.mark_active()
+        return round_
+
+    def _reconnect(self, error: Exception, round_: int) -> int:
+        logging.warning(
+            "elastic: machine %d lost the service at round %d (%s); reconnecting to rejoin",
+            self.options.machine,
+            round_,
+            error,
+        )
+        self.group.close()
+        deadline = time.monotonic() + self.options.join_timeout
+        while True:
+            try:
+                self.group.connect()
+                return self._join()
+            except elastic.ServiceLost as again:
+                if time.monotonic() > deadline:
+                    raise ElasticLost(
+                        f"lost the coordinating service {self.options.service} and could "
+                        f"not rejoin within {self.options.join_timeout:g} s: {again}"
+                    ) from None
+                self.group.close()
+                time.sleep(1.0)
+
+    # -- the loop --------------------------------------------------------------
+
+    def run(self) -> dict[str, Any]:
+        exp, options = self.exp, self.options
+        self.joins: list[int] = []
+        try:
+            round_ = self._start()
+        except elastic.ServiceLost as error:
+            raise ElasticLost(f"{error}") from None
+        fields = metrics_lib.LM_METRIC_FIELDS if self.next_token else metrics_lib.METRIC_FIELDS
+        fields = tuple(f for f in fields if "local_mean" not in f) + ("members",)
+        writer = metrics_lib.MetricWriter(self.workdir, 0, exp.total_steps, fields)
+        exchanges_path = os.path.join(self.workdir, "exchanges.csv")
+        with open(exchanges_path, "w", newline="") as f:
+            csv.DictWriter(f, EXCHANGE_FIELDS).writeheader()
+        history: list[dict] = []
+        metrics: dict[str, Any] = {}
+        losses: list[float] = []
+        accuracies: list[float] = []
+        train_time = 0.0
+        log_every = max(exp.loop.log_every, self.H)
+        while round_ < self.rounds:
+            try:
+                row, (loss, accuracy), seconds = self._round(round_)
+            except elastic.ServiceLost as error:
+                round_ = self._reconnect(error, round_)
+                continue
+            history.append(row)
+            losses.append(loss)
+            accuracies.append(accuracy)
+            train_time += seconds
+            with open(exchanges_path, "a", newline="") as f:
+                csv.DictWriter(f, EXCHANGE_FIELDS).writerow(row)
+            if not row["anchors_agree"]:
+                logging.warning(
+                    "elastic: round %d's members started from different anchors", round_
+                )
+            round_ += 1
+            step = min(round_ * self.H, exp.total_steps)
+            if step % log_every < self.H or round_ == self.rounds:
+                eval_started = time.time()
+                evaluated = self.evaluator.evaluate(
+                    self._put(self.anchor), self.opt_state, self.model_state_dev, step
+                )
+                metrics = {
+                    "step": step,
+                    "epoch": step / exp.steps_per_epoch,
+                    "train_loss": float(np.mean(losses)),
+                    "train_accuracy": float(np.mean(accuracies)),
+                    **{k: v for k, v in evaluated.items() if "local_mean" not in k},
+                    "wire_bytes_per_step": (row["bytes_sent"] + row["bytes_received"]) / self.h,
+                    "step_time_s": seconds / self.h,
+                    "eval_time_s": time.time() - eval_started,
+                    "wall_time_s": time.time() - self.started,
+                    "learning_rate": float(exp.schedule(step - 1)),
+                    "nonfinite_updates": 0,
+                    "nonfinite_received": 0,
+                    "theta_warnings": 0,
+                    "loss_jump": 0,
+                    "members": len(row["members"].split()),
+                }
+                metrics = {k: v for k, v in metrics.items() if k in fields}
+                writer.write(metrics)
+                losses, accuracies = [], []
+        writer.close()
+        self.group.close()
+        summary = {
+            "final": metrics,
+            "steps": min(self.rounds * self.H, exp.total_steps),
+            "rounds": self.rounds,
+            "machine": options.machine,
+            "machines": options.machines,
+            "local_steps": self.h,
+            "joined_at_rounds": self.joins,
+            "rounds_included": sum(int(r["included"]) for r in history),
+            "rounds_seen": len(history),
+            "rounds_short": sum(len(r["members"].split()) < options.machines for r in history),
+            "anchors_agree": all(r["anchors_agree"] for r in history),
+            "final_anchor_digest": elastic.tree_digest(self.anchor),
+            "train_time_s": train_time,
+            "wall_time_s": time.time() - self.started,
+            "diverged": False,
+            "stopped": None,
+            "interrupted": None,
+            "config": exp.config_dict,
+        }
+        metrics_lib.write_summary(self.workdir, summary)
+        np.savez(
+            os.path.join(self.workdir, "final_params.npz"),
+            **{
+                jax.tree_util.keystr(p): np.asarray(x)
+                for p, x in jax.tree_util.tree_flatten_with_path(self.anchor)[0]
+            },
+        )
+        return summary
+
+    def _round(self, round_: int) -> tuple[dict, float, float]:
+        """One round: local steps, the exchange, the outer step; returns its row."""
+        layout, h = self.layout, self.h
+        step0 = round_ * self.H
+        self.batcher.restore({**self.batcher.state(), "step": step0})
+        xs, ys = zip(*(self.batcher.next() for _ in range(h)), strict=True)
+        xs, ys = layout.put(np.stack(xs, axis=1)), layout.put(np.stack(ys, axis=1))
+        params = self._put(self.anchor)
+        args = (
+            params,
+            self.opt_state,
+            self.model_state_dev,
+            xs,
+            ys,
+            layout.put(np.int32(step0), per_node=False),
+            self.key,
+        )
+        if h not in self.compiled:
+            self.compiled[h] = self.programs["train_chunk"].lower(*args).compile()
+        chunk_started = time.time()
+        params, self.opt_state, self.model_state_dev, losses, accuracies = self.compiled[h](*args)
+        losses, accuracies = metrics_lib.to_host((losses, accuracies))
+        seconds = time.time() - chunk_started
+        if self.options.slowdown > 1:
+            time.sleep(seconds * (self.options.slowdown - 1))
+            seconds *= self.options.slowdown
+        x = self._node0(params)
+        delta = jax.tree.map(lambda a, b: np.float32(a) - np.asarray(b, np.float32), self.anchor, x)
+        key = jax.random.fold_in(jax.random.key(self.seed), round_)
+        payload, residual = self._encode(delta, self.residual, key)
+        blob = elastic.pack(payload)
+        anchor_digest = elastic.tree_digest(self.anchor)
+        ex = self.group.exchange(round_, blob, h, anchor_digest, self.options.deadline)
+        if self.feedback:
+            # Sent or dropped, what the payload could not carry stays for next round.
+            self.residual = jax.tree.map(np.asarray, residual)
+        deltas = [
+            self._decode(elastic.unpack(c.payload, self._payload_like)) for c in ex.contributions
+        ]
+        deltas = [jax.tree.map(np.asarray, d) for d in deltas]
+        mean = elastic.normalized_mean(deltas, [c.steps for c in ex.contributions])
+        self.anchor, self.momentum = elastic.nesterov_step(
+            self.anchor, self.momentum, mean, self.outer_lr, self.outer_mu
+        )
+        if ex.members and min(ex.members) == self.options.machine:
+            for line in self.group.serve_joins(
+                round_ + 1, self.model_sig, lambda: self._state_bytes(round_ + 1)
+            ):
+                logging.warning("elastic: %s", line)
+        row = {
+            "round": round_,
+            "step": step0 + self.H,
+            "members": " ".join(str(m) for m in ex.members),
+            "included": int(ex.included),
+            "reason": ex.reason,
+            "closed_by": ex.closed_by,
+            "waited_s": round(ex.waited_s, 3),
+            "bytes_sent": ex.bytes_sent,
+            "bytes_received": ex.bytes_received,
+            "anchors_agree": int(len({c.anchor_digest for c in ex.contributions}) == 1),
+            "local_steps": h,
+        }
+        if len(ex.members) < self.options.machines or not ex.included:
+            logging.info(
+                "elastic: round %d: mean over machines %s (%s)%s",
+                round_,
+                row["members"],
+                ex.reason,
+                "" if ex.included else "; this machine's contribution came late: dropped",
+            )
+        return row, (float(np.mean(losses)), float(np.mean(accuracies))), seconds
