@@ -119,12 +119,20 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
         )
         log_devices()
         elastic.train_elastic(flag_values.config, flag_values.workdir, options)
+        status = 0
     except elastic.ElasticLost as error:
         sys.stderr.write(f"error: {error}\n")
-        sys.exit(EXIT_PEER_LOST)
+        status = EXIT_PEER_LOST
     except RunError as error:
-        exit_for_error(error, None)
-    sys.exit(0)
+        sys.stderr.write(f"error: {error}\n")
+        status = EXIT_BAD_INPUT
+    # The machine has left the service (train_elastic closes it on every path); the
+    # membership thread may still sit in a call into jaxlib, which aborts the process
+    # if the interpreter is torn down around it: nothing is left to flush but the logs.
+    logging.flush()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def _required(flag_values: flags.FlagValues, name: str) -> int:

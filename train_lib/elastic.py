@@ -374,6 +374,10 @@ class _Machine:
             except elastic.ServiceLost as error:
                 round_ = self._reconnect(error, round_)
                 continue
+            except elastic.Behind as error:
+                logging.warning("elastic: %s", error)
+                round_ = self._join()
+                continue
             history.append(row)
             losses.append(loss)
             accuracies.append(accuracy)

@@ -15,6 +15,7 @@ from lpdec.elastic.codec import pack
 from lpdec.elastic.codec import signature
 from lpdec.elastic.codec import tree_digest
 from lpdec.elastic.codec import unpack
+from lpdec.elastic.group import Behind
 from lpdec.elastic.group import Contribution
 from lpdec.elastic.group import ElasticGroup
 from lpdec.elastic.group import Exchange
@@ -24,6 +25,7 @@ from lpdec.elastic.service import serve_forever
 from lpdec.elastic.service import start
 
 __all__ = [
+    "Behind",
     "Contribution",
     "ElasticGroup",
     "Exchange",

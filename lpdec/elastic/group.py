@@ -62,6 +62,13 @@ class ServiceLost(RuntimeError):
     """The coordinating service cannot be reached (or has dropped this machine)."""
 
 
+class Behind(RuntimeError):
+    """The run decided rounds past the one this machine is in, whose records are gone.
+
+    The store keeps the last two decided rounds; a machine further behind (it
+    stalled, or its clock of rounds is wrong) must `join` again for the state."""
+
+
 class JoinRefused(RuntimeError):
     """A live machine refused this machine's join (its message says why)."""
 
@@ -310,8 +317,10 @@ class ElasticGroup:
 
         Raises:
           ServiceLost: the service went away (reconnect, then `join`).
+          Behind: the run is more than a round ahead of `round_` (`join` again).
         """
         me, started = self.machine, time.monotonic()
+        self._check_behind(round_)
         header = {
             "machine": me,
             "incarnation": self.incarnation,
@@ -329,6 +338,7 @@ class ElasticGroup:
             decision = self._get(f"r{round_}/d")
             if decision is not None:
                 break
+            self._check_behind(round_)
             headers = self._headers(round_)
             waited = time.monotonic() - started
             expected = self.expected()
@@ -372,6 +382,14 @@ class ElasticGroup:
             bytes_received=received,
         )
 
+    def _check_behind(self, round_: int) -> None:
+        latest = self.latest_round()
+        if latest is not None and latest > round_ + 1:
+            raise Behind(
+                f"machine {self.machine} is in round {round_} but the run decided round "
+                f"{latest}: it must join again"
+            )
+
     def _headers(self, round_: int) -> dict[int, dict]:
         """The round's headers that verify under the token, by machine."""
         out = {}
@@ -406,6 +424,8 @@ class ElasticGroup:
             config or model), or nobody answered within `timeout` seconds.
           ServiceLost: the service went away.
         """
+        # Not a trainer while it waits: exchanges must not wait for its contributions.
+        self._delete(f"active/{self.machine}")
         nonce = secrets.token_hex(8)
         request = {
             "machine": self.machine,
@@ -429,8 +449,8 @@ class ElasticGroup:
                     f"no live machine answered machine {self.machine}'s join within "
                     f"{timeout:g} s (is the run still going?)"
                 )
-            time.sleep(self.poll_s * 4)
-            waited += self.poll_s * 4
+            time.sleep(self.poll_s)
+            waited += self.poll_s
         self._delete(f"reply/{self.machine}/{nonce}")
         size = int.from_bytes(reply[:4], "little")
         header, state = json.loads(reply[4 : 4 + size]), reply[4 + size :]
@@ -481,6 +501,9 @@ class ElasticGroup:
                     "mac": self._sign("s", machine, nonce, round_),
                 }
                 body = blob
+                # A trainer from the round it starts: the next exchange waits for it
+                # (up to its deadline) instead of deciding rounds while it starts up.
+                self._put(f"active/{machine}", str(request.get("incarnation")).encode())
                 lines.append(
                     f"machine {machine} joins at round {round_} ({len(blob)} bytes of state)"
                 )

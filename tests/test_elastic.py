@@ -1,0 +1,331 @@
+"""Elastic local-step training (issue 27): machines lost, refused, late and rejoined.
+
+The arithmetic (FedNova-normalized mean, the outer Nesterov step, the byte
+codec) against independent references; the protocol with real processes on one
+coordinating service (`tests/_elastic_member.py`: members that exchange
+constant vectors, no training); and `train.py --elastic_service` with one
+machine killed and restarted, which must end with the others' parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import numpy as np
+import optax
+import pytest
+
+from lpdec import elastic
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+MEMBER = ROOT / "tests" / "_elastic_member.py"
+
+
+# -- arithmetic -------------------------------------------------------------------
+
+
+def test_normalized_mean_is_fednova_and_a_plain_mean_at_equal_steps():
+    rng = np.random.default_rng(0)
+    deltas = [{"a": rng.normal(size=(3, 2)).astype(np.float32)} for _ in range(3)]
+    steps = [10, 10, 1]
+    got = elastic.normalized_mean(deltas, steps)["a"]
+    # FedNova (Wang et al. 2020, eq. for equal data weights p_i = 1/n), in float64.
+    tau = np.mean(steps)
+    want = tau * np.mean(
+        [d["a"].astype(np.float64) / s for d, s in zip(deltas, steps, strict=True)], axis=0
+    )
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got.dtype == np.float32
+    equal = elastic.normalized_mean(deltas, [4, 4, 4])["a"]
+    np.testing.assert_allclose(equal, np.mean([d["a"] for d in deltas], axis=0), rtol=1e-6)
+    # A machine's direction counts once whatever its step count: not the step-weighted mean.
+    weighted = sum(s * d["a"] for d, s in zip(deltas, steps, strict=True)) / sum(steps)
+    assert not np.allclose(got, weighted, rtol=1e-3)
+
+
+def test_normalized_mean_refuses_bad_steps():
+    with pytest.raises(ValueError, match="steps >= 1"):
+        elastic.normalized_mean([{"a": np.ones(2)}], [0])
+
+
+@pytest.mark.parametrize("mu", [0.0, 0.9])
+def test_nesterov_step_matches_optax_sgd_nesterov(mu):
+    rng = np.random.default_rng(1)
+    anchor = {"w": rng.normal(size=(5,)).astype(np.float32)}
+    tx = optax.sgd(0.7, momentum=mu or None, nesterov=True)
+    opt_state, ref = tx.init(anchor), anchor
+    mine, momentum = anchor, {"w": np.zeros(5, np.float32)}
+    for _ in range(4):
+        delta = {"w": rng.normal(size=(5,)).astype(np.float32)}
+        updates, opt_state = tx.update(delta, opt_state, ref)
+        ref = optax.apply_updates(ref, updates)
+        mine, momentum = elastic.nesterov_step(mine, momentum, delta, 0.7, mu)
+    np.testing.assert_allclose(mine["w"], np.asarray(ref["w"]), rtol=1e-5, atol=1e-6)
+
+
+def test_pack_round_trips_and_refuses_another_tree():
+    tree = {
+        "round": np.int64(7),
+        "w": np.arange(6, dtype=np.float32).reshape(2, 3).T,  # not contiguous
+        "codes": np.arange(5, dtype=np.uint8),
+    }
+    back = elastic.unpack(elastic.pack(tree), tree)
+    for key in tree:
+        np.testing.assert_array_equal(back[key], tree[key])
+        assert back[key].shape == np.shape(tree[key]) and back[key].dtype == tree[key].dtype
+    other = dict(tree, w=np.zeros((3, 3), np.float32))
+    with pytest.raises(ValueError, match=r"array 2: \[\[3, 2\], '<f4'\] vs \[\[3, 3\]"):
+        elastic.unpack(elastic.pack(tree), other)
+    assert elastic.tree_digest(tree) == elastic.tree_digest(back)
+    assert elastic.signature(tree) != elastic.signature(other)
+
+
+def test_service_and_group_refuse_bad_arguments_in_one_line():
+    with pytest.raises(ValueError, match="host:port"):
+        elastic.start("localhost", 3)
+    with pytest.raises(ValueError, match="machine=3 must be an integer in"):
+        elastic.ElasticGroup("127.0.0.1:1", 3, 3, b"t", "fp")
+
+
+# -- the protocol, on real processes ---------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
+    return env
+
+
+class _Procs:
+    """Subprocesses in their own sessions, output to files, all killed at the end."""
+
+    def __init__(self, tmp: pathlib.Path):
+        self.tmp, self.procs = tmp, []
+
+    def start(self, name: str, *command: str) -> subprocess.Popen:
+        out = open(self.tmp / f"{name}.out", "w")  # noqa: SIM115 - closed with the process
+        proc = subprocess.Popen(
+            command, stdout=out, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT,
+            start_new_session=True,
+        )  # fmt: skip
+        proc.out_path, proc.out_file = self.tmp / f"{name}.out", out
+        self.procs.append(proc)
+        return proc
+
+    def service(self, machines: int) -> str:
+        address = f"127.0.0.1:{_free_port()}"
+        self.start(
+            "service", sys.executable, "-m", "lpdec.elastic", "serve", "--bind", address,
+            "--machines", str(machines), "--heartbeat_timeout", "2",
+        )  # fmt: skip
+        time.sleep(1.0)
+        return address
+
+    def member(self, name: str, address: str, machine: int, *args: str) -> subprocess.Popen:
+        return self.start(name, sys.executable, str(MEMBER), address, str(machine), "3", *args)
+
+    def close(self):
+        for proc in self.procs:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait()
+            proc.out_file.close()
+
+
+def _events(proc) -> list[dict]:
+    out = []
+    for line in proc.out_path.read_text(errors="replace").splitlines():
+        if line.startswith("{"):
+            out.append(json.loads(line))
+    return out
+
+
+def _wait_for(predicate, timeout: float, what: str):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = _Procs(tmp_path)
+    yield p
+    p.close()
+
+
+def _rounds(proc) -> list[dict]:
+    return [e for e in _events(proc) if e["event"] == "round"]
+
+
+def test_a_killed_member_is_dropped_refused_joins_change_nothing_and_a_rejoin_agrees(procs):
+    address = procs.service(3)
+    rounds = "90"
+    m0 = procs.member("m0", address, 0, rounds)
+    m1 = procs.member("m1", address, 1, rounds)
+    m2 = procs.member("m2", address, 2, rounds)
+    _wait_for(lambda: len(_rounds(m2)) >= 5, 60, "five rounds of three members")
+    os.killpg(m2.pid, signal.SIGKILL)
+    m2.wait()
+    killed_at = len(_rounds(m2))
+    # The survivors go on without it once the service misses its heartbeats (2 s).
+    _wait_for(
+        lambda: any(r["members"] == [0, 1] for r in _rounds(m0)), 30, "a round without machine 2"
+    )
+    # Three refused joins: wrong token, other config, other model. Each: one line on
+    # both sides, exit 2, and no round of the run includes machine 2 meanwhile.
+    refused = {
+        "bad_token": (("--token", "wrong"), "wrong or missing token"),
+        "bad_config": (("--fingerprint", "other"), "config differs"),
+        "bad_model": (("--model", "other"), "model differs"),
+    }
+    for name, (flags, reason) in refused.items():
+        proc = procs.member(name, address, 2, rounds, *flags)
+        assert proc.wait(timeout=60) == 2, proc.out_path.read_text()[-2000:]
+        (event,) = [e for e in _events(proc) if e["event"] == "refused"]
+        assert event["error"].startswith("join refused by machine 0:") and reason in event["error"]
+        _wait_for(
+            lambda reason=reason: any(
+                e["event"] == "serve" and reason in e["line"] for e in _events(m0)
+            ),
+            10,
+            f"machine 0's line for {name}",
+        )
+    assert all(2 not in r["members"] for r in _rounds(m0)[killed_at + 2 :])
+    # The real restart joins at a round boundary with a live machine's state.
+    back = procs.member("m2b", address, 2, rounds)
+    for proc in (m0, m1, back):
+        assert proc.wait(timeout=120) == 0, proc.out_path.read_text()[-2000:]
+    (joined,) = [e for e in _events(back) if e["event"] == "joined"]
+    served = [e["line"] for e in _events(m0) if e["event"] == "serve" and "joins" in e["line"]]
+    assert served == [f"machine 2 joins at round {joined['round']} (34 bytes of state)"]
+    final = {p: _rounds(p)[-1] for p in (m0, m1, back)}
+    assert {r["round"] for r in final.values()} == {89}
+    assert len({r["w"] for r in final.values()}) == 1  # the same state everywhere
+    assert all(r["agree"] for p in (m0, m1, back) for r in _rounds(p))
+    # Its contributions count again: the last rounds are over all three.
+    assert final[m0]["members"] == [0, 1, 2] and final[back]["included"]
+    # The state is the independent recursion w <- w + mean over the round's members
+    # of (machine + 1), replayed from machine 0's record of the members.
+    w = 0.0
+    for r in _rounds(m0):
+        w = np.float32(w) + np.float32(np.mean([m + 1 for m in r["members"]]))
+    assert final[m0]["w"] == pytest.approx(float(w), rel=1e-6)
+
+
+def test_a_late_contribution_is_dropped_and_its_machine_keeps_the_anchor(procs):
+    address = procs.service(3)
+    # Machine 2 sleeps 3 s before round 2; the others wait at most 2 s for it, so it
+    # misses round 2 (and is back in time for round 3: one round late, not behind).
+    common = ("6", "--deadline", "2.0", "--sleep", "0.3")
+    m0 = procs.member("m0", address, 0, *common)
+    m1 = procs.member("m1", address, 1, *common)
+    m2 = procs.member("m2", address, 2, *common, "--slow_round", "2", "--slow_sleep", "3")
+    for proc in (m0, m1, m2):
+        assert proc.wait(timeout=90) == 0, proc.out_path.read_text()[-2000:]
+    r0, r2 = _rounds(m0), _rounds(m2)
+    assert r0[2]["members"] == [0, 1] and r0[2]["reason"] == "deadline"
+    assert 2.0 <= r0[2]["waited"] < 3.5
+    assert r2[2]["members"] == [0, 1] and not r2[2]["included"]
+    assert [r["w"] for r in r0] == [r["w"] for r in r2]  # it applied the same mean
+    assert all(r["members"] == [0, 1, 2] for i, r in enumerate(r0) if i != 2)
+
+
+def test_machines_with_different_local_steps_take_the_normalized_mean(procs):
+    address = procs.service(3)
+    members = [procs.member(f"m{m}", address, m, "4", "--steps_by_machine") for m in range(3)]
+    for proc in members:
+        assert proc.wait(timeout=60) == 0, proc.out_path.read_text()[-2000:]
+    # Machine m sends m + 1 after m + 1 steps: every direction is 1 per step, and the
+    # mean step count is 2: w grows by 2 per round (the step-weighted mean: 14/6).
+    assert [r["w"] for r in _rounds(members[0])] == pytest.approx([2.0, 4.0, 6.0, 8.0])
+
+
+# -- train.py, kill and rejoin ------------------------------------------------------------
+
+
+def _train(procs, name, address, machine, workdir, *extra):
+    return procs.start(
+        name, sys.executable, str(ROOT / "train.py"),
+        f"--config={ROOT / 'configs' / 'elastic_mlp.py'}", f"--workdir={workdir}",
+        f"--elastic_service={address}", "--elastic_machines=3", f"--elastic_machine={machine}",
+        "--elastic_heartbeat_timeout=2", "--elastic_join_timeout=60",
+        "--config.num_steps=4000", "--config.log_every=1000",
+        "--config.model_kwargs.hidden_sizes=(64,)", *extra,
+    )  # fmt: skip
+
+
+def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameters(procs, tmp_path):
+    token = tmp_path / "token"
+    token.write_text("run-secret\n")
+    address = procs.service(3)
+    flag = f"--elastic_token_file={token}"
+    runs = [_train(procs, f"t{m}", address, m, tmp_path / f"m{m}", flag) for m in range(3)]
+    exchanges = tmp_path / "m2" / "exchanges.csv"
+    _wait_for(
+        lambda: exchanges.exists() and len(exchanges.read_text().splitlines()) > 20,
+        120,
+        "20 rounds",
+    )
+    os.killpg(runs[2].pid, signal.SIGKILL)
+    runs[2].wait()
+    time.sleep(4)
+    back = _train(procs, "t2b", address, 2, tmp_path / "m2b", flag)
+    for proc in (*runs[:2], back):
+        assert proc.wait(timeout=300) == 0, proc.out_path.read_text()[-3000:]
+    summaries = {
+        name: json.loads((tmp_path / name / "summary.json").read_text())
+        for name in ("m0", "m1", "m2b")
+    }
+    (joined,) = summaries["m2b"]["joined_at_rounds"]
+    assert 20 < joined < summaries["m0"]["rounds"]
+    assert len({s["final_anchor_digest"] for s in summaries.values()}) == 1
+    assert all(s["anchors_agree"] for s in summaries.values())
+    assert summaries["m0"]["rounds_short"] >= 1  # it went on without machine 2
+    finals = np.load(tmp_path / "m0" / "final_params.npz")
+    rejoined = np.load(tmp_path / "m2b" / "final_params.npz")
+    for key in finals.files:
+        np.testing.assert_array_equal(finals[key], rejoined[key])
+    assert summaries["m0"]["final"]["train_loss"] < 1.0  # it trained (2.3 at the start)
+
+
+def test_train_py_refuses_an_elastic_run_it_cannot_do_in_one_line(tmp_path):
+    def run(*extra):
+        return subprocess.run(
+            [
+                sys.executable, str(ROOT / "train.py"),
+                f"--config={ROOT / 'configs' / 'elastic_mlp.py'}", f"--workdir={tmp_path}",
+                "--elastic_service=127.0.0.1:1", "--elastic_machines=3", *extra,
+            ],
+            capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120,
+        )  # fmt: skip
+
+    cases = [
+        (("--elastic_machine=0", "--config.algorithm=choco"), "needs config.algorithm='diloco'"),
+        (("--elastic_machine=0", "--config.exchange=gossip"), "exchanges a mean"),
+        (("--elastic_machine=0", "--config.num_nodes=4"), "must be a multiple of"),
+        (("--elastic_machine=5",), "--elastic_machine=5 must be in [0, 3)"),
+        ((), "--elastic_service needs --elastic_machine"),
+    ]
+    for extra, message in cases:
+        proc = run(*extra)
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[
+            -800:
+        ]
