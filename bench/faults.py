@@ -3,6 +3,7 @@
     python -m bench.faults                    # every fault, --repeats 3: BENCHMARKS.md
     python -m bench.faults --quick --output /tmp/faults.md   # one try of the quick faults
     python -m bench.faults --only kill9,nan   # some faults
+    python -m bench.faults --elastic --repeats 3  # the elastic cases only (namespaces, root)
 
 Each fault is tried `--repeats` times with random parameters (the step at which
 a process is killed, which bytes are damaged, which node gets a NaN, ...) drawn
@@ -13,6 +14,12 @@ run of the same config: "survived" means the run ended bit-identical to it (or,
 where no run can go on, that it refused with a one-line error and exit status
 2, loading nothing). A library-level fault runs an optax chain with
 `lpdec.testing.run` and compares with the same chain without the fault.
+
+The elastic cases (`--elastic`, or `--only elastic_kill,elastic_link,elastic_slow`;
+not part of the default set) run 3 machines of an elastic DiLoCo run and their
+coordinating service, each in its own network namespace, and kill one machine,
+cut its link or slow it down; see `elastic_table` for what each try checks. They
+write their own section ("Elastic faults").
 
 The table (what was tried, how many times, what survived, what was lost) goes
 into a section of `--output` (BENCHMARKS.md by default). Every subprocess is
@@ -28,6 +35,7 @@ import datetime
 import json
 import os
 import pathlib
+import re
 import shutil
 import signal
 import socket
@@ -598,7 +606,7 @@ def byzantine(ctx: Context, rng: np.random.Generator) -> Trial:
 # ---------------------------------------------------------------------------
 
 ELASTIC_MACHINES = 3
-ELASTIC_STEPS = 3000  # 300 rounds of H = 10: about 60-70 s uninterrupted on 2 CPU cores
+ELASTIC_STEPS = 6000  # 600 rounds of H = 10: about 110 s uninterrupted on 2 CPU cores
 ELASTIC_ROUNDS = ELASTIC_STEPS // 10
 ELASTIC_HEARTBEAT = 3  # s: the service's and the machines' heartbeat timeout
 ELASTIC_JOIN_TIMEOUT = 60  # s: a joining (or reconnecting) machine waits this long
@@ -609,6 +617,7 @@ SLOWDOWN = 10
 # The tolerance against the uninterrupted run (never loosened after the fact):
 ACCURACY_POINTS = 3.0  # final test accuracy of the anchor, in points
 LOSS_RELATIVE = 0.10  # final train loss (mean of the machines' last logged interval)
+FAULT_ROUNDS = (10, 60)  # a machine is killed or cut off after a round drawn from these
 ELASTIC_FLAGS = (
     f"--config={ROOT / 'configs' / 'elastic_mlp.py'}",
     f"--config.num_steps={ELASTIC_STEPS}",
@@ -757,11 +766,13 @@ class Cluster:
             self.net.destroy()
             netns.NETWORKS.remove(self.net)
 
-    def tail(self, m: int, lines: int = 3) -> str:
-        """The last lines of machine m's last log that are not jax/absl noise."""
-        text = stderr_of(self.procs[m][-1]).strip().splitlines()
-        keep = [t for t in text if "elastic" in t or t.startswith("error:") or "Error" in t]
-        return " / ".join(line[-200:] for line in keep[-lines:])
+    def tail(self, m: int, lines: int = 2) -> str:
+        """The last lines of machine m's last log that say why it ended (error lines,
+        jaxlib's fatal checks, C++ terminations), else its last lines."""
+        text = [t.strip() for t in stderr_of(self.procs[m][-1]).splitlines() if t.strip()]
+        why = re.compile(r"^(error:|F\d{4} |terminate called|  what\(\)|Fatal Python)")
+        keep = [t for t in text if why.match(t) or "elastic:" in t] or text
+        return " / ".join(line[-240:] for line in keep[-lines:])
 
 
 def _final(cluster: Cluster) -> dict:
@@ -815,7 +826,9 @@ def _judge(ctx: Context, cluster: Cluster, case: dict, checks: dict) -> Trial:
     waited = max((float(r["waited_s"]) for m in others for r in rows[m]), default=0.0)
     short = sum(len(r["members"].split()) < ELASTIC_MACHINES for m in others for r in rows[m])
     agree_rows = all(r["anchors_agree"] == "1" for m in rows for r in rows[m])
-    agree = agree_rows and len(set(final["digests"])) == 1 and None not in final["digests"]
+    digests = [d for d in final["digests"] if d is not None]
+    missing = [m for m, d in enumerate(final["digests"]) if d is None]
+    agree = agree_rows and len(set(digests)) == 1 and not missing
     d_accuracy = 100 * (final["accuracy"] - reference["accuracy"])
     d_loss = (final["loss"] - reference["loss"]) / reference["loss"]
     data = {
@@ -826,7 +839,8 @@ def _judge(ctx: Context, cluster: Cluster, case: dict, checks: dict) -> Trial:
         "short_rounds": short,
         "longest_wait_s": waited,
         "anchors_agree": agree,
-        "digests": len(set(final["digests"])),
+        "digests": len(set(digests)),
+        "no_summary": missing,
         "accuracy": final["accuracy"],
         "loss": final["loss"],
         "d_accuracy_points": d_accuracy,
@@ -847,10 +861,10 @@ def _judge(ctx: Context, cluster: Cluster, case: dict, checks: dict) -> Trial:
     for m, code in enumerate(codes):
         if code != 0:
             notes.append(f"machine {m} exited {code}: {cluster.tail(m)}")
-    if not agree:
-        notes.append(
-            f"{len(set(final['digests']))} different final anchors; rows agree={agree_rows}"
-        )
+    if missing:
+        notes.append(f"no summary from machine(s) {missing}")
+    if len(set(digests)) > 1 or not agree_rows:
+        notes.append(f"{len(set(digests))} different final anchors; rows agree={agree_rows}")
     notes.extend(data.pop("extra_notes", []))
     return Trial(not data["failed"], "; ".join(notes), data=data)
 
@@ -881,7 +895,7 @@ def _rejoin_checks(victim: int):
 def elastic_kill(ctx: Context, rng: np.random.Generator) -> Trial:
     """kill -9 of one machine at a random round; the same command again 5-15 s later."""
     victim = int(rng.integers(0, ELASTIC_MACHINES))
-    at = int(rng.integers(20, 100))
+    at = int(rng.integers(*FAULT_ROUNDS))
     down = float(rng.uniform(5, 15))
     elastic_reference(ctx)
     cluster = Cluster(ctx, ctx.scratch("elastic-kill"))
@@ -909,7 +923,7 @@ def elastic_link(ctx: Context, rng: np.random.Generator) -> Trial:
     if not ctx.namespaces:
         return Trial(False, f"not run: {ctx.no_namespaces}", skipped=True)
     victim = int(rng.integers(0, ELASTIC_MACHINES))
-    at = int(rng.integers(20, 100))
+    at = int(rng.integers(*FAULT_ROUNDS))
     elastic_reference(ctx)
     cluster = Cluster(ctx, ctx.scratch("elastic-link"))
     try:
@@ -1148,7 +1162,9 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
                     f"in machine {(trial['machine'] + 1) % ELASTIC_MACHINES}'s: "
                     f"{trial['slow_in_means']})"
                 )
-            anchors = "equal" if trial["anchors_agree"] else f"{trial['digests']} differ"
+            anchors = "equal" if trial["anchors_agree"] else f"{trial['digests']} distinct"
+            if trial.get("no_summary"):
+                anchors += f", none from {trial['no_summary']}"
             lines.append(
                 f"| {row['what']} | {k + 1} | {'yes' if trial['survived'] else 'no'} | "
                 f"{' '.join(str(c) for c in trial['exits'])} | {trial['took_s']:.0f} | "
@@ -1188,12 +1204,14 @@ def main(argv=None) -> int:
         "--only", default="", help="comma-separated faults: " + ",".join([*FAULTS, *ALIASES])
     )
     parser.add_argument("--quick", action="store_true", help="one try of " + ",".join(QUICK))
+    parser.add_argument("--elastic", action="store_true", help="the elastic cases: --only elastic")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per subprocess")
     parser.add_argument("--output", default=str(ROOT / "BENCHMARKS.md"))
     parser.add_argument("--json", default="", help="also write the rows here")
     parser.add_argument("--keep", default="", help="leave the runs' workdirs and logs here")
     args = parser.parse_args(argv)
-    names = [n for n in args.only.split(",") if n] or (list(QUICK) if args.quick else list(FAULTS))
+    default = list(QUICK) if args.quick else [n for n in FAULTS if n not in ELASTIC]
+    names = [n for n in args.only.split(",") if n] or (list(ELASTIC) if args.elastic else default)
     names = list(dict.fromkeys(x for n in names for x in ALIASES.get(n, (n,))))
     unknown = sorted(set(names) - set(FAULTS))
     if unknown:
