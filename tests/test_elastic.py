@@ -208,6 +208,9 @@ def test_a_killed_member_is_dropped_refused_joins_change_nothing_and_a_rejoin_ag
             f"machine 0's line for {name}",
         )
     assert all(2 not in r["members"] for r in _rounds(m0)[killed_at + 2 :])
+    # No round waited out its deadline (20 s): the service's live view dropped the dead
+    # machine after its heartbeat timeout (2 s), and a refused joiner is never waited for.
+    assert all(r["reason"] == "all" and r["waited"] < 10 for r in _rounds(m0))
     # The real restart joins at a round boundary with a live machine's state.
     back = procs.member("m2b", address, 2, rounds)
     for proc in (m0, m1, back):
