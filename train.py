@@ -53,7 +53,7 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer(
     "heartbeat_timeout",
-    60,
+    20,
     "Multi-host: seconds without a heartbeat after which a connected process counts as lost "
     "(a killed process is noticed at once), then exit 4.",
 )
