@@ -53,7 +53,7 @@ flags.DEFINE_integer(
 )
 flags.DEFINE_integer(
     "heartbeat_timeout",
-    60,
+    20,
     "Multi-host: seconds without a heartbeat after which a connected process counts as lost "
     "(a killed process is noticed at once), then exit 4.",
 )
@@ -84,8 +84,18 @@ flags.DEFINE_integer(
     10,
     "Elastic: seconds without a heartbeat before a machine counts as lost (as the service's).",
 )
+flags.DEFINE_integer(
+    "elastic_restarts",
+    5,
+    "Elastic: run the machine as a child process and restart it (to rejoin) up to this many "
+    "times when it ends abnormally, e.g. after its link was down; 0: no supervisor.",
+)
+flags.DEFINE_bool("elastic_child", False, "Elastic, internal: this is the supervised child.")
 flags.DEFINE_float(
     "elastic_slowdown", 1.0, "Elastic, for fault tests: local steps take this many times as long."
+)
+flags.DEFINE_float(
+    "elastic_min_round_s", 0.0, "Elastic, for fault tests: a round's local steps last this long."
 )
 flags.DEFINE_float(
     "stop_timeout",

@@ -7,6 +7,7 @@ The whole public API is re-exported here; see README.md for a tour. The algorith
 from lpdec import algorithms
 from lpdec import compress
 from lpdec import data
+from lpdec import elastic
 from lpdec import fsdp
 from lpdec import gossip
 from lpdec import layout
@@ -62,6 +63,7 @@ __all__ = [
     "compress",
     "data",
     "directed_ring",
+    "elastic",
     "exponential",
     "from_matrix",
     "fsdp",

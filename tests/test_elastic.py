@@ -208,6 +208,9 @@ def test_a_killed_member_is_dropped_refused_joins_change_nothing_and_a_rejoin_ag
             f"machine 0's line for {name}",
         )
     assert all(2 not in r["members"] for r in _rounds(m0)[killed_at + 2 :])
+    # No round waited out its deadline (20 s): the service's live view dropped the dead
+    # machine after its heartbeat timeout (2 s), and a refused joiner is never waited for.
+    assert all(r["reason"] == "all" and r["waited"] < 10 for r in _rounds(m0))
     # The real restart joins at a round boundary with a live machine's state.
     back = procs.member("m2b", address, 2, rounds)
     for proc in (m0, m1, back):
@@ -266,7 +269,7 @@ def _train(procs, name, address, machine, workdir, *extra):
         f"--config={ROOT / 'configs' / 'elastic_mlp.py'}", f"--workdir={workdir}",
         f"--elastic_service={address}", "--elastic_machines=3", f"--elastic_machine={machine}",
         "--elastic_heartbeat_timeout=2", "--elastic_join_timeout=60",
-        "--config.num_steps=4000", "--config.log_every=1000",
+        "--config.num_steps=5000", "--config.log_every=1000", "--elastic_min_round_s=0.1",
         "--config.model_kwargs.hidden_sizes=(64,)", *extra,
     )  # fmt: skip
 
@@ -287,6 +290,18 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     runs[2].wait()
     time.sleep(4)
     back = _train(procs, "t2b", address, 2, tmp_path / "m2b", flag)
+    _wait_for(lambda: (tmp_path / "m2b" / "exchanges.csv").exists(), 120, "machine 2 back")
+    # Machine 1's training process frozen past the heartbeat timeout (as if its link
+    # were down): the service drops it, jaxlib ends it when it wakes, its supervisor
+    # (the train.py command) restarts it and it joins again.
+    child = subprocess.run(
+        ["pgrep", "-f", "--", f"--workdir={tmp_path / 'm1'} .*--elastic_child"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    (child,) = child
+    os.kill(int(child), signal.SIGSTOP)
+    time.sleep(6)
+    os.kill(int(child), signal.SIGCONT)
     for proc in (*runs[:2], back):
         assert proc.wait(timeout=300) == 0, proc.out_path.read_text()[-3000:]
     summaries = {
@@ -295,6 +310,8 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     }
     (joined,) = summaries["m2b"]["joined_at_rounds"]
     assert 20 < joined < summaries["m0"]["rounds"]
+    assert summaries["m1"]["joined_at_rounds"][-1] > joined  # the restarted machine 1
+    assert "restarting it to rejoin the run (1 of 5)" in runs[1].out_path.read_text()
     assert len({s["final_anchor_digest"] for s in summaries.values()}) == 1
     assert all(s["anchors_agree"] for s in summaries.values())
     assert summaries["m0"]["rounds_short"] >= 1  # it went on without machine 2

@@ -37,6 +37,7 @@ MAY_IMPORT = {
     "lpdec.nn": ("lpdec.compress", "lpdec.kernels_pallas"),
     "lpdec.models": ("lpdec.nn",),
     "lpdec.data": (),
+    "lpdec.elastic": (),
 }
 
 

@@ -102,7 +102,19 @@ def log_devices() -> None:
 
 
 def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
-    """One machine of an elastic run (`--elastic_service`); exits 0, 2 or 4."""
+    """One machine of an elastic run (`--elastic_service`); exits 0, 2, 3 or 4.
+
+    With `--elastic_restarts` > 0 (the default) this process only supervises: it
+    runs the machine as a child process (the same command with `--elastic_child`)
+    and starts it again when it ends abnormally, so that it rejoins the run. That
+    is how a machine comes back from its link going down: jaxlib's coordination
+    client ends its process when the service has declared it lost (there is no
+    reconnecting in place), and the restarted child joins with a live machine's
+    state. The child dies with its supervisor (kill -9 of this process ends the
+    machine).
+    """
+    if flag_values.elastic_restarts > 0 and not flag_values.elastic_child:
+        _supervise(flag_values.elastic_restarts, flag_values.elastic_machine)
     from train_lib import elastic  # noqa: PLC0415 - only elastic runs need it
 
     try:
@@ -116,6 +128,7 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
             join_timeout=flag_values.elastic_join_timeout,
             heartbeat_timeout=flag_values.elastic_heartbeat_timeout,
             slowdown=flag_values.elastic_slowdown,
+            min_round_s=flag_values.elastic_min_round_s,
         )
         log_devices()
         elastic.train_elastic(flag_values.config, flag_values.workdir, options)
@@ -133,6 +146,61 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(status)
+
+
+# A child's exit statuses that end its machine for good: done, refused, diverged, and
+# "the service could not be reached again" (restarting would not bring it back).
+_FINAL = (0, EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_PEER_LOST)
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: SIGKILL when the supervisor dies (Linux prctl)."""
+    try:
+        import ctypes  # noqa: PLC0415
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):  # pragma: no cover - not Linux
+        pass
+
+
+def _supervise(restarts: int, machine: int | None) -> NoReturn:
+    """Runs this command as a child with --elastic_child, restarting it up to `restarts`
+    times when it ends abnormally (a signal, or jaxlib ending it after a lost link)."""
+    import subprocess  # noqa: PLC0415
+    import time  # noqa: PLC0415
+
+    command = [sys.executable, *sys.argv, "--elastic_child"]
+    child: list[subprocess.Popen] = []
+
+    def forward(signum, _frame):
+        if child and child[-1].poll() is None:
+            child[-1].send_signal(signum)
+        os._exit(128 + signum)
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, forward)
+    for attempt in range(restarts + 1):
+        child.append(subprocess.Popen(command, preexec_fn=_die_with_parent))
+        status = child[-1].wait()
+        if status in _FINAL:
+            sys.exit(status)
+        how = f"signal {-status}" if status < 0 else f"status {status}"
+        if attempt == restarts:
+            sys.stderr.write(
+                f"error: machine {machine} ended with {how} and was restarted {restarts} "
+                "times (--elastic_restarts); giving up\n"
+            )
+            sys.exit(EXIT_PEER_LOST)
+        logging.warning(
+            "elastic: machine %s ended with %s (its link lost, or it crashed); restarting it "
+            "to rejoin the run (%d of %d)",
+            machine,
+            how,
+            attempt + 1,
+            restarts,
+        )
+        time.sleep(1.0)
+    raise AssertionError("unreachable")
 
 
 def _required(flag_values: flags.FlagValues, name: str) -> int:

@@ -27,11 +27,14 @@ the hierarchical DiLoCo of `train.py` does). A round:
 
 A late contribution is dropped (its machine applies the round's mean like the
 others; its steps of that round are lost, `included=0` in `exchanges.csv`). A
-machine that loses the service (its process lived, its link did not)
-reconnects and joins like a restarted one. Data and random streams follow from
-the machine's slot and the round, so a rejoin replays what the machine would
-have seen. Nothing is checkpointed to disk: the live machines hold the state
-(if every machine is lost, the run is lost; see docs/training.md).
+machine the service declared lost (its link was down) is ended by jaxlib when
+it hears the service again; `train.py`'s supervisor (`cli.run_elastic`)
+restarts it and it joins like any restarted machine. A call to the service that
+fails without that (`ServiceLost`) reconnects and joins in place. Data and
+random streams follow from the machine's slot and the round, so a rejoin
+replays what the machine would have seen. Nothing is checkpointed to disk: the
+live machines hold the state (if every machine is lost, the run is lost; see
+docs/machines.md).
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class ElasticOptions:
       connect_timeout: seconds a fresh start waits for every machine to register.
       slowdown: a testing aid: each round's local steps take this many times as long
         (the machine sleeps the difference); 1 = full speed.
+      min_round_s: a testing aid: each round's local steps take at least this long.
     """
 
     service: str
@@ -108,6 +112,7 @@ class ElasticOptions:
     heartbeat_timeout: int = 10
     connect_timeout: int = 300
     slowdown: float = 1.0
+    min_round_s: float = 0.0
 
 
 def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
@@ -360,8 +365,9 @@ class _Machine:
         fields = tuple(f for f in fields if "local_mean" not in f) + ("members",)
         writer = metrics_lib.MetricWriter(self.workdir, 0, exp.total_steps, fields)
         exchanges_path = os.path.join(self.workdir, "exchanges.csv")
-        with open(exchanges_path, "w", newline="") as f:
-            csv.DictWriter(f, EXCHANGE_FIELDS).writeheader()
+        if not os.path.exists(exchanges_path):  # a restarted machine appends its rounds
+            with open(exchanges_path, "w", newline="") as f:
+                csv.DictWriter(f, EXCHANGE_FIELDS).writeheader()
         history: list[dict] = []
         metrics: dict[str, Any] = {}
         losses: list[float] = []
@@ -473,6 +479,9 @@ class _Machine:
         if self.options.slowdown > 1:
             time.sleep(seconds * (self.options.slowdown - 1))
             seconds *= self.options.slowdown
+        if seconds < self.options.min_round_s:
+            time.sleep(self.options.min_round_s - seconds)
+            seconds = self.options.min_round_s
         x = self._node0(params)
         delta = jax.tree.map(lambda a, b: np.float32(a) - np.asarray(b, np.float32), self.anchor, x)
         key = jax.random.fold_in(jax.random.key(self.seed), round_)

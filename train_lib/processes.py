@@ -227,7 +227,7 @@ def start(
     *,
     bind: str | None = None,
     timeout_s: int = 300,
-    heartbeat_timeout_s: int = 60,
+    heartbeat_timeout_s: int = 20,
     peer_lost_status: int,
 ) -> watchdog.PeerWatch:
     """Checks the processes fit together, then starts jax.distributed.

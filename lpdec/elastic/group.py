@@ -180,7 +180,10 @@ class ElasticGroup:
             self.machine,
             init_timeout=self.connect_timeout,
             heartbeat_timeout=self.heartbeat_timeout,
-            missed_heartbeat_callback=self._on_missed_heartbeat,
+            # No missed_heartbeat_callback: jaxlib cannot hand its status to a Python
+            # callable (std::bad_cast, abort); without one it ends the process with a
+            # line when the service has declared this machine lost. train.py's
+            # supervisor restarts it, and the new process joins.
             shutdown_on_destruction=False,
         )
         try:
@@ -213,12 +216,6 @@ class ElasticGroup:
                 return
             self._live = {int(m): int(i) for m, i in live.items()}
             time.sleep(self.poll_s)
-
-    def _on_missed_heartbeat(self, *status: Any) -> None:
-        # Called on the client's heartbeat thread; the training thread notices at its
-        # next call to the service (which then fails) or by `lost()`.
-        self._lost_reason = _first_line(status[0]) if status else "missed heartbeats"
-        self._lost.set()
 
     def lost(self) -> bool:
         """Whether the service stopped hearing this machine (it must reconnect and join)."""
