@@ -618,6 +618,11 @@ SLOWDOWN = 10
 ACCURACY_POINTS = 3.0  # final test accuracy of the anchor, in points
 LOSS_RELATIVE = 0.10  # final train loss (mean of the machines' last logged interval)
 FAULT_ROUNDS = (10, 60)  # a machine is killed or cut off after a round drawn from these
+# Kill and link-down runs pace every round at >= PACE_S (`--elastic_min_round_s`), so
+# that two machines do not race through the run while the third restarts; pacing
+# changes no number of an uninterrupted run (every round has every machine).
+PACE_S = 0.15
+PACED = {m: (f"--elastic_min_round_s={PACE_S}",) for m in range(ELASTIC_MACHINES)}
 ELASTIC_FLAGS = (
     f"--config={ROOT / 'configs' / 'elastic_mlp.py'}",
     f"--config.num_steps={ELASTIC_STEPS}",
@@ -766,6 +771,10 @@ class Cluster:
             self.net.destroy()
             netns.NETWORKS.remove(self.net)
 
+    def restarts(self, m: int) -> int:
+        """How many times train.py's supervisor restarted machine m's last process."""
+        return stderr_of(self.procs[m][-1]).count("restarting it to rejoin")
+
     def tail(self, m: int, lines: int = 2) -> str:
         """The last lines of machine m's last log that say why it ended (error lines,
         jaxlib's fatal checks, C++ terminations), else its last lines."""
@@ -821,6 +830,7 @@ def _judge(ctx: Context, cluster: Cluster, case: dict, checks: dict) -> Trial:
     reference = elastic_reference(ctx)
     final = _final(cluster)
     rows = {m: cluster.rows(m) for m in range(ELASTIC_MACHINES)}
+    restarted = {m: cluster.restarts(m) for m in range(ELASTIC_MACHINES)}
     victim = case.get("machine")
     others = [m for m in range(ELASTIC_MACHINES) if m != victim]
     waited = max((float(r["waited_s"]) for m in others for r in rows[m]), default=0.0)
@@ -841,6 +851,7 @@ def _judge(ctx: Context, cluster: Cluster, case: dict, checks: dict) -> Trial:
         "anchors_agree": agree,
         "digests": len(set(digests)),
         "no_summary": missing,
+        "supervisor_restarts": restarted,
         "accuracy": final["accuracy"],
         "loss": final["loss"],
         "d_accuracy_points": d_accuracy,
@@ -873,6 +884,7 @@ def _rejoin_checks(victim: int):
     """The victim joined again, and its first exchange after the join had everyone."""
 
     def checks(rows, summaries, data):
+        data["restarts"] = data.pop("supervisor_restarts", {}).get(victim, 0)
         joins = summaries[victim].get("joined_at_rounds", []) if summaries[victim] else []
         data["joined_at"] = joins
         first = next((r for r in rows[victim] if joins and int(r["round"]) >= joins[-1]), None)
@@ -898,7 +910,7 @@ def elastic_kill(ctx: Context, rng: np.random.Generator) -> Trial:
     at = int(rng.integers(*FAULT_ROUNDS))
     down = float(rng.uniform(5, 15))
     elastic_reference(ctx)
-    cluster = Cluster(ctx, ctx.scratch("elastic-kill"))
+    cluster = Cluster(ctx, ctx.scratch("elastic-kill"), PACED)
     try:
         cluster.start()
         if not cluster.wait_for_round(victim, at):
@@ -925,7 +937,7 @@ def elastic_link(ctx: Context, rng: np.random.Generator) -> Trial:
     victim = int(rng.integers(0, ELASTIC_MACHINES))
     at = int(rng.integers(*FAULT_ROUNDS))
     elastic_reference(ctx)
-    cluster = Cluster(ctx, ctx.scratch("elastic-link"))
+    cluster = Cluster(ctx, ctx.scratch("elastic-link"), PACED)
     try:
         cluster.start()
         if not cluster.wait_for_round(victim, at):
@@ -1119,7 +1131,14 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
         f"`configs/elastic_mlp.py` with `--config.num_steps={ELASTIC_STEPS}`: "
         f"{ELASTIC_ROUNDS} rounds of H = 10 local steps, 4-bit error-feedback mean), {where}; "
         f"heartbeat timeout {ELASTIC_HEARTBEAT} s, join timeout {ELASTIC_JOIN_TIMEOUT} s, "
-        f"exchange deadline 60 s unless said. Every process of a try must end within "
+        "exchange deadline 60 s unless said; each machine is `train.py` under its supervisor "
+        "(`--elastic_restarts`, default 5: a machine process that ends abnormally is started "
+        "again and joins). In the kill and link-down cases every machine paces its rounds at "
+        f"≥ {PACE_S:g} s (`--elastic_min_round_s`; a round takes about 0.1 s unpaced), so "
+        "that the two others do not race through the run while the third restarts; the fault "
+        f"comes after a round drawn from {FAULT_ROUNDS[0]}..{FAULT_ROUNDS[1] - 1}; the kill "
+        "is a SIGKILL of the machine's process group (supervisor and child), and the same "
+        "command is started again 5-15 s later. Every process of a try must end within "
         f"{ELASTIC_BOUND:g} s. The uninterrupted run of the same length (once per invocation): "
         f"test accuracy {100 * ref.get('accuracy', float('nan')):.2f} %, train loss "
         f"{ref.get('loss', float('nan')):.4f}, {ref.get('took_s', float('nan')):.0f} s.",
@@ -1162,6 +1181,9 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
                     f"in machine {(trial['machine'] + 1) % ELASTIC_MACHINES}'s: "
                     f"{trial['slow_in_means']})"
                 )
+            joined = cell(trial.get("joined_at", "—"))
+            if "restarts" in trial:
+                joined += f" ({trial['restarts']} supervisor restarts)"
             anchors = "equal" if trial["anchors_agree"] else f"{trial['digests']} distinct"
             if trial.get("no_summary"):
                 anchors += f", none from {trial['no_summary']}"
@@ -1169,10 +1191,10 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
                 f"| {row['what']} | {k + 1} | {'yes' if trial['survived'] else 'no'} | "
                 f"{' '.join(str(c) for c in trial['exits'])} | {trial['took_s']:.0f} | "
                 f"{trial['short_rounds']} | {trial['longest_wait_s']:.2f} | "
-                f"{cell(trial.get('joined_at', '—'))} | "
+                f"{joined} | "
                 f"{cell(trial.get('first_after_join') or '—')} | "
                 f"{anchors} | {100 * trial['accuracy']:.2f} ({trial['d_accuracy_points']:+.2f}) | "
-                f"{trial['loss']:.4f} ({100 * trial['d_loss_relative']:+.1f} %) | "
+                f"{trial['loss']:.4g} ({100 * trial['d_loss_relative']:+.3g} %) | "
                 f"{cell(failed + '; ' + note + extra)} |"
             )
     lines += [
