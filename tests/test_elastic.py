@@ -9,6 +9,7 @@ machine killed and restarted, which must end with the others' parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -322,7 +323,32 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     assert summaries["m0"]["final"]["train_loss"] < 1.0  # it trained (2.3 at the start)
 
 
-def test_train_py_refuses_an_elastic_run_it_cannot_do_in_one_line(tmp_path):
+def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
+    sys.path.insert(0, str(ROOT))
+    from configs import elastic_mlp  # noqa: PLC0415
+    from train_lib import elastic as elastic_lib  # noqa: PLC0415
+    from train_lib.registry import ConfigError  # noqa: PLC0415
+
+    options = elastic_lib.ElasticOptions(service="127.0.0.1:1", machine=0, machines=3, token=b"t")
+    cases = [
+        ({"algorithm": "choco"}, {}, "needs config.algorithm='diloco'"),
+        ({"exchange": "gossip"}, {}, "exchanges a mean"),
+        ({"overlap": True}, {}, "config.overlap=True is not supported elastic"),
+        ({"num_nodes": 4}, {}, "must be a multiple of --elastic_machines=3"),
+        ({}, {"machine": 5}, "--elastic_machine=5 must be in [0, 3)"),
+        ({}, {"deadline": 0.0}, "must be > 0 s"),
+        ({}, {"slowdown": 0.5}, "--elastic_slowdown=0.5 must be >= 1"),
+    ]
+    for fields, opts, message in cases:
+        config = elastic_mlp.get_config()
+        config.update(fields)
+        with pytest.raises(ConfigError) as error:
+            elastic_lib.check(config, dataclasses.replace(options, **opts))
+        assert message in str(error.value) and "\n" not in str(error.value)
+    elastic_lib.check(elastic_mlp.get_config(), options)  # the config itself is fine
+
+
+def test_train_py_refuses_in_one_line_and_gives_up_without_a_service(tmp_path):
     def run(*extra):
         return subprocess.run(
             [
@@ -333,16 +359,16 @@ def test_train_py_refuses_an_elastic_run_it_cannot_do_in_one_line(tmp_path):
             capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120,
         )  # fmt: skip
 
-    cases = [
-        (("--elastic_machine=0", "--config.algorithm=choco"), "needs config.algorithm='diloco'"),
-        (("--elastic_machine=0", "--config.exchange=gossip"), "exchanges a mean"),
-        (("--elastic_machine=0", "--config.num_nodes=4"), "must be a multiple of"),
-        (("--elastic_machine=5",), "--elastic_machine=5 must be in [0, 3)"),
-        ((), "--elastic_service needs --elastic_machine"),
-    ]
-    for extra, message in cases:
-        proc = run(*extra)
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[
-            -800:
-        ]
+    proc = run()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == ["error: --elastic_service needs --elastic_machine."]
+    # No service there: the machine's process cannot register; its supervisor does not
+    # restart it (it never took part) and ends with one line, exit 4.
+    token = tmp_path / "token"
+    token.write_text("t")
+    proc = run(
+        "--elastic_machine=0", f"--elastic_token_file={token}", "--elastic_connect_timeout=2"
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 4 and len(errors) == 1, proc.stderr[-800:]
+    assert "before it registered with the service at 127.0.0.1:1" in errors[0]

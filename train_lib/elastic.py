@@ -78,6 +78,10 @@ EXCHANGE_FIELDS = (
 )
 
 
+# Written into the workdir once the machine is registered with the service.
+CONNECTED = ".elastic-connected"
+
+
 class ElasticLost(RunError):
     """The coordinating service could not be reached again (exit status 4)."""
 
@@ -299,6 +303,10 @@ class _Machine:
     def _start(self) -> int:
         """Connects; returns the round to start from (0, or a live machine's)."""
         self.group.connect()
+        # For train.py's supervisor: this process took part, so a later abnormal end
+        # (jaxlib ending a client the service declared lost) is worth a restart.
+        with open(os.path.join(self.workdir, CONNECTED), "w") as f:
+            f.write(f"{self.group.incarnation}\n")
         latest = self.group.latest_round()
         if latest is None:
             if not self.options.token:
