@@ -205,7 +205,9 @@ def _supervise(flag_values: flags.FlagValues) -> NoReturn:
         if attempt == restarts:
             sys.stderr.write(
                 f"error: machine {machine} ended with {how} and was restarted {restarts} "
-                "times (--elastic_restarts); giving up\n"
+                "times (--elastic_restarts); giving up (if every restart ended a few seconds "
+                "after it joined: is --elastic_heartbeat_timeout the service's "
+                "--heartbeat_timeout?)\n"
             )
             sys.exit(EXIT_PEER_LOST)
         logging.warning(
