@@ -85,6 +85,11 @@ flags.DEFINE_integer(
     "Elastic: seconds without a heartbeat before a machine counts as lost (as the service's).",
 )
 flags.DEFINE_integer(
+    "elastic_connect_timeout",
+    300,
+    "Elastic: seconds to wait for the service (a new run: for every machine to register).",
+)
+flags.DEFINE_integer(
     "elastic_restarts",
     5,
     "Elastic: run the machine as a child process and restart it (to rejoin) up to this many "

@@ -4,7 +4,7 @@
         [--fingerprint F] [--model S] [--sleep S] [--deadline S] [--join_timeout S]
 
 Each round's "pseudo-gradient" is the vector [machine + 1] * 4 (steps = 1 + machine
-with --steps_by_machine); the state w follows w <- w + normalized mean. Prints one
+with --steps_by_machine); the state w follows w <- w + step-weighted mean. Prints one
 JSON object per line: {"event": "round", ...}, {"event": "joined", ...},
 {"event": "serve", "line": ...}, {"event": "refused", "error": ...} (exit 2).
 """
@@ -69,7 +69,7 @@ def main() -> int:
             group.close()
             return 5
         deltas = [elastic.unpack(c.payload, delta) for c in ex.contributions]
-        mean = elastic.normalized_mean(deltas, [c.steps for c in ex.contributions])
+        mean = elastic.step_weighted_mean(deltas, [c.steps for c in ex.contributions])
         state = {"w": state["w"] + mean["w"]}
         emit(
             event="round",

@@ -1,6 +1,6 @@
 """Elastic local-step training (issue 27): machines lost, refused, late and rejoined.
 
-The arithmetic (FedNova-normalized mean, the outer Nesterov step, the byte
+The arithmetic (the step-weighted mean, the outer Nesterov step, the byte
 codec) against independent references; the protocol with real processes on one
 coordinating service (`tests/_elastic_member.py`: members that exchange
 constant vectors, no training); and `train.py --elastic_service` with one
@@ -9,6 +9,7 @@ machine killed and restarted, which must end with the others' parameters.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -31,28 +32,26 @@ MEMBER = ROOT / "tests" / "_elastic_member.py"
 # -- arithmetic -------------------------------------------------------------------
 
 
-def test_normalized_mean_is_fednova_and_a_plain_mean_at_equal_steps():
+def test_step_weighted_mean_counts_every_local_step_once():
     rng = np.random.default_rng(0)
     deltas = [{"a": rng.normal(size=(3, 2)).astype(np.float32)} for _ in range(3)]
     steps = [10, 10, 1]
-    got = elastic.normalized_mean(deltas, steps)["a"]
-    # FedNova (Wang et al. 2020, eq. for equal data weights p_i = 1/n), in float64.
-    tau = np.mean(steps)
-    want = tau * np.mean(
-        [d["a"].astype(np.float64) / s for d, s in zip(deltas, steps, strict=True)], axis=0
-    )
+    got = elastic.step_weighted_mean(deltas, steps)["a"]
+    # sum_i h_i delta_i / sum_i h_i, in float64.
+    want = sum(h * d["a"].astype(np.float64) for d, h in zip(deltas, steps, strict=True)) / 21
     np.testing.assert_allclose(got, want, rtol=1e-6)
     assert got.dtype == np.float32
-    equal = elastic.normalized_mean(deltas, [4, 4, 4])["a"]
+    equal = elastic.step_weighted_mean(deltas, [4, 4, 4])["a"]
     np.testing.assert_allclose(equal, np.mean([d["a"] for d in deltas], axis=0), rtol=1e-6)
-    # A machine's direction counts once whatever its step count: not the step-weighted mean.
-    weighted = sum(s * d["a"] for d, s in zip(deltas, steps, strict=True)) / sum(steps)
-    assert not np.allclose(got, weighted, rtol=1e-3)
+    # A convex combination: never longer than the longest contribution (FedNova's
+    # tau * mean(delta_i / h_i) is, here: 7/3 of the one-step machine's delta).
+    longest = max(np.linalg.norm(d["a"]) for d in deltas)
+    assert np.linalg.norm(got) <= longest
 
 
-def test_normalized_mean_refuses_bad_steps():
+def test_step_weighted_mean_refuses_bad_steps():
     with pytest.raises(ValueError, match="steps >= 1"):
-        elastic.normalized_mean([{"a": np.ones(2)}], [0])
+        elastic.step_weighted_mean([{"a": np.ones(2)}], [0])
 
 
 @pytest.mark.parametrize("mu", [0.0, 0.9])
@@ -250,14 +249,14 @@ def test_a_late_contribution_is_dropped_and_its_machine_keeps_the_anchor(procs):
     assert all(r["members"] == [0, 1, 2] for i, r in enumerate(r0) if i != 2)
 
 
-def test_machines_with_different_local_steps_take_the_normalized_mean(procs):
+def test_machines_with_different_local_steps_take_the_step_weighted_mean(procs):
     address = procs.service(3)
     members = [procs.member(f"m{m}", address, m, "4", "--steps_by_machine") for m in range(3)]
     for proc in members:
         assert proc.wait(timeout=60) == 0, proc.out_path.read_text()[-2000:]
-    # Machine m sends m + 1 after m + 1 steps: every direction is 1 per step, and the
-    # mean step count is 2: w grows by 2 per round (the step-weighted mean: 14/6).
-    assert [r["w"] for r in _rounds(members[0])] == pytest.approx([2.0, 4.0, 6.0, 8.0])
+    # Machine m sends m + 1 after m + 1 steps: (1 * 1 + 2 * 2 + 3 * 3) / 6 per round.
+    want = np.cumsum([np.float32(14) / np.float32(6)] * 4, dtype=np.float32)
+    assert [r["w"] for r in _rounds(members[0])] == pytest.approx(want.tolist(), rel=1e-6)
 
 
 # -- train.py, kill and rejoin ------------------------------------------------------------
@@ -322,7 +321,32 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     assert summaries["m0"]["final"]["train_loss"] < 1.0  # it trained (2.3 at the start)
 
 
-def test_train_py_refuses_an_elastic_run_it_cannot_do_in_one_line(tmp_path):
+def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
+    sys.path.insert(0, str(ROOT))
+    from configs import elastic_mlp  # noqa: PLC0415
+    from train_lib import elastic as elastic_lib  # noqa: PLC0415
+    from train_lib.registry import ConfigError  # noqa: PLC0415
+
+    options = elastic_lib.ElasticOptions(service="127.0.0.1:1", machine=0, machines=3, token=b"t")
+    cases = [
+        ({"algorithm": "choco"}, {}, "needs config.algorithm='diloco'"),
+        ({"exchange": "gossip"}, {}, "exchanges a mean"),
+        ({"overlap": True}, {}, "config.overlap=True is not supported elastic"),
+        ({"num_nodes": 4}, {}, "must be a multiple of --elastic_machines=3"),
+        ({}, {"machine": 5}, "--elastic_machine=5 must be in [0, 3)"),
+        ({}, {"deadline": 0.0}, "must be > 0 s"),
+        ({}, {"slowdown": 0.5}, "--elastic_slowdown=0.5 must be >= 1"),
+    ]
+    for fields, opts, message in cases:
+        config = elastic_mlp.get_config()
+        config.update(fields)
+        with pytest.raises(ConfigError) as error:
+            elastic_lib.check(config, dataclasses.replace(options, **opts))
+        assert message in str(error.value) and "\n" not in str(error.value)
+    elastic_lib.check(elastic_mlp.get_config(), options)  # the config itself is fine
+
+
+def test_train_py_refuses_in_one_line_and_gives_up_without_a_service(tmp_path):
     def run(*extra):
         return subprocess.run(
             [
@@ -333,16 +357,16 @@ def test_train_py_refuses_an_elastic_run_it_cannot_do_in_one_line(tmp_path):
             capture_output=True, text=True, env=_env(), cwd=ROOT, timeout=120,
         )  # fmt: skip
 
-    cases = [
-        (("--elastic_machine=0", "--config.algorithm=choco"), "needs config.algorithm='diloco'"),
-        (("--elastic_machine=0", "--config.exchange=gossip"), "exchanges a mean"),
-        (("--elastic_machine=0", "--config.num_nodes=4"), "must be a multiple of"),
-        (("--elastic_machine=5",), "--elastic_machine=5 must be in [0, 3)"),
-        ((), "--elastic_service needs --elastic_machine"),
-    ]
-    for extra, message in cases:
-        proc = run(*extra)
-        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
-        assert proc.returncode == 2 and len(errors) == 1 and message in errors[0], proc.stderr[
-            -800:
-        ]
+    proc = run()
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and errors == ["error: --elastic_service needs --elastic_machine."]
+    # No service there: the machine's process cannot register; its supervisor does not
+    # restart it (it never took part) and ends with one line, exit 4.
+    token = tmp_path / "token"
+    token.write_text("t")
+    proc = run(
+        "--elastic_machine=0", f"--elastic_token_file={token}", "--elastic_connect_timeout=2"
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 4 and len(errors) == 1, proc.stderr[-800:]
+    assert "before it registered with the service at 127.0.0.1:1" in errors[0]

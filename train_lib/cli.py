@@ -114,7 +114,7 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
     machine).
     """
     if flag_values.elastic_restarts > 0 and not flag_values.elastic_child:
-        _supervise(flag_values.elastic_restarts, flag_values.elastic_machine)
+        _supervise(flag_values)
     from train_lib import elastic  # noqa: PLC0415 - only elastic runs need it
 
     try:
@@ -127,6 +127,7 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
             deadline=flag_values.elastic_deadline,
             join_timeout=flag_values.elastic_join_timeout,
             heartbeat_timeout=flag_values.elastic_heartbeat_timeout,
+            connect_timeout=flag_values.elastic_connect_timeout,
             slowdown=flag_values.elastic_slowdown,
             min_round_s=flag_values.elastic_min_round_s,
         )
@@ -163,11 +164,18 @@ def _die_with_parent() -> None:
         pass
 
 
-def _supervise(restarts: int, machine: int | None) -> NoReturn:
-    """Runs this command as a child with --elastic_child, restarting it up to `restarts`
-    times when it ends abnormally (a signal, or jaxlib ending it after a lost link)."""
+def _supervise(flag_values: flags.FlagValues) -> NoReturn:
+    """Runs this command as a child with --elastic_child, restarting it up to
+    `--elastic_restarts` times when it ends abnormally after it had registered with
+    the service (a signal, or jaxlib ending it after a lost link). A child that ends
+    abnormally before registering is not restarted: one line, exit 4."""
     import subprocess  # noqa: PLC0415
     import time  # noqa: PLC0415
+
+    from train_lib.elastic import CONNECTED  # noqa: PLC0415
+
+    restarts, machine = flag_values.elastic_restarts, flag_values.elastic_machine
+    marker = os.path.join(os.path.abspath(flag_values.workdir or "."), CONNECTED)
 
     command = [sys.executable, *sys.argv, "--elastic_child"]
     child: list[subprocess.Popen] = []
@@ -180,15 +188,26 @@ def _supervise(restarts: int, machine: int | None) -> NoReturn:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, forward)
     for attempt in range(restarts + 1):
+        if os.path.exists(marker):
+            os.remove(marker)
         child.append(subprocess.Popen(command, preexec_fn=_die_with_parent))
         status = child[-1].wait()
         if status in _FINAL:
             sys.exit(status)
         how = f"signal {-status}" if status < 0 else f"status {status}"
+        if not os.path.exists(marker):
+            sys.stderr.write(
+                f"error: machine {machine} ended with {how} before it registered with the "
+                f"service at {flag_values.elastic_service} (is it up, and did every machine "
+                "of a new run start within the connect timeout?)\n"
+            )
+            sys.exit(EXIT_PEER_LOST)
         if attempt == restarts:
             sys.stderr.write(
                 f"error: machine {machine} ended with {how} and was restarted {restarts} "
-                "times (--elastic_restarts); giving up\n"
+                "times (--elastic_restarts); giving up (if every restart ended a few seconds "
+                "after it joined: is --elastic_heartbeat_timeout the service's "
+                "--heartbeat_timeout?)\n"
             )
             sys.exit(EXIT_PEER_LOST)
         logging.warning(

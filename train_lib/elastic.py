@@ -17,8 +17,8 @@ the hierarchical DiLoCo of `train.py` does). A round:
    `config.error_feedback`), posted to the service;
 3. the round's decision names the contributions that arrived in time (every
    live machine's, or whatever came before `--elastic_deadline`); every machine
-   decodes the same ones in the same order, takes their FedNova-normalized mean
-   (`lpdec.elastic.normalized_mean`: equal weight per machine, whatever its h)
+   decodes the same ones in the same order, takes their mean weighted by their
+   local steps (`lpdec.elastic.step_weighted_mean`: every local step counts once)
    and the outer Nesterov step in float32 numpy: the same anchor, bit for bit,
    on every machine, which also starts the next round from it;
 4. the lowest machine of the decision answers join requests with the state to
@@ -76,6 +76,10 @@ EXCHANGE_FIELDS = (
     "anchors_agree",
     "local_steps",
 )
+
+
+# Written into the workdir once the machine is registered with the service.
+CONNECTED = ".elastic-connected"
 
 
 class ElasticLost(RunError):
@@ -299,6 +303,10 @@ class _Machine:
     def _start(self) -> int:
         """Connects; returns the round to start from (0, or a live machine's)."""
         self.group.connect()
+        # For train.py's supervisor: this process took part, so a later abnormal end
+        # (jaxlib ending a client the service declared lost) is worth a restart.
+        with open(os.path.join(self.workdir, CONNECTED), "w") as f:
+            f.write(f"{self.group.incarnation}\n")
         latest = self.group.latest_round()
         if latest is None:
             if not self.options.token:
@@ -496,7 +504,7 @@ class _Machine:
             self._decode(elastic.unpack(c.payload, self._payload_like)) for c in ex.contributions
         ]
         deltas = [jax.tree.map(np.asarray, d) for d in deltas]
-        mean = elastic.normalized_mean(deltas, [c.steps for c in ex.contributions])
+        mean = elastic.step_weighted_mean(deltas, [c.steps for c in ex.contributions])
         self.anchor, self.momentum = elastic.nesterov_step(
             self.anchor, self.momentum, mean, self.outer_lr, self.outer_mu
         )

@@ -4,15 +4,15 @@ A DiLoCo run whose machines meet only at exchanges, through jax's own
 coordination service run standalone (`service`): a lost machine is dropped
 from the next exchange, a machine that (re)starts joins at an exchange with
 the state of a live one, a late contribution is dropped, machines may take
-different numbers of local steps (FedNova-normalized mean). `group` holds the
+different numbers of local steps (a mean weighted by them). `group` holds the
 protocol, `codec` the bytes and the arithmetic. Needs nothing beyond jax;
 `train.py --elastic_service=...` runs it (see docs/training.md).
 """
 
 from lpdec.elastic.codec import nesterov_step
-from lpdec.elastic.codec import normalized_mean
 from lpdec.elastic.codec import pack
 from lpdec.elastic.codec import signature
+from lpdec.elastic.codec import step_weighted_mean
 from lpdec.elastic.codec import tree_digest
 from lpdec.elastic.codec import unpack
 from lpdec.elastic.group import Behind
@@ -32,11 +32,11 @@ __all__ = [
     "JoinRefused",
     "ServiceLost",
     "nesterov_step",
-    "normalized_mean",
     "pack",
     "serve_forever",
     "signature",
     "start",
+    "step_weighted_mean",
     "tree_digest",
     "unpack",
 ]

@@ -74,27 +74,31 @@ def signature(tree: Any) -> str:
     return hashlib.sha256(json.dumps(spec).encode()).hexdigest()[:16]
 
 
-def normalized_mean(deltas: Sequence[Any], steps: Sequence[int]) -> Any:
+def step_weighted_mean(deltas: Sequence[Any], steps: Sequence[int]) -> Any:
     """The round's pseudo-gradient from machines that took different numbers of steps.
 
-    Machine i took steps[i] local steps and moved by deltas[i]. Returned:
-    tau * mean_i(deltas[i] / steps[i]) with tau = mean_i(steps[i]) -- FedNova's
-    normalized averaging (Wang et al. 2020, "Tackling the objective inconsistency
-    problem in heterogeneous federated optimization"): each machine's direction
-    counts once whatever its speed (a plain mean would pull towards the machines
-    that took more steps), and the step length is the machines' average. With
-    equal steps it is the plain mean. float32, summed in the given order.
+    Machine i took steps[i] local steps and moved by deltas[i]; returned is
+    sum_i steps[i] * deltas[i] / sum_i steps[i]: every local step (every batch)
+    counts once, as in data parallelism, and with equal steps it is the plain
+    mean. It is a convex combination, never longer than the longest
+    contribution. FedNova's normalized average (Wang et al. 2020: tau *
+    mean_i(deltas[i] / steps[i]), which makes every machine's direction count
+    equally) was tried first and diverged: a machine of 1 step among machines of
+    10 gets its one step, which moves much further than a tenth of ten noisy
+    steps, scaled up by tau = 7, and DiLoCo's outer Nesterov step (lr 0.7,
+    momentum 0.9) blew that up (train loss 1e20 in BENCHMARKS.md's elastic
+    faults; with non-IID shards the step weighting leans towards the faster
+    machines' data, FedNova's concern). float32, summed in the given order.
     """
     if not deltas or len(deltas) != len(steps) or min(steps) < 1:
         raise ValueError(f"need one delta per machine and steps >= 1; got {list(steps)}")
-    count = np.float32(len(deltas))
-    tau = np.float32(sum(int(s) for s in steps)) / count
+    total_steps = np.float32(sum(int(s) for s in steps))
 
     def combine(*leaves):
         total = np.zeros(np.shape(leaves[0]), np.float32)
         for leaf, s in zip(leaves, steps, strict=True):
-            total = total + np.asarray(leaf, np.float32) / np.float32(s)
-        return (total / count) * tau
+            total = total + np.float32(s) * np.asarray(leaf, np.float32)
+        return total / total_steps
 
     return jax.tree.map(combine, *deltas)
 
