@@ -631,6 +631,24 @@ ELASTIC_SUBNET = 97
 _clusters = iter(range(1_000_000))
 
 
+def _commit() -> str:
+    """The checkout's commit (with "+dirty" for uncommitted changes): what the machines run."""
+    git = ["git", "-C", str(ROOT)]
+    try:
+        head = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30
+        ).stdout.strip()
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return (head or "unknown") + ("+dirty" if dirty else "")  # fmt: skip
+
+
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
@@ -662,6 +680,7 @@ class Cluster:
         else:
             self.address = f"127.0.0.1:{_free_port()}"
         self.started = time.monotonic()
+        self.commit = _commit()
 
     def _in(self, host: int) -> list[str]:
         return self.net.exec_prefix(host) if self.net else []
@@ -815,7 +834,7 @@ def elastic_reference(ctx: Context) -> dict:
                 f"the uninterrupted elastic run failed: exits {codes}, hung {hung}: "
                 f"{cluster.tail(0)}"
             )
-        ctx._elastic = {**final, "took_s": took}
+        ctx._elastic = {**final, "took_s": took, "commit": cluster.commit}
         print(
             f"elastic reference: test accuracy {final['accuracy']:.4f}, train loss "
             f"{final['loss']:.4f}, {took:.0f} s",
@@ -852,6 +871,7 @@ def _judge(ctx: Context, cluster: Cluster, case: dict, checks: dict) -> Trial:
         "digests": len(set(digests)),
         "no_summary": missing,
         "supervisor_restarts": restarted,
+        "commit": cluster.commit,
         "accuracy": final["accuracy"],
         "loss": final["loss"],
         "d_accuracy_points": d_accuracy,
@@ -998,8 +1018,8 @@ def elastic_slow_deadline(ctx: Context, rng: np.random.Generator) -> Trial:
 
 
 def elastic_slow_h(ctx: Context, rng: np.random.Generator) -> Trial:
-    """One machine 10x slower with H / 10 local steps: it keeps up; the mean weighs each
-    machine's direction equally (FedNova-normalized)."""
+    """One machine 10x slower with H / 10 local steps: it keeps up (how the mean weighs
+    machines of different steps is lpdec.elastic's choice; the try measures the outcome)."""
     return _slow(ctx, rng, "elastic-slow-h", same_h=False)
 
 
@@ -1141,7 +1161,8 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
         "command is started again 5-15 s later. Every process of a try must end within "
         f"{ELASTIC_BOUND:g} s. The uninterrupted run of the same length (once per invocation): "
         f"test accuracy {100 * ref.get('accuracy', float('nan')):.2f} %, train loss "
-        f"{ref.get('loss', float('nan')):.4f}, {ref.get('took_s', float('nan')):.0f} s.",
+        f"{ref.get('loss', float('nan')):.4f}, {ref.get('took_s', float('nan')):.0f} s "
+        f"(commit {ref.get('commit', '?')}).",
         "",
         "A try survives when every check holds: all processes ended with status 0 within "
         f"the bound; no exchange of the machines not faulted waited more than "
@@ -1153,10 +1174,10 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
         "agreed, the others had rounds with fewer members; slow, same H — the others' means "
         "went on without it; slow, H / 10 — every round had all 3.",
         "",
-        "| case | try | survived | exits | s | short rounds | longest wait (s) | "
+        "| case | try | commit | survived | exits | s | short rounds | longest wait (s) | "
         "joined at round | first exchange after join | anchors | test acc (Δ points) | "
         "train loss (Δ) | failed checks; what happened |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(text) -> str:
@@ -1171,7 +1192,7 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
             continue
         for k, (trial, note) in enumerate(zip(row["trials"], row["notes"], strict=True)):
             if "exits" not in trial:  # the harness itself failed
-                lines.append(f"| {row['what']} | {k + 1} | no | | | | | | | | | | {cell(note)} |")
+                lines.append(f"| {row['what']} | {k + 1} | | no | | | | | | | | | | {cell(note)} |")
                 continue
             failed = ", ".join(trial["failed"]) or "none"
             extra = ""
@@ -1188,7 +1209,8 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
             if trial.get("no_summary"):
                 anchors += f", none from {trial['no_summary']}"
             lines.append(
-                f"| {row['what']} | {k + 1} | {'yes' if trial['survived'] else 'no'} | "
+                f"| {row['what']} | {k + 1} | {trial.get('commit', '?')} | "
+                f"{'yes' if trial['survived'] else 'no'} | "
                 f"{' '.join(str(c) for c in trial['exits'])} | {trial['took_s']:.0f} | "
                 f"{trial['short_rounds']} | {trial['longest_wait_s']:.2f} | "
                 f"{joined} | "
@@ -1199,7 +1221,8 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
             )
     lines += [
         "",
-        "Columns: *exits* — the exit status of each machine's last process (0 ok, 2 refused, "
+        "Columns: *commit* — the checkout the try's processes were started from; "
+        "*exits* — the exit status of each machine's last process (0 ok, 2 refused, "
         "4 lost the service; a machine killed at the bound shows -9); *s* — seconds from the "
         "start of the service to the end of the last machine; *short rounds* — exchanges, "
         "summed over the machines not faulted, whose mean had fewer than 3 members; *longest "
