@@ -13,7 +13,12 @@ jitted, warmed up, and timed (median of `--repeats` calls, each synchronised):
   sum, encode and decode; bytes: 8 in + bits / 8 + 4 out;
 * MXFP4 / MXFP8 encode;
 * torch's per-tensor quantizer (``aminmax`` + ``quantize_per_tensor``) on the same
-  device, when torch sees it.
+  device, when torch sees it;
+* the backends side by side on the same [rows, 2048] array (8-bit codes, one byte
+  per element, before bit packing): the Triton kernels (`minmax.quantize_pallas`,
+  the dispatch's GPU choice today), the Mosaic GPU kernels (`mosaic_gpu`) and XLA's
+  fusion of the jnp reference, each checked bit for bit against the reference on
+  the device. This is the measurement the per-jax-version backend choice rests on.
 
 Writes its section of BENCHMARKS.md (``--write``) and the raw numbers as JSON
 (``--json``). On CPU, ``--quick`` runs tiny sizes as a smoke test.
@@ -35,11 +40,14 @@ import time
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import lpdec  # noqa: E402
 from bench import _sections  # noqa: E402
+from lpdec.kernels_pallas import minmax  # noqa: E402
+from lpdec.kernels_pallas import mosaic_gpu  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIZES = [1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28, 86_017_024, 10_000_037]
@@ -50,6 +58,9 @@ TREES = {
     "d=1024, 24 blocks": (1024, 24),
 }
 QUICK_TREES = {"d=32, 2 blocks": (32, 2)}
+BACKEND_SIZES = [1 << 22, 1 << 24, 1 << 26, 86_016_000]
+QUICK_BACKEND_SIZES = [1 << 13]
+ROW = 2048
 
 
 def gpt_tree(d_model: int, blocks: int, vocab: int = 256) -> dict:
@@ -161,6 +172,102 @@ def measure(quick: bool, repeats: int) -> dict:
     return rows
 
 
+def backend_candidates(on_gpu: bool) -> dict:
+    """name -> (quantize(x2d, seeds, stochastic), dequantize(codes, lo, unit)), jitted.
+
+    Off a GPU (``--quick``) both kernels run in their interpret modes, which checks
+    this harness, not the kernels' speed.
+    """
+    interp = not on_gpu
+    out = {
+        "xla": (
+            lambda x, s, st: minmax.quantize_reference(x, s, bits=8, stochastic=st),
+            minmax.dequantize_reference,
+        ),
+        "triton": (
+            lambda x, s, st: minmax.quantize_pallas(
+                x, s, bits=8, stochastic=st, platform="gpu", interpret=interp
+            ),
+            lambda c, lo, u: minmax.dequantize_pallas(c, lo, u, platform="gpu", interpret=interp),
+        ),
+    }
+    if mosaic_gpu.available() and (on_gpu or mosaic_gpu.interpret_available()):
+        out["mosaic"] = (
+            lambda x, s, st: mosaic_gpu.quantize(x, s, bits=8, stochastic=st, interpret=interp),
+            lambda c, lo, u: mosaic_gpu.dequantize(c, lo, u, interpret=interp),
+        )
+    return out
+
+
+def _bit_equal(a, b) -> bool:
+    """Same shapes, dtypes and bytes, leaf by leaf (NaNs compare by their bits)."""
+    pairs = zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True)
+    return all(
+        x.dtype == y.dtype
+        and x.shape == y.shape
+        and np.array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8))
+        for x, y in pairs
+    )
+
+
+def measure_backends(quick: bool, repeats: int) -> list[dict]:
+    """Each backend's quantize (nearest, stochastic) and dequantize: time, bit-exactness."""
+    on_gpu = jax.devices()[0].platform == "gpu"
+    candidates = backend_candidates(on_gpu)
+    seeds = jnp.array([[0x9E3779B9, 0x7F4A7C15]], jnp.uint32)
+    rows_out = []
+    for size in QUICK_BACKEND_SIZES if quick else BACKEND_SIZES:
+        x = jax.random.normal(jax.random.key(3), (size // ROW, ROW), jnp.float32)
+        row = {"elements": x.size, "copy_s": timed(jax.jit(lambda x: x + 1), x, repeats=repeats)}
+        want = {
+            st: jax.jit(candidates["xla"][0], static_argnums=2)(x, seeds, st)
+            for st in (False, True)
+        }
+        want_x = jax.jit(candidates["xla"][1])(*want[True])
+        for name, (quantize, dequantize) in candidates.items():
+            q = jax.jit(quantize, static_argnums=2)
+            d = jax.jit(dequantize)
+            try:
+                for st, label in ((False, "nearest"), (True, "stochastic")):
+                    row[f"{name}_{label}_s"] = timed(q, x, seeds, st, repeats=repeats)
+                    row[f"{name}_{label}_exact"] = _bit_equal(q(x, seeds, st), want[st])
+                row[f"{name}_dequantize_s"] = timed(d, *want[True], repeats=repeats)
+                row[f"{name}_dequantize_exact"] = _bit_equal(d(*want[True]), want_x)
+            except Exception as e:  # noqa: BLE001 - a backend that fails is a result
+                row[f"{name}_error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    return rows_out
+
+
+def backend_section(rows: list[dict]) -> list[str]:
+    names = sorted({k.split("_")[0] for r in rows for k in r if k.endswith("_nearest_s")})
+    lines = [
+        "",
+        "Backends side by side on [rows, 2048] float32 (8-bit codes unpacked, one byte per "
+        "element: 5 B moved per element to quantize and dequantize). Each cell: percentage "
+        "of copy bandwidth; `(!)` where the output differs from the jnp reference's bits.",
+        "",
+        "| elements | "
+        + " | ".join(f"{n} nearest | {n} stochastic | {n} dequantize" for n in names)
+        + " |",
+        "|---|" + "---|" * (3 * len(names)),
+    ]
+    for r in rows:
+        cells = []
+        for n in names:
+            for op in ("nearest", "stochastic", "dequantize"):
+                if f"{n}_{op}_s" not in r:
+                    cells.append("failed" if f"{n}_error" in r else "—")
+                    continue
+                mark = "" if r.get(f"{n}_{op}_exact") else " (!)"
+                cells.append(fraction(r, f"{n}_{op}_s", 5) + mark)
+        lines.append(f"| {r['elements']:,} | " + " | ".join(cells) + " |")
+    errors = [(r["elements"], k, v) for r in rows for k, v in r.items() if k.endswith("_error")]
+    lines += [f"- {n:,} elements, {k[: -len('_error')]}: {v}" for n, k, v in errors]
+    return lines
+
+
 def fraction(row: dict, field: str, bytes_per_element: float) -> str:
     """The candidate's bandwidth as a percentage of the copy's (8 B per element)."""
     seconds = row.get(field)
@@ -183,7 +290,7 @@ def section(results: dict, device: str) -> str:
         "| MXFP4 | MXFP8 | torch per-tensor 8-bit |",
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    for r in results["arrays"]:
+    for r in results.get("arrays", []):
         copy = 8 * r["elements"] / r["copy_s"] / 1e9
         lines.append(
             f"| {r['elements']:,} | {copy:.0f} | {fraction(r, 'minmax8_s', 5)} | "
@@ -197,12 +304,14 @@ def section(results: dict, device: str) -> str:
         "| tree | parameters | leaves | 8-bit encode_tree | 4-bit encode_tree |",
         "|---|---|---|---|---|",
     ]
-    for r in results["trees"]:
+    for r in results.get("trees", []):
         lines.append(
             f"| {r['tree']} | {r['parameters']:,} | {r['leaves']} | "
             f"{1e3 * r['minmax8_s']:.2f} ms ({fraction(r, 'minmax8_s', 5)}) | "
             f"{1e3 * r['minmax4_s']:.2f} ms ({fraction(r, 'minmax4_s', 4.5)}) |"
         )
+    if results.get("backends"):
+        lines += backend_section(results["backends"])
     return "\n".join(lines)
 
 
@@ -212,9 +321,15 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
     parser.add_argument("--json", default=None, help="write the raw numbers here")
+    parser.add_argument("--backends-only", action="store_true", help="only the backend table")
     args = parser.parse_args(argv)
     device = str(jax.devices()[0].device_kind)
-    results = measure(args.quick, 3 if args.quick else args.repeats)
+    repeats = 3 if args.quick else args.repeats
+    results = {"backends": measure_backends(args.quick, repeats)}
+    if args.json:  # the backend comparison is kept even if a later part fails
+        pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    if not args.backends_only:
+        results |= measure(args.quick, repeats)
     results["device"] = device
     text = section(results, device)
     print(text)

@@ -133,3 +133,24 @@ def test_interpreted_kernels_on_a_ragged_array():
     )
     want_x = minmax.dequantize(*want, chunk=chunk, implementation="xla")
     assert_bits_equal(minmax._from_rows(out, x.shape), want_x)
+
+
+on_a_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU to compile")
+
+
+@on_a_gpu
+@pytest.mark.parametrize("bits", [8, 4])
+@pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+def test_compiled_kernels_match_the_reference(shape, stochastic, bits):
+    """The same checks compiled for the GPU: its own rounding of each operation."""
+    x = jnp.asarray(awkward_rows(shape))
+    got = mosaic_gpu.quantize(x, SEEDS, bits=bits, stochastic=stochastic)
+    want = minmax.quantize_reference(x, SEEDS, bits=bits, stochastic=stochastic)
+    for g, w in zip(got, want, strict=True):
+        assert_bits_equal(g, w)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        assert_bits_equal(
+            mosaic_gpu.dequantize(*want, dtype=dtype),
+            minmax.dequantize_reference(*want, dtype=dtype),
+        )

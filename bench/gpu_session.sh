@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# Issue 26's checks on a GPU machine, in one call (each step bounded, all output under $OUT).
+#
+#   bash bench/gpu_session.sh          # on the GPU machine, from the repository root
+#   QUICK=1 OUT=/tmp/o bash bench/gpu_session.sh   # anywhere: tiny sizes (a dry run)
+#
+# Carries ml-collections and tensorboardX as wheels in .whl/ where the machine lacks them.
+set -u
+export PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+OUT=${OUT:?set OUT to a folder for the results}
+PY=${PY:-python3}
+if ls .whl/*.whl >/dev/null 2>&1; then
+  $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site:$PWD
+else
+  export PYTHONPATH=$PWD
+fi
+quick=${QUICK:+--quick}
+{ nvidia-smi -L 2>&1; $PY -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"; git log -1 --format=%h 2>&1; } > "$OUT/versions.txt"
+cat "$OUT/versions.txt"
+date +%T
+timeout "${T_KERNELS:-270}" $PY bench/gpu_kernels.py $quick --json "$OUT/gpu_kernels.json" > "$OUT/gpu_kernels.log" 2>&1
+echo "gpu_kernels rc=$?"; date +%T
+# Compiled checks only: the interpreted ones run in CI on CPU.
+timeout "${T_TESTS:-150}" $PY -m pytest -q -n "${WORKERS:-6}" -rs -p no:cacheprovider \
+  -k "not Interpret and not interpreted and not PlatformKernels" \
+  tests/test_kernels_pallas.py tests/test_mx.py tests/test_mosaic_gpu.py > "$OUT/pytest.log" 2>&1
+echo "pytest rc=$?"; tail -3 "$OUT/pytest.log"; date +%T
+lm_steps=${QUICK:+--steps 6 --log-every 2}
+timeout "${T_LM:-150}" $PY -m bench.gpu_lm $quick ${lm_steps:---steps 60 --log-every 20} \
+  --output "$OUT/gpu_lm.md" > "$OUT/gpu_lm.log" 2>&1
+echo "gpu_lm rc=$?"; date +%T
