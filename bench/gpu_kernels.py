@@ -46,6 +46,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import lpdec  # noqa: E402
 from bench import _sections  # noqa: E402
+from lpdec import kernels_pallas as kernels  # noqa: E402
 from lpdec.kernels_pallas import minmax  # noqa: E402
 from lpdec.kernels_pallas import mosaic_gpu  # noqa: E402
 
@@ -87,14 +88,23 @@ def gpt_tree(d_model: int, blocks: int, vocab: int = 256) -> dict:
     }
 
 
+INNER = 10  # calls queued per synchronisation (1 with --quick)
+
+
 def timed(fn, *args, repeats: int) -> float:
-    """Median seconds of `fn(*args)` (jitted, warmed up, each call synchronised)."""
+    """Median seconds per call of `fn(*args)` (jitted, warmed up).
+
+    Each sample queues `INNER` calls and synchronises once, so a small array's
+    figure is the device's time per call, not the host's launch-and-wait round trip.
+    """
     jax.block_until_ready(fn(*args))
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - start)
+        for _ in range(INNER):
+            out = fn(*args)
+        jax.block_until_ready(out)
+        times.append((time.perf_counter() - start) / INNER)
     return statistics.median(times)
 
 
@@ -108,26 +118,28 @@ def torch_encode(size: int, repeats: int) -> float | None:
         return None
     x = torch.randn(size, device="cuda")
 
-    def run():
+    def run():  # scale and zero point stay tensors: no host read in our code
         lo, hi = torch.aminmax(x)
-        scale = float((hi - lo) / 255) or 1.0
-        return torch.quantize_per_tensor(x, scale, int(-lo / scale), torch.quint8)
+        scale = ((hi - lo) / 255).clamp_min(1e-30)
+        zero = torch.round(-lo / scale).to(torch.int64)
+        return torch.quantize_per_tensor(x, scale, zero, torch.quint8)
 
     run()
     torch.cuda.synchronize()
     times = []
     for _ in range(repeats):
         start = time.perf_counter()
-        run()
+        for _ in range(INNER):
+            run()
         torch.cuda.synchronize()
-        times.append(time.perf_counter() - start)
+        times.append((time.perf_counter() - start) / INNER)
     return statistics.median(times)
 
 
-def measure(quick: bool, repeats: int) -> dict:
+def measure(quick: bool, repeats: int, parts=("arrays", "trees")) -> dict:
     rows = {"arrays": [], "trees": []}
     key = jax.random.key(1)
-    for size in QUICK_SIZES if quick else SIZES:
+    for size in (QUICK_SIZES if quick else SIZES) if "arrays" in parts else []:
         x = jax.random.normal(key, (size,), jnp.float32)
         e = 0.01 * jax.random.normal(jax.random.key(2), (size,), jnp.float32)
         row = {"elements": size, "copy_s": timed(jax.jit(lambda x: x + 1), x, repeats=repeats)}
@@ -152,7 +164,7 @@ def measure(quick: bool, repeats: int) -> dict:
         row["torch_s"] = torch_encode(size, repeats)
         rows["arrays"].append(row)
         print(json.dumps(row), flush=True)
-    for name, (d, blocks) in (QUICK_TREES if quick else TREES).items():
+    for name, (d, blocks) in (QUICK_TREES if quick else TREES).items() if "trees" in parts else []:
         tree = gpt_tree(d, blocks)
         params = sum(x.size for x in jax.tree.leaves(tree))
         flat = jnp.concatenate([x.reshape(-1) for x in jax.tree.leaves(tree)])
@@ -167,6 +179,29 @@ def measure(quick: bool, repeats: int) -> dict:
             row[f"minmax{bits}_s"] = timed(
                 jax.jit(lambda t, c=comp: lpdec.compress.encode_tree(c, t)), tree, repeats=repeats
             )
+        # Where the 8-bit tree's time goes: the one-launch quantize alone (no bit
+        # packing), one encode per leaf, and concatenating first (one flat encode).
+        comp = lpdec.minmax(8)
+        leaves = jax.tree.leaves(tree)
+        chunks = [comp._layout(x.size)[1] for x in leaves]
+        seeds = jnp.zeros((len(leaves), 2), jnp.uint32)
+        row["leaves_kernel8_s"] = timed(
+            jax.jit(
+                lambda ls, s=seeds, c=chunks: kernels.minmax_quantize_leaves(
+                    ls, s, bits=8, stochastic=False, chunks=c
+                )
+            ),
+            leaves,
+            repeats=repeats,
+        )
+        row["per_leaf8_s"] = timed(
+            jax.jit(lambda ls, c=comp: [c.encode(x) for x in ls]), leaves, repeats=repeats
+        )
+        row["concat8_s"] = timed(
+            jax.jit(lambda ls, c=comp: c.encode(jnp.concatenate([x.reshape(-1) for x in ls]))),
+            leaves,
+            repeats=repeats,
+        )
         rows["trees"].append(row)
         print(json.dumps(row), flush=True)
     return rows
@@ -301,14 +336,21 @@ def section(results: dict, device: str) -> str:
         )
     lines += [
         "",
-        "| tree | parameters | leaves | 8-bit encode_tree | 4-bit encode_tree |",
-        "|---|---|---|---|---|",
+        "| tree | parameters | leaves | 8-bit encode_tree | 4-bit encode_tree "
+        "| 8-bit quantize_leaves (no packing) | 8-bit, one encode per leaf "
+        "| 8-bit, concatenate then encode |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in results.get("trees", []):
         lines.append(
             f"| {r['tree']} | {r['parameters']:,} | {r['leaves']} | "
             f"{1e3 * r['minmax8_s']:.2f} ms ({fraction(r, 'minmax8_s', 5)}) | "
-            f"{1e3 * r['minmax4_s']:.2f} ms ({fraction(r, 'minmax4_s', 4.5)}) |"
+            f"{1e3 * r['minmax4_s']:.2f} ms ({fraction(r, 'minmax4_s', 4.5)}) | "
+            + " | ".join(
+                f"{1e3 * r[f]:.2f} ms ({fraction(r, f, 5)})" if f in r else "—"
+                for f in ("leaves_kernel8_s", "per_leaf8_s", "concat8_s")
+            )
+            + " |"
         )
     if results.get("backends"):
         lines += backend_section(results["backends"])
@@ -321,15 +363,21 @@ def main(argv=None) -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
     parser.add_argument("--json", default=None, help="write the raw numbers here")
-    parser.add_argument("--backends-only", action="store_true", help="only the backend table")
+    parser.add_argument(
+        "--parts", default="backends,arrays,trees", help="comma-separated: backends,arrays,trees"
+    )
     args = parser.parse_args(argv)
     device = str(jax.devices()[0].device_kind)
+    global INNER
+    INNER = 1 if args.quick else INNER
     repeats = 3 if args.quick else args.repeats
-    results = {"backends": measure_backends(args.quick, repeats)}
-    if args.json:  # the backend comparison is kept even if a later part fails
-        pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
-    if not args.backends_only:
-        results |= measure(args.quick, repeats)
+    parts = set(args.parts.split(","))
+    results = {}
+    if "backends" in parts:
+        results["backends"] = measure_backends(args.quick, repeats)
+        if args.json:  # kept even if a later part fails
+            pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    results |= measure(args.quick, repeats, parts)
     results["device"] = device
     text = section(results, device)
     print(text)

@@ -19,13 +19,19 @@ quick=${QUICK:+--quick}
 { nvidia-smi -L 2>&1; $PY -c "import jax, jaxlib; print(jax.__version__, jaxlib.__version__, jax.devices())"; git log -1 --format=%h 2>&1; } > "$OUT/versions.txt"
 cat "$OUT/versions.txt"
 date +%T
-timeout "${T_KERNELS:-270}" $PY bench/gpu_kernels.py $quick --json "$OUT/gpu_kernels.json" > "$OUT/gpu_kernels.log" 2>&1
-echo "gpu_kernels rc=$?"; date +%T
 # Compiled checks only: the interpreted ones run in CI on CPU.
 timeout "${T_TESTS:-150}" $PY -m pytest -q -n "${WORKERS:-6}" -rs -p no:cacheprovider \
   -k "not Interpret and not interpreted and not PlatformKernels" \
   tests/test_kernels_pallas.py tests/test_mx.py tests/test_mosaic_gpu.py > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -3 "$OUT/pytest.log"; date +%T
+# Trees first (the part furthest from its target), then single arrays and backends.
+timeout "${T_TREES:-100}" $PY bench/gpu_kernels.py $quick --parts trees \
+  --json "$OUT/gpu_trees.json" > "$OUT/gpu_trees.log" 2>&1
+echo "gpu_kernels trees rc=$?"; date +%T
+timeout "${T_KERNELS:-200}" $PY bench/gpu_kernels.py $quick --parts "${PARTS:-arrays,backends}" \
+  --json "$OUT/gpu_kernels.json" > "$OUT/gpu_kernels.log" 2>&1
+echo "gpu_kernels rc=$?"; date +%T
+[ "${T_LM:-150}" = 0 ] && exit 0
 lm_steps=${QUICK:+--steps 6 --log-every 2}
 timeout "${T_LM:-150}" $PY -m bench.gpu_lm $quick ${lm_steps:---steps 60 --log-every 20} \
   --output "$OUT/gpu_lm.md" > "$OUT/gpu_lm.log" 2>&1

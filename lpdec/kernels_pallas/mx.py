@@ -147,8 +147,12 @@ def _element_values(codes, fmt: ElementFormat):
     value = significand.astype(jnp.float32) * _pow2(
         jnp.maximum(field, 1) - jnp.int32(fmt.bias + fmt.mbits)
     )
-    negative = (c >> (fmt.ebits + fmt.mbits)) > 0
-    return jnp.where(negative, -value, value)
+    # The sign goes in as the float's sign bit, not as -value: Triton lowers negation
+    # as 0 - x, which turns the code for -0 into +0 (seen compiled on an H100).
+    sign = (c >> (fmt.ebits + fmt.mbits)) << 31
+    return jax.lax.bitcast_convert_type(
+        jax.lax.bitcast_convert_type(value, jnp.int32) | sign, jnp.float32
+    )
 
 
 def _quantize_rows(x, seeds, row0, *, fmt: ElementFormat, stochastic: bool):
