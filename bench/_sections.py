@@ -37,7 +37,10 @@ def versions() -> str:
     import jax
     import jaxlib
 
-    iproute = subprocess.run(["ip", "-V"], capture_output=True, text=True).stdout.strip()
+    try:  # a GPU machine may have no iproute2
+        iproute = subprocess.run(["ip", "-V"], capture_output=True, text=True).stdout.strip()
+    except FileNotFoundError:
+        iproute = "no iproute2"
     return (
         f"Python {platform.python_version()}, jax {jax.__version__}, jaxlib {jaxlib.__version__}, "
         f"{iproute}, Linux {platform.release()}"

@@ -219,6 +219,24 @@ def test_without_pallas_triton_the_gpu_takes_jnp(monkeypatch):
     assert_kernels(trace(comp.encode, x), {"cuda": 0, "tpu": 2})
 
 
+def test_gpu_backend_is_the_measured_choice():
+    """Triton on every supported jax: the choice BENCHMARKS.md's GPU section measured.
+
+    On an H100 (jax 0.11.2) the Mosaic GPU row kernels ran as fast as Triton's and
+    bit-exact, but only Triton has every kernel (flat arrays, many leaves, error
+    feedback, MX, bit packing); a jax without it takes the jnp path (test above).
+    Changing the GPU backend means measuring again and changing this test.
+    """
+    from lpdec.kernels_pallas import mosaic_gpu
+
+    assert platforms.pallas_triton is not None, f"jax {jax.__version__} has no Pallas Triton"
+    x = jax.ShapeDtypeStruct((SIZES[1],), jnp.float32)
+    comp = lpdec.minmax(8, "stochastic")
+    text = lowered_text(trace(lambda x: comp.encode(x, KEY), x), "cuda")
+    assert text.count(_TRITON) == 1
+    assert mosaic_gpu.CUSTOM_CALL_TARGET not in text
+
+
 def test_an_interpreted_kernel_fails_the_check():
     """Interpreting (what the old default-backend dispatch did on CPU) is caught."""
     x = jax.ShapeDtypeStruct((64, 2048), jnp.float32)
