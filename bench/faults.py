@@ -614,9 +614,16 @@ ELASTIC_BOUND = 420.0  # s: every process of a trial must have ended by then
 ELASTIC_STALL = 20.0  # s: an exchange that waited longer is a stall
 SLOW_DEADLINE = 0.1  # s: the exchange deadline of the slow machine's same-H case
 SLOWDOWN = 10
-# The tolerance against the uninterrupted run (never loosened after the fact):
-ACCURACY_POINTS = 3.0  # final test accuracy of the anchor, in points
-LOSS_RELATIVE = 0.10  # final train loss (mean of the machines' last logged interval)
+# The tolerance against uninterrupted runs, fixed before the table it judges (and
+# never loosened after the fact). The first table (2026-11-27 06:54) compared with one
+# seed-0 run, two-sided (3 points of test accuracy, 10 % of the machines' last-interval
+# train loss); uninterrupted runs of other seeds then ended 3 points above that run, and
+# faulted tries that did better than it failed. Since then: REFERENCE_SEEDS uninterrupted
+# runs; a faulted try (seed 0) must end no worse than the worst of them, less the margins
+# below (doing better is no failure), on the anchor's test metrics.
+REFERENCE_SEEDS = (0, 1, 2)
+ACCURACY_POINTS = 1.0  # final test accuracy of the anchor: >= the worst reference's - this
+LOSS_RELATIVE = 0.05  # final test loss of the anchor: <= the worst reference's x (1 + this)
 FAULT_ROUNDS = (10, 60)  # a machine is killed or cut off after a round drawn from these
 # Kill and link-down runs pace every round at >= PACE_S (`--elastic_min_round_s`), so
 # that two machines do not race through the run while the third restarts; pacing
@@ -809,7 +816,7 @@ def _final(cluster: Cluster) -> dict:
     summaries = [summary(cluster.workdir(m)) for m in range(ELASTIC_MACHINES)]
     finals = [s.get("final", {}) for s in summaries]
     accuracies = [f["test_accuracy_avg_model"] for f in finals if "test_accuracy_avg_model" in f]
-    losses = [f["train_loss"] for f in finals if "train_loss" in f]
+    losses = [f["test_loss_avg_model"] for f in finals if "test_loss_avg_model" in f]
     return {
         "summaries": summaries,
         "accuracy": float(np.mean(accuracies)) if accuracies else float("nan"),
@@ -820,26 +827,37 @@ def _final(cluster: Cluster) -> dict:
 
 
 def elastic_reference(ctx: Context) -> dict:
-    """The uninterrupted 3-machine run (trained once per invocation, on first use)."""
+    """The uninterrupted 3-machine runs, one per `REFERENCE_SEEDS` seed (trained once per
+    invocation, on first use): their worst final test accuracy and test loss, and each."""
     if ctx._elastic is None:
-        cluster = Cluster(ctx, ctx.root / "elastic-straight")
-        try:
-            cluster.start()
-            codes, hung, took = cluster.finish()
-        finally:
-            cluster.close()
-        final = _final(cluster)
-        if hung or any(codes) or len(set(final["digests"])) != 1:
-            raise RuntimeError(
-                f"the uninterrupted elastic run failed: exits {codes}, hung {hung}: "
-                f"{cluster.tail(0)}"
+        runs = []
+        for seed in REFERENCE_SEEDS:
+            flags = {m: (f"--config.seed={seed}",) for m in range(ELASTIC_MACHINES)}
+            cluster = Cluster(ctx, ctx.root / f"elastic-straight-{seed}", flags)
+            try:
+                cluster.start()
+                codes, hung, took = cluster.finish()
+            finally:
+                cluster.close()
+            final = _final(cluster)
+            if hung or any(codes) or len(set(final["digests"])) != 1:
+                raise RuntimeError(
+                    f"the uninterrupted elastic run (seed {seed}) failed: exits {codes}, "
+                    f"hung {hung}: {cluster.tail(0)}"
+                )
+            runs.append({"seed": seed, "accuracy": final["accuracy"], "loss": final["loss"]})
+            print(
+                f"elastic reference, seed {seed}: test accuracy {final['accuracy']:.4f}, "
+                f"test loss {final['loss']:.4f}, {took:.0f} s",
+                flush=True,
             )
-        ctx._elastic = {**final, "took_s": took, "commit": cluster.commit}
-        print(
-            f"elastic reference: test accuracy {final['accuracy']:.4f}, train loss "
-            f"{final['loss']:.4f}, {took:.0f} s",
-            flush=True,
-        )
+        ctx._elastic = {
+            "accuracy": min(r["accuracy"] for r in runs),
+            "loss": max(r["loss"] for r in runs),
+            "runs": runs,
+            "took_s": took,
+            "commit": cluster.commit,
+        }
     return ctx._elastic
 
 
@@ -881,8 +899,8 @@ def _judge(ctx: Context, cluster: Cluster, case: dict, checks: dict) -> Trial:
         "ended": not hung and all(c == 0 for c in codes),
         "no stall": waited <= ELASTIC_STALL,
         "anchors agree": agree,
-        "accuracy": abs(d_accuracy) <= ACCURACY_POINTS,
-        "loss": abs(d_loss) <= LOSS_RELATIVE,
+        "accuracy": d_accuracy >= -ACCURACY_POINTS,
+        "loss": d_loss <= LOSS_RELATIVE,
         **checks(rows, final["summaries"], data),
     }
     data["failed"] = [k for k, v in ok.items() if not v]
@@ -1159,24 +1177,29 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
         f"comes after a round drawn from {FAULT_ROUNDS[0]}..{FAULT_ROUNDS[1] - 1}; the kill "
         "is a SIGKILL of the machine's process group (supervisor and child), and the same "
         "command is started again 5-15 s later. Every process of a try must end within "
-        f"{ELASTIC_BOUND:g} s. The uninterrupted run of the same length (once per invocation): "
-        f"test accuracy {100 * ref.get('accuracy', float('nan')):.2f} %, train loss "
-        f"{ref.get('loss', float('nan')):.4f}, {ref.get('took_s', float('nan')):.0f} s "
-        f"(commit {ref.get('commit', '?')}).",
+        f"{ELASTIC_BOUND:g} s. The uninterrupted runs of the same length (once per "
+        "invocation, one per seed; the tries run seed 0): "
+        + ", ".join(
+            f"seed {r['seed']}: test accuracy {100 * r['accuracy']:.2f} %, test loss "
+            f"{r['loss']:.4f}"
+            for r in ref.get("runs", [])
+        )
+        + f" (commit {ref.get('commit', '?')}).",
         "",
         "A try survives when every check holds: all processes ended with status 0 within "
         f"the bound; no exchange of the machines not faulted waited more than "
         f"{ELASTIC_STALL:g} s; every exchange's members started from the same anchor and "
-        "the three final anchors are equal; final test accuracy within "
-        f"{ACCURACY_POINTS:g} points and train loss within {100 * LOSS_RELATIVE:g} % of the "
-        "uninterrupted run's (tolerance fixed before measuring); and per case: kill / "
+        "the three final anchors are equal; the anchor's final test accuracy at least the "
+        f"worst uninterrupted run's less {ACCURACY_POINTS:g} point and its final test loss "
+        f"at most the worst uninterrupted run's plus {100 * LOSS_RELATIVE:g} % (one-sided: "
+        "a faulted run may end better; fixed before measuring); and per case: kill / "
         "link — the machine joined again, its first exchange after joining included it and "
         "agreed, the others had rounds with fewer members; slow, same H — the others' means "
         "went on without it; slow, H / 10 — every round had all 3.",
         "",
         "| case | try | commit | survived | exits | s | short rounds | longest wait (s) | "
         "joined at round | first exchange after join | anchors | test acc (Δ points) | "
-        "train loss (Δ) | failed checks; what happened |",
+        "test loss (Δ) | failed checks; what happened |",
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
@@ -1233,10 +1256,10 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
         "contributions started from one anchor and the three `final_anchor_digest`s are "
         "equal (else how many distinct final anchors); *test acc* — final "
         "`test_accuracy_avg_model` of the anchor, mean of the 3 machines (equal when the "
-        "anchors are), and its difference from the uninterrupted run; *train loss* — the "
-        "mean of the 3 machines' final `train_loss` (each the mean of its local steps' "
-        "losses over the last logged interval, on its own shard) and its relative "
-        "difference.",
+        "anchors are), and its difference from the worst uninterrupted run's; *test loss* "
+        "— final `test_loss_avg_model` of the anchor (mean cross-entropy on the test set), "
+        "mean of the 3 machines, and its relative difference from the worst uninterrupted "
+        "run's.",
     ]
     return "\n".join(lines)
 

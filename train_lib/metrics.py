@@ -40,6 +40,8 @@ METRIC_FIELDS = (
     "nonfinite_received",
     "theta_warnings",
     "loss_jump",
+    "test_loss_avg_model",
+    "test_loss_local_mean",
 )
 
 #: A language model's columns (`next_token`): validation loss in nats and bits per
@@ -58,7 +60,7 @@ LM_METRIC_FIELDS = (
     "val_accuracy_local_mean",
     *METRIC_FIELDS[6:11],
     "tokens_per_s_per_machine",
-    *METRIC_FIELDS[11:],
+    *METRIC_FIELDS[11:16],
 )
 
 
@@ -77,12 +79,13 @@ def evaluation(sums, count: int, model: str, next_token: bool) -> dict[str, floa
       count: the predictions summed over all nodes (examples, or tokens).
       model: the metrics' suffix.
       next_token: a language model: validation loss in nats and in bits per byte
-        (one token is one byte), and next-byte accuracy; else test accuracy.
+        (one token is one byte), and next-byte accuracy; else test accuracy and
+        test loss (mean cross-entropy in nats).
     """
     losses, correct = (np.asarray(x, np.float64) for x in sums)
-    if not next_token:
-        return {f"test_accuracy_{model}": float(correct.sum() / count)}
     loss = float(losses.sum() / count)
+    if not next_token:
+        return {f"test_accuracy_{model}": float(correct.sum() / count), f"test_loss_{model}": loss}
     return {
         f"val_loss_{model}": loss,
         f"val_bits_per_byte_{model}": loss / math.log(2),
