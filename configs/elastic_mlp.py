@@ -11,7 +11,7 @@ Kill a machine and the others go on without it after the service misses its
 heartbeats (`--elastic_heartbeat_timeout`, 10 s); start it again with the same
 command and it joins at the next exchange with a live machine's state. A machine
 started with `--elastic_local_steps=2` takes 2 local steps per round instead of
-10 (a slow machine keeping up); the mean weighs each machine's direction equally.
+10 (a slow machine keeping up); the mean weighs each machine by its local steps.
 
 MNIST-1D, an MLP with two hidden layers of 256 (84,746 parameters), 3 machines
 of one worker each (`num_nodes` = machines x workers), batch 32, Nesterov SGD at
