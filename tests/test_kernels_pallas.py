@@ -398,3 +398,45 @@ class TestPlatformKernels:
         assert target.block_rows(40, 4096) < 40  # dequantize
         assert target.block_rows(80, 1024) < 80  # modulo
         assert target.block_rows(4097, 16, (jnp.uint8,)) < 4097  # bit packing
+
+
+# ----------------------------------------------------------------------------
+# GPU quantize-and-pack in one pass (widths dividing 8), interpreted.
+# ----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("bits", [1, 2, 4])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize(
+    "size, chunk",
+    # whole chunks; a ragged last chunk ending mid-byte; a chunk that is no power of
+    # two (24: 3 bytes of 1-bit codes, a 32-wide tile); one chunk, shorter than a byte.
+    [(64 * 128, 128), (5 * 256 + 37, 256), (1000 + 3, 24), (7, 8)],
+)
+def test_gpu_packed_quantize_is_quantize_then_pack(rng, bits, stochastic, size, chunk):
+    x = special_rows(rng, 8, 128).reshape(-1)
+    x = np.concatenate([x, rng.standard_normal(size).astype(np.float32)])[-size:]
+    seeds = jnp.asarray(random_seeds(rng))
+    packed, lo, unit = minmax.gpu_quantize_packed(
+        jnp.asarray(x),
+        seeds,
+        chunk=chunk,
+        bits=bits,
+        stochastic=stochastic,
+        target=platforms.Target("gpu", True),
+    )
+    codes, want_lo, want_unit = minmax.quantize(
+        jnp.asarray(x), seeds, bits=bits, stochastic=stochastic, chunk=chunk, implementation="xla"
+    )
+    same_bits(packed, np_pack(np.asarray(codes).reshape(-1), bits))
+    same_bits(lo, np.asarray(want_lo).reshape(-1))
+    same_bits(unit, np.asarray(want_unit).reshape(-1))
+
+
+@pytest.mark.parametrize("bits, chunk", [(3, 64), (8, 64), (4, 5)])
+def test_gpu_packs_in_pass_only_whole_bytes_of_one_chunk(bits, chunk):
+    assert not minmax.packs_in_pass(bits, chunk)
+    with pytest.raises(ValueError, match="one pass"):
+        minmax.gpu_quantize_packed(
+            jnp.zeros(64), None, chunk=chunk, bits=bits, stochastic=False, target=None
+        )

@@ -87,16 +87,13 @@ class MinMax(base.Compressor):
         seeds = None
         if self.needs_key:
             seeds = kernels.seeds_from_key(base.check_key(key, "minmax(rounding='stochastic')"))
-        codes, lo, unit = kernels.minmax_quantize(
+        packed, lo, unit = kernels.minmax_quantize_packed(
             x,
             seeds,
             bits=self.bits,
             stochastic=self.needs_key,
             chunk=self._layout(x.size)[1],
             implementation=self.implementation,
-        )
-        packed = kernels.pack_bits(
-            codes.reshape(-1), bits=self.bits, implementation=self.implementation
         )
         return MinMaxPayload(packed, lo.reshape(-1), unit.reshape(-1), tuple(x.shape), x.dtype)
 

@@ -39,6 +39,7 @@ from lpdec.kernels_pallas.minmax import dequantize_reference as minmax_dequantiz
 from lpdec.kernels_pallas.minmax import quantize as minmax_quantize
 from lpdec.kernels_pallas.minmax import quantize_feedback as minmax_quantize_feedback
 from lpdec.kernels_pallas.minmax import quantize_leaves as minmax_quantize_leaves
+from lpdec.kernels_pallas.minmax import quantize_packed as minmax_quantize_packed
 from lpdec.kernels_pallas.minmax import quantize_pallas as minmax_quantize_pallas
 from lpdec.kernels_pallas.minmax import quantize_reference as minmax_quantize_reference
 from lpdec.kernels_pallas.modulo import encode as modulo_encode
@@ -64,6 +65,7 @@ __all__ = [
     "minmax_dequantize_pallas",
     "minmax_dequantize_reference",
     "minmax_quantize",
+    "minmax_quantize_packed",
     "minmax_quantize_feedback",
     "minmax_quantize_leaves",
     "minmax_quantize_pallas",

@@ -42,6 +42,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
 
@@ -704,6 +705,87 @@ def gpu_quantize_feedback(
     )(seeds, jnp.asarray(decay, jnp.float32).reshape(1, 1), update, residual)
 
 
+def packs_in_pass(bits: int, chunk: int) -> bool:
+    """Whether the GPU kernel can pack `bits`-bit codes as it quantizes: every byte's
+    codes come from one chunk (`bits` divides 8 and 8 // bits divides the chunk)."""
+    return bits < 8 and 8 % bits == 0 and chunk % (8 // bits) == 0
+
+
+def _gpu_packed_quantize_kernel(
+    seeds_ref, x_ref, packed_ref, lo_ref, unit_ref, *, size, chunk, br, width, bits, stochastic
+):
+    """Quantize and bit-pack in one pass: a tile is [br chunks, width // per bytes].
+
+    Byte b of a chunk holds the codes of its elements b * per + j, j < per, at bits
+    [j * bits, (j + 1) * bits) (`bitpack`'s little-endian stream), so the tile loads
+    `per` strided views of the chunk, reduces min and max over all of them, and ORs
+    their codes into bytes. Elements past the array (or the chunk) give code 0, as
+    the zero-padded last group of `bitpack.pack_reference` does.
+    """
+    per = 8 // bits
+    step = pl.program_id(0)
+    bw = width // per
+    row = step * br + jax.lax.broadcasted_iota(jnp.int32, (br, bw), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (br, bw), 1)
+    rows = step * br + jax.lax.broadcasted_iota(jnp.int32, (br,), 0)
+    first = row * chunk + col * per  # each byte's first element
+    views = []
+    for j in range(per):
+        offsets = first + j
+        valid = (col * per + j < chunk) & (offsets < size)
+        x = platforms.pallas_triton.load(x_ref.at[offsets], mask=valid, other=0)
+        views.append((x.astype(jnp.float32), offsets, valid))
+    keys = [(_order_key(x), valid) for x, _, valid in views]
+    lo_key = functools.reduce(
+        jnp.minimum, [jnp.min(jnp.where(v, k, _INT32_MAX), axis=1, keepdims=True) for k, v in keys]
+    )
+    hi_key = functools.reduce(
+        jnp.maximum, [jnp.max(jnp.where(v, k, _INT32_MIN), axis=1, keepdims=True) for k, v in keys]
+    )
+    lo, hi = _from_order_key(lo_key), _from_order_key(hi_key)
+    # _row_scales' arithmetic, on the masked min and max (as _gpu_quantize_tile).
+    unit = (hi - lo) * jnp.float32(1.0 / numerics.levels(bits))
+    inv_unit = 1.0 / jnp.where(unit > 0, unit, jnp.float32(jnp.inf))
+    packed = jnp.zeros((br, bw), jnp.int32)
+    for j, (x, offsets, valid) in enumerate(views):
+        index = offsets.astype(jnp.uint32) if stochastic else None
+        codes = _codes(x, lo, inv_unit, seeds_ref, index, bits=bits).astype(jnp.int32)
+        packed = packed | (jnp.where(valid, codes, 0) << (bits * j))
+    in_bytes = (col * per < chunk) & (first < size)
+    byte = row * (chunk // per) + col
+    platforms.pallas_triton.store(packed_ref.at[byte], packed.astype(jnp.uint8), mask=in_bytes)
+    in_rows = rows < lo_ref.shape[0]
+    platforms.pallas_triton.store(lo_ref.at[rows], lo[:, 0], mask=in_rows)
+    platforms.pallas_triton.store(unit_ref.at[rows], unit[:, 0], mask=in_rows)
+
+
+def gpu_quantize_packed(flat, seeds, *, chunk, bits, stochastic, target, block_rows=None):
+    """GPU kernel: (packed bytes [ceil(size * bits / 8)], lo [rows], unit [rows]).
+
+    `bitpack.pack_reference(quantize codes)` and the scales, bit for bit, in one read
+    of the input and one write of the packed bytes (`packs_in_pass` must hold).
+    """
+    if not packs_in_pass(bits, chunk):
+        raise ValueError(f"{bits}-bit codes of {chunk}-element chunks do not pack in one pass.")
+    size = flat.size
+    rows = platforms.num_rows(size, chunk)
+    out_bytes = -(-size * bits // 8)
+    return _gpu_call(
+        functools.partial(_gpu_packed_quantize_kernel, bits=bits, stochastic=stochastic),
+        size=size,
+        chunk=chunk,
+        block_rows=block_rows,
+        target=target,
+        in_specs=[target.scalar_spec((1, 2)), _whole(size)],
+        out_specs=[_whole(out_bytes), _whole(rows), _whole(rows)],
+        out_shape=[
+            platforms.out_struct((out_bytes,), jnp.uint8, flat),
+            platforms.out_struct((rows,), jnp.float32, flat),
+            platforms.out_struct((rows,), jnp.float32, flat),
+        ],
+    )(seeds, flat)
+
+
 def _gpu_leaves_kernel(seeds_ref, *refs, plans, bits, stochastic):
     """One launch for many arrays: grid steps [start, start + steps) belong to array i."""
     n = len(plans)
@@ -953,6 +1035,54 @@ def quantize(
         seeds = jnp.zeros((1, 2), jnp.uint32)
     body = functools.partial(
         _quantize_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
+    )
+    return platforms.dispatch(implementation, body, x, seeds, interpret=interpret)
+
+
+def _quantize_packed_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
+    """The quantize-and-pack `target` runs: one GPU pass where `packs_in_pass`, else
+    `_quantize_on` and then `bitpack`'s packing."""
+    rows, chunk = _layout(x.size, chunk, x.shape)
+    if (
+        target is not None
+        and target.platform == "gpu"
+        and quantize_lowers(target, rows, chunk, x.dtype)
+        and packs_in_pass(bits, chunk)
+    ):
+        packed, lo, unit = gpu_quantize_packed(
+            x.reshape(-1), seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
+        )
+        return packed, lo[:, None], unit[:, None]
+    codes, lo, unit = _quantize_on(
+        x, seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
+    )
+    return bitpack._pack_bits_on(codes.reshape(-1), bits=bits, target=target), lo, unit
+
+
+def quantize_packed(
+    x,
+    seeds=None,
+    *,
+    bits: int,
+    stochastic: bool,
+    chunk: int | None = None,
+    implementation: platforms.Implementation = None,
+    interpret: bool = False,
+):
+    """`quantize` followed by `bitpack.pack_bits` of the flattened codes, bit for bit.
+
+    On GPU, for widths that divide 8 (1, 2, 4) with chunks of whole bytes, one kernel
+    reads x once and writes the packed bytes (no uint8 code array in between).
+
+    Returns:
+      (packed uint8 [ceil(x.size * bits / 8)], lo float32 [rows, 1], unit float32 [rows, 1]).
+    """
+    if stochastic and seeds is None:
+        raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
+    if seeds is None:
+        seeds = jnp.zeros((1, 2), jnp.uint32)
+    body = functools.partial(
+        _quantize_packed_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
     )
     return platforms.dispatch(implementation, body, x, seeds, interpret=interpret)
 
