@@ -100,12 +100,13 @@ def test_full_precision_matches_dense_float64_recursion(topology, speeds, delays
     np.testing.assert_allclose(_columns(got), expected, rtol=0, atol=2e-6)
     assert int(state.iteration) == steps
     assert schedule.delay.max() > 1
-    # The delay is visible: the same schedule with fresh gradients ends elsewhere.
+    # The delay is visible: the same schedule with fresh gradients ends elsewhere, far
+    # beyond the tolerance (500x; the schedule's draws differ between numpy versions).
     fresh = async_sim.Schedule(
         schedule.worker, schedule.peer, 0 * schedule.delay, tau_max, schedule.num_workers
     )
     fresh_x = _reference(fresh, x0, a, b, _lr, steps, momentum, decay)
-    assert np.abs(fresh_x - expected).max() > 1e-2
+    assert np.abs(fresh_x - expected).max() > 1e-3
 
 
 def _decode_matrix(comp, x, key, k, workers):
