@@ -5,6 +5,7 @@ The whole public API is re-exported here; see README.md for a tour. The algorith
 """
 
 from lpdec import algorithms
+from lpdec import async_sim
 from lpdec import compress
 from lpdec import data
 from lpdec import elastic
@@ -56,6 +57,7 @@ __all__ = [
     "NodeLayout",
     "ShardPlan",
     "Topology",
+    "async_sim",
     "chain",
     "check_chain",
     "chunked_top_k",

@@ -22,6 +22,7 @@ STUDIES = (
     "centralized",
     "tradeoff",
     "mx",
+    "ad_psgd",
 )
 
 

@@ -30,6 +30,8 @@ MAY_IMPORT = {
         "lpdec.topology",
     ),
     "lpdec.metrics": (),
+    # The exact AD-PSGD simulator: edges from a topology, Moniqua's modulo compressor.
+    "lpdec.async_sim": ("lpdec.compress", "lpdec.topology"),
     # init_nodes checks the chain it initialises (check_chain reads the algorithms' states).
     "lpdec.layout": ("lpdec.gossip", "lpdec.algorithms"),
     "lpdec.fsdp": (),

@@ -30,6 +30,10 @@ docs/experiments.json):
                time, IID and at skew 0.9: gossip, all-reduce, and the local-step
                methods (DiLoCo with fp32, 4-bit and 2-bit error-feedback exchanges,
                and DiLoCo over CHOCO gossip).
+  ad_psgd      seed 003 section 5: AD-PSGD and Moniqua on AD-PSGD (8 and 4 bits)
+               simulated exactly (lpdec.async_sim) against synchronous D-PSGD at
+               the same gradients, ring and random edges, equal and unequal speeds,
+               with Theorem 5's mixing-time quantities.
 
 Everything runs on MNIST-1D (10,000 sequences generated locally, 8,000 for
 training) with the 1-D CNN, 8 simulated CPU devices, through
@@ -48,7 +52,8 @@ Modules: `runner` (the recipes and the Runner that trains them through
 `train_lib.train_and_evaluate`), `cache` (runs keyed by config and code
 fingerprint: the workdir's results.json and docs/experiments.json), one module
 per study (its configs, table and figures: `gamma`, `table2`, `precision`, `qgm`,
-`moniqua`, `theorem1`, `centralized`, `tradeoff`), `render` (what the sections
+`moniqua`, `theorem1`, `centralized`, `tradeoff`, `mx`, `ad_psgd`, whose runs
+`async_train` trains through `lpdec.async_sim`), `render` (what the sections
 share: table cells, figures, EXPERIMENTS.md's header and runtime table) and
 `cli` (the command line).
 """

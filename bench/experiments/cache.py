@@ -28,6 +28,7 @@ STUDIES = (
     "centralized",
     "tradeoff",
     "mx",
+    "ad_psgd",
 )
 
 

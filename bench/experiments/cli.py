@@ -9,6 +9,7 @@ import time
 import jax
 
 from bench import _sections
+from bench.experiments import ad_psgd
 from bench.experiments import cache
 from bench.experiments import centralized
 from bench.experiments import gamma
@@ -37,6 +38,7 @@ STUDY_FUNCTIONS = {
     "centralized": centralized.centralized,
     "tradeoff": tradeoff.tradeoff,
     "mx": mx.mx,
+    "ad_psgd": ad_psgd.ad_psgd,
 }
 
 

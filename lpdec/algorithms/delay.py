@@ -18,6 +18,10 @@ advancing together in synchronous rounds. What it does not: true
 asynchrony, delays that vary over time or differ between nodes, workers
 running at different speeds, and the single-worker-update iteration that
 AD-PSGD's analysis counts (one random worker updates per iteration).
+It is the cheap approximation: `lpdec.async_sim` simulates AD-PSGD and Moniqua on
+AD-PSGD exactly as Theorem 5 counts them (one worker, one edge, one gradient of
+its own staleness per iteration; speeds; delays that vary), at the price of
+one compiled scan step per gradient.
 
 Memory: τ update-sized buffers (a FIFO ring of the last τ updates).
 """
@@ -105,7 +109,8 @@ def delay(steps: int) -> optax.GradientTransformationExtraArgs:
     with τ = `steps` and :math:`u_k` the update this transform receives at
     step k. Simulates gradients of fixed staleness τ in synchronous rounds
     (not true asynchrony, not variable or per-node delays; see the module
-    docstring). Memory: τ update-sized buffers. No communication.
+    docstring; `lpdec.async_sim` is the exact AD-PSGD simulation). Memory: τ
+    update-sized buffers. No communication.
 
     Args:
       steps: τ >= 0, a Python int (it sets the buffer's shape: under

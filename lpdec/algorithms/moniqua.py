@@ -68,7 +68,7 @@ computed tau steps earlier (gradients of fixed staleness tau). Everything
 still advances in synchronous rounds. Not simulated: true asynchrony, delays
 that vary over time or between nodes, workers running at different speeds,
 and the single-worker-update iteration in which AD-PSGD's analysis counts
-steps.
+steps: `lpdec.async_sim` simulates those exactly (`run(..., compressor=modulo(...))`).
 """
 
 from __future__ import annotations
