@@ -20,6 +20,11 @@ def get_config() -> ml_collections.ConfigDict:
     config.data_dir = ""
     config.num_samples = 5000  # mnist1d / synthetic size (train + test)
     config.skew = 0.0  # degree of skew of seed 002's partitioner: 0 = IID, 1 = sorted
+    # Elastic runs (train.py --elastic_service): "shard", machine m trains on the shards
+    # its slot's nodes get in the non-elastic run (a lost or slow machine's shard goes
+    # untrained meanwhile); "whole", every machine samples the whole training set with
+    # its own random stream (a lost or slow machine costs throughput, not data).
+    config.elastic_data = "shard"
     config.augment = False  # CIFAR random crop + flip
     # "stdlib_text" (a language model's bytes: this Python's standard library sources,
     # or the .py files under data_dir): windows of sequence_length + 1 bytes; text_bytes

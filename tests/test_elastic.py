@@ -336,6 +336,7 @@ def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
         ({}, {"machine": 5}, "--elastic_machine=5 must be in [0, 3)"),
         ({}, {"deadline": 0.0}, "must be > 0 s"),
         ({}, {"slowdown": 0.5}, "--elastic_slowdown=0.5 must be >= 1"),
+        ({"elastic_data": "mine"}, {}, "config.elastic_data='mine' must be 'shard' or 'whole'"),
     ]
     for fields, opts, message in cases:
         config = elastic_mlp.get_config()
@@ -344,6 +345,31 @@ def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
             elastic_lib.check(config, dataclasses.replace(options, **opts))
         assert message in str(error.value) and "\n" not in str(error.value)
     elastic_lib.check(elastic_mlp.get_config(), options)  # the config itself is fine
+
+
+@pytest.mark.parametrize("mode", ["shard", "whole"])
+def test_a_machine_trains_on_its_slots_shards_or_on_the_whole_set(mode):
+    """"shard": machine m's worker k gets node m*2+k's shard of the non-elastic run,
+    so the machines' shards cover the set once; "whole": every machine's workers
+    split the whole training set."""
+    sys.path.insert(0, str(ROOT))
+    from configs import elastic_mlp  # noqa: PLC0415
+    from train_lib import elastic as elastic_lib  # noqa: PLC0415
+    from train_lib import setup  # noqa: PLC0415
+
+    config = elastic_mlp.get_config()
+    config.num_nodes, config.num_samples, config.elastic_data = 6, 600, mode
+    exp = setup.build(elastic_lib._machine_config(config, 2))
+    parts = [elastic_lib.machine_partitions(config, exp, m) for m in range(3)]
+    assert all(len(p) == 2 for p in parts)
+    train = len(exp.dataset.y_train)
+    if mode == "shard":
+        every = np.sort(np.concatenate([np.concatenate(p) for p in parts]))
+        np.testing.assert_array_equal(every, np.arange(train))
+        assert not set(parts[0][0]) & set(parts[1][0])
+    else:
+        for p in parts:
+            np.testing.assert_array_equal(np.sort(np.concatenate(p)), np.arange(train))
 
 
 def test_train_py_refuses_in_one_line_and_gives_up_without_a_service(tmp_path):

@@ -143,6 +143,10 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
         raise ConfigError(
             f"--elastic_machine={options.machine} must be in [0, {options.machines})."
         )
+    if config.get("elastic_data", "shard") not in ("shard", "whole"):
+        raise ConfigError(
+            f"config.elastic_data={config.elastic_data!r} must be 'shard' or 'whole'."
+        )
     if options.local_steps < 0:
         raise ConfigError(f"--elastic_local_steps={options.local_steps} must be >= 0.")
     if not options.deadline > 0 or not options.join_timeout > 0:
@@ -168,6 +172,23 @@ def _machine_config(config: ml_collections.ConfigDict, workers: int) -> ml_colle
     return local
 
 
+def machine_partitions(config, exp: setup.Experiment, machine: int) -> tuple:
+    """The training-sample indices of each of `machine`'s workers (`config.elastic_data`).
+
+    "shard": the shards nodes m*k .. m*k+k-1 get in the same run's non-elastic form,
+    so the data follow from the slot, not from who is alive. "whole": `setup.build`'s
+    split of the whole training set over the machine's k workers; every machine draws
+    from it in its own order (the batcher's seed is the slot's).
+    """
+    if config.get("elastic_data", "shard") == "whole":
+        return tuple(exp.partitions)
+    workers = len(exp.partitions)
+    shards = lpdec.data.skew_partition(
+        exp.dataset.y_train, config.num_nodes, config.skew, config.seed
+    )
+    return tuple(shards[machine * workers : (machine + 1) * workers])
+
+
 def train_elastic(
     config: ml_collections.ConfigDict, workdir: str, options: ElasticOptions
 ) -> dict[str, Any]:
@@ -176,13 +197,7 @@ def train_elastic(
     check(config, options)
     workers = config.num_nodes // options.machines
     exp = setup.build(_machine_config(config, workers))
-    # Machine m trains on the shards nodes m*k .. m*k+k-1 get in the same run's
-    # non-elastic form: the data follow from the slot, not from who is alive.
-    shards = lpdec.data.skew_partition(
-        exp.dataset.y_train, config.num_nodes, config.skew, config.seed
-    )
-    m = options.machine
-    exp = dataclasses.replace(exp, partitions=tuple(shards[m * workers : (m + 1) * workers]))
+    exp = dataclasses.replace(exp, partitions=machine_partitions(config, exp, options.machine))
     workdir = workdir_lib.prepare(workdir)
     with workdir_lib.Lock(workdir, 0):
         machine = _Machine(config, exp, workdir, options, started)
