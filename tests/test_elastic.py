@@ -349,7 +349,7 @@ def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
 
 @pytest.mark.parametrize("mode", ["shard", "whole"])
 def test_a_machine_trains_on_its_slots_shards_or_on_the_whole_set(mode):
-    """"shard": machine m's worker k gets node m*2+k's shard of the non-elastic run,
+    """ "shard": machine m's worker k gets node m*2+k's shard of the non-elastic run,
     so the machines' shards cover the set once; "whole": every machine's workers
     split the whole training set."""
     sys.path.insert(0, str(ROOT))

@@ -433,6 +433,39 @@ def test_gpu_packed_quantize_is_quantize_then_pack(rng, bits, stochastic, size, 
     same_bits(unit, np.asarray(want_unit).reshape(-1))
 
 
+@pytest.mark.parametrize("bits", [1, 4])
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("size, chunk", [(5 * 256 + 37, 256), (1000 + 3, 24)])
+def test_gpu_packed_feedback_is_feedback_then_pack(rng, bits, stochastic, size, chunk):
+    """One pass of error feedback with packed codes: the same bytes, scales and residual."""
+    update = jnp.asarray(rng.standard_normal(size).astype(np.float32))
+    residual = jnp.asarray(0.1 * rng.standard_normal(size).astype(np.float32))
+    seeds = jnp.asarray(random_seeds(rng))
+    got = minmax.gpu_quantize_feedback_packed(
+        update,
+        residual,
+        0.9,
+        seeds,
+        chunk=chunk,
+        bits=bits,
+        stochastic=stochastic,
+        target=platforms.Target("gpu", True),
+    )
+    codes, lo, unit, error = minmax.quantize_feedback(
+        update,
+        residual,
+        0.9,
+        seeds,
+        bits=bits,
+        stochastic=stochastic,
+        chunk=chunk,
+        implementation="xla",
+    )
+    want = (np_pack(np.asarray(codes).reshape(-1), bits), lo.reshape(-1), unit.reshape(-1), error)
+    for g, w in zip(got, want, strict=True):
+        same_bits(g, np.asarray(w))
+
+
 @pytest.mark.parametrize("bits, chunk", [(3, 64), (8, 64), (4, 5)])
 def test_gpu_packs_in_pass_only_whole_bytes_of_one_chunk(bits, chunk):
     assert not minmax.packs_in_pass(bits, chunk)

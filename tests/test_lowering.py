@@ -220,6 +220,15 @@ def test_without_pallas_triton_the_gpu_takes_jnp(monkeypatch):
     assert_kernels(trace(comp.encode, x), {"cuda": 0, "tpu": 2})
 
 
+@pytest.mark.parametrize("bits, kernels", [(4, 1), (1, 1), (8, 1), (3, 2)])
+def test_gpu_error_feedback_is_one_pass_where_codes_pack_in_it(bits, kernels):
+    """Error feedback reads update and residual once; widths dividing 8 also pack there."""
+    comp = lpdec.minmax(bits, "stochastic")
+    x = jax.ShapeDtypeStruct((SIZES[1],), jnp.float32)
+    program = trace(lambda u, e: comp.encode_feedback(u, e, KEY), x, x)
+    assert kernel_calls(program, "cuda") == kernels
+
+
 def test_gpu_backend_is_the_measured_choice():
     """Triton on every supported jax: the choice BENCHMARKS.md's GPU section measured.
 

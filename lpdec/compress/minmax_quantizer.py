@@ -134,7 +134,7 @@ class MinMax(base.Compressor):
         seeds = None
         if self.needs_key:
             seeds = kernels.seeds_from_key(base.check_key(key, "minmax(rounding='stochastic')"))
-        codes, lo, unit, error = kernels.minmax_quantize_feedback(
+        packed, lo, unit, error = kernels.minmax_quantize_feedback_packed(
             update,
             residual,
             decay,
@@ -143,9 +143,6 @@ class MinMax(base.Compressor):
             stochastic=self.needs_key,
             chunk=self._layout(update.size)[1],
             implementation=self.implementation,
-        )
-        packed = kernels.pack_bits(
-            codes.reshape(-1), bits=self.bits, implementation=self.implementation
         )
         payload = MinMaxPayload(
             packed, lo.reshape(-1), unit.reshape(-1), tuple(update.shape), jnp.dtype(jnp.float32)

@@ -38,6 +38,7 @@ from lpdec.kernels_pallas.minmax import dequantize_pallas as minmax_dequantize_p
 from lpdec.kernels_pallas.minmax import dequantize_reference as minmax_dequantize_reference
 from lpdec.kernels_pallas.minmax import quantize as minmax_quantize
 from lpdec.kernels_pallas.minmax import quantize_feedback as minmax_quantize_feedback
+from lpdec.kernels_pallas.minmax import quantize_feedback_packed as minmax_quantize_feedback_packed
 from lpdec.kernels_pallas.minmax import quantize_leaves as minmax_quantize_leaves
 from lpdec.kernels_pallas.minmax import quantize_packed as minmax_quantize_packed
 from lpdec.kernels_pallas.minmax import quantize_pallas as minmax_quantize_pallas
@@ -67,6 +68,7 @@ __all__ = [
     "minmax_quantize",
     "minmax_quantize_packed",
     "minmax_quantize_feedback",
+    "minmax_quantize_feedback_packed",
     "minmax_quantize_leaves",
     "minmax_quantize_pallas",
     "minmax_quantize_reference",

@@ -711,31 +711,33 @@ def packs_in_pass(bits: int, chunk: int) -> bool:
     return bits < 8 and 8 % bits == 0 and chunk % (8 // bits) == 0
 
 
-def _gpu_packed_quantize_kernel(
-    seeds_ref, x_ref, packed_ref, lo_ref, unit_ref, *, size, chunk, br, width, bits, stochastic
-):
-    """Quantize and bit-pack in one pass: a tile is [br chunks, width // per bytes].
+def _gpu_byte_views(br: int, width: int, chunk: int, size: int, per: int):
+    """A packed tile's geometry: [br chunks, width // per bytes] of `per` codes each.
 
-    Byte b of a chunk holds the codes of its elements b * per + j, j < per, at bits
-    [j * bits, (j + 1) * bits) (`bitpack`'s little-endian stream), so the tile loads
-    `per` strided views of the chunk, reduces min and max over all of them, and ORs
-    their codes into bytes. Elements past the array (or the chunk) give code 0, as
-    the zero-padded last group of `bitpack.pack_reference` does.
+    Returns (rows [br], byte offsets [br, bw], bytes valid [br, bw], views): view j is
+    (element offsets, valid) of every byte's element j, a strided view of the chunks.
     """
-    per = 8 // bits
     step = pl.program_id(0)
     bw = width // per
     row = step * br + jax.lax.broadcasted_iota(jnp.int32, (br, bw), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (br, bw), 1)
     rows = step * br + jax.lax.broadcasted_iota(jnp.int32, (br,), 0)
     first = row * chunk + col * per  # each byte's first element
-    views = []
-    for j in range(per):
-        offsets = first + j
-        valid = (col * per + j < chunk) & (offsets < size)
-        x = platforms.pallas_triton.load(x_ref.at[offsets], mask=valid, other=0)
-        views.append((x.astype(jnp.float32), offsets, valid))
-    keys = [(_order_key(x), valid) for x, _, valid in views]
+    views = [(first + j, (col * per + j < chunk) & (first + j < size)) for j in range(per)]
+    return rows, row * (chunk // per) + col, (col * per < chunk) & (first < size), views
+
+
+def _gpu_pack_tile(xs, geometry, seeds, packed_ref, lo_ref, unit_ref, bits, stochastic):
+    """Quantizes the loaded float32 views `xs` of a packed tile; stores bytes and scales.
+
+    Byte b of a chunk holds the codes of its elements b * per + j at bits
+    [j * bits, (j + 1) * bits) (`bitpack`'s little-endian stream). min and max run
+    over every view; elements past the array (or the chunk) give code 0, as the
+    zero-padded last group of `bitpack.pack_reference` does. Returns (codes per
+    view, lo, unit) for a caller that also decodes.
+    """
+    rows, byte, byte_valid, views = geometry
+    keys = [(_order_key(x), valid) for x, (_, valid) in zip(xs, views, strict=True)]
     lo_key = functools.reduce(
         jnp.minimum, [jnp.min(jnp.where(v, k, _INT32_MAX), axis=1, keepdims=True) for k, v in keys]
     )
@@ -746,17 +748,62 @@ def _gpu_packed_quantize_kernel(
     # _row_scales' arithmetic, on the masked min and max (as _gpu_quantize_tile).
     unit = (hi - lo) * jnp.float32(1.0 / numerics.levels(bits))
     inv_unit = 1.0 / jnp.where(unit > 0, unit, jnp.float32(jnp.inf))
-    packed = jnp.zeros((br, bw), jnp.int32)
-    for j, (x, offsets, valid) in enumerate(views):
+    packed = jnp.zeros(byte.shape, jnp.int32)
+    codes = []
+    for j, (x, (offsets, valid)) in enumerate(zip(xs, views, strict=True)):
         index = offsets.astype(jnp.uint32) if stochastic else None
-        codes = _codes(x, lo, inv_unit, seeds_ref, index, bits=bits).astype(jnp.int32)
-        packed = packed | (jnp.where(valid, codes, 0) << (bits * j))
-    in_bytes = (col * per < chunk) & (first < size)
-    byte = row * (chunk // per) + col
-    platforms.pallas_triton.store(packed_ref.at[byte], packed.astype(jnp.uint8), mask=in_bytes)
+        c = _codes(x, lo, inv_unit, seeds, index, bits=bits)
+        codes.append(c)
+        packed = packed | (jnp.where(valid, c.astype(jnp.int32), 0) << (bits * j))
+    platforms.pallas_triton.store(packed_ref.at[byte], packed.astype(jnp.uint8), mask=byte_valid)
     in_rows = rows < lo_ref.shape[0]
     platforms.pallas_triton.store(lo_ref.at[rows], lo[:, 0], mask=in_rows)
     platforms.pallas_triton.store(unit_ref.at[rows], unit[:, 0], mask=in_rows)
+    return codes, lo, unit
+
+
+def _gpu_packed_quantize_kernel(
+    seeds_ref, x_ref, packed_ref, lo_ref, unit_ref, *, size, chunk, br, width, bits, stochastic
+):
+    """Quantize and bit-pack in one pass (`_gpu_pack_tile`)."""
+    geometry = _gpu_byte_views(br, width, chunk, size, 8 // bits)
+    xs = [
+        platforms.pallas_triton.load(x_ref.at[o], mask=v, other=0).astype(jnp.float32)
+        for o, v in geometry[3]
+    ]
+    _gpu_pack_tile(xs, geometry, seeds_ref, packed_ref, lo_ref, unit_ref, bits, stochastic)
+
+
+def _gpu_packed_feedback_kernel(
+    seeds_ref,
+    decay_ref,
+    update_ref,
+    residual_ref,
+    packed_ref,
+    lo_ref,
+    unit_ref,
+    out_residual_ref,
+    *,
+    size,
+    chunk,
+    br,
+    width,
+    bits,
+    stochastic,
+):
+    """Error feedback packed in one pass: v = u + decay * e -> bytes, scales, v - decode."""
+    geometry = _gpu_byte_views(br, width, chunk, size, 8 // bits)
+    vs = []
+    for offsets, valid in geometry[3]:  # every load before any store (the residual aliases)
+        update = platforms.pallas_triton.load(update_ref.at[offsets], mask=valid, other=0)
+        residual = platforms.pallas_triton.load(residual_ref.at[offsets], mask=valid, other=0)
+        vs.append(numerics.feedback_sum(update, residual, decay_ref[0, 0]))
+    codes, lo, unit = _gpu_pack_tile(
+        vs, geometry, seeds_ref, packed_ref, lo_ref, unit_ref, bits, stochastic
+    )
+    for (offsets, valid), v, c in zip(geometry[3], vs, codes, strict=True):
+        error = v - _dequantize_rows(c, lo, unit)
+        platforms.pallas_triton.store(out_residual_ref.at[offsets], error, mask=valid)
 
 
 def gpu_quantize_packed(flat, seeds, *, chunk, bits, stochastic, target, block_rows=None):
@@ -784,6 +831,42 @@ def gpu_quantize_packed(flat, seeds, *, chunk, bits, stochastic, target, block_r
             platforms.out_struct((rows,), jnp.float32, flat),
         ],
     )(seeds, flat)
+
+
+def gpu_quantize_feedback_packed(
+    update, residual, decay, seeds, *, chunk, bits, stochastic, target, block_rows=None
+):
+    """GPU kernel: `gpu_quantize_feedback` with the codes bit-packed in the same pass.
+
+    Returns (packed bytes [ceil(size * bits / 8)], lo [rows], unit [rows], new residual
+    [size]); `packs_in_pass` must hold.
+    """
+    if not packs_in_pass(bits, chunk):
+        raise ValueError(f"{bits}-bit codes of {chunk}-element chunks do not pack in one pass.")
+    size = update.size
+    rows = platforms.num_rows(size, chunk)
+    out_bytes = -(-size * bits // 8)
+    return _gpu_call(
+        functools.partial(_gpu_packed_feedback_kernel, bits=bits, stochastic=stochastic),
+        size=size,
+        chunk=chunk,
+        block_rows=block_rows,
+        target=target,
+        in_specs=[
+            target.scalar_spec((1, 2)),
+            target.scalar_spec((1, 1)),
+            _whole(size),
+            _whole(size),
+        ],
+        out_specs=[_whole(out_bytes), _whole(rows), _whole(rows), _whole(size)],
+        out_shape=[
+            platforms.out_struct((out_bytes,), jnp.uint8, update),
+            platforms.out_struct((rows,), jnp.float32, update),
+            platforms.out_struct((rows,), jnp.float32, update),
+            platforms.out_struct((size,), jnp.float32, update),
+        ],
+        input_output_aliases={3: 3},
+    )(seeds, jnp.asarray(decay, jnp.float32).reshape(1, 1), update, residual)
 
 
 def _gpu_leaves_kernel(seeds_ref, *refs, plans, bits, stochastic):
@@ -1137,6 +1220,76 @@ def _quantize_feedback_on(update, residual, decay, seeds, *, chunk, bits, stocha
     )
     decoded = _dequantize_on(codes, lo, unit, chunk=chunk, dtype=jnp.float32, target=target)
     return codes, lo, unit, v - decoded
+
+
+def _quantize_feedback_packed_on(
+    update, residual, decay, seeds, *, chunk, bits, stochastic, target
+):
+    """`_quantize_feedback_on` with the codes packed: one GPU pass where `packs_in_pass`."""
+    rows, chunk = _layout(update.size, chunk, update.shape)
+    if (
+        target is not None
+        and target.platform == "gpu"
+        and quantize_lowers(target, rows, chunk, jnp.float32)
+        and packs_in_pass(bits, chunk)
+    ):
+        packed, lo, unit, error = gpu_quantize_feedback_packed(
+            update.reshape(-1),
+            residual.astype(jnp.float32).reshape(-1),
+            decay,
+            seeds,
+            chunk=chunk,
+            bits=bits,
+            stochastic=stochastic,
+            target=target,
+        )
+        return packed, lo[:, None], unit[:, None], error.reshape(update.shape)
+    codes, lo, unit, error = _quantize_feedback_on(
+        update, residual, decay, seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
+    )
+    packed = bitpack._pack_bits_on(codes.reshape(-1), bits=bits, target=target)
+    return packed, lo, unit, error
+
+
+def quantize_feedback_packed(
+    update,
+    residual,
+    decay=1.0,
+    seeds=None,
+    *,
+    bits: int,
+    stochastic: bool,
+    chunk: int | None = None,
+    implementation: platforms.Implementation = None,
+    interpret: bool = False,
+):
+    """`quantize_feedback` with its codes bit-packed (`bitpack.pack_bits`), bit for bit.
+
+    On GPU, for widths that divide 8 with chunks of whole bytes, one kernel reads the
+    update and the residual once and writes the packed bytes and the new residual.
+
+    Returns:
+      (packed uint8 [ceil(size * bits / 8)], lo [rows, 1], unit [rows, 1], new residual).
+    """
+    if stochastic and seeds is None:
+        raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
+    if seeds is None:
+        seeds = jnp.zeros((1, 2), jnp.uint32)
+    body = functools.partial(
+        _quantize_feedback_packed_on,
+        chunk=chunk,
+        bits=numerics.check_bits(bits),
+        stochastic=stochastic,
+    )
+    return platforms.dispatch(
+        implementation,
+        body,
+        update,
+        residual,
+        jnp.asarray(decay, jnp.float32),
+        seeds,
+        interpret=interpret,
+    )
 
 
 def quantize_feedback(
