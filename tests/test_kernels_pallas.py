@@ -417,13 +417,14 @@ def test_gpu_packed_quantize_is_quantize_then_pack(rng, bits, stochastic, size, 
     x = special_rows(rng, 8, 128).reshape(-1)
     x = np.concatenate([x, rng.standard_normal(size).astype(np.float32)])[-size:]
     seeds = jnp.asarray(random_seeds(rng))
-    packed, lo, unit = minmax.gpu_quantize_packed(
+    packed, lo, unit = minmax.gpu_quantize(
         jnp.asarray(x),
         seeds,
         chunk=chunk,
         bits=bits,
         stochastic=stochastic,
         target=platforms.Target("gpu", True),
+        pack=True,
     )
     codes, want_lo, want_unit = minmax.quantize(
         jnp.asarray(x), seeds, bits=bits, stochastic=stochastic, chunk=chunk, implementation="xla"
@@ -441,7 +442,7 @@ def test_gpu_packed_feedback_is_feedback_then_pack(rng, bits, stochastic, size, 
     update = jnp.asarray(rng.standard_normal(size).astype(np.float32))
     residual = jnp.asarray(0.1 * rng.standard_normal(size).astype(np.float32))
     seeds = jnp.asarray(random_seeds(rng))
-    got = minmax.gpu_quantize_feedback_packed(
+    got = minmax.gpu_quantize_feedback(
         update,
         residual,
         0.9,
@@ -450,6 +451,7 @@ def test_gpu_packed_feedback_is_feedback_then_pack(rng, bits, stochastic, size, 
         bits=bits,
         stochastic=stochastic,
         target=platforms.Target("gpu", True),
+        pack=True,
     )
     codes, lo, unit, error = minmax.quantize_feedback(
         update,
@@ -470,6 +472,6 @@ def test_gpu_packed_feedback_is_feedback_then_pack(rng, bits, stochastic, size, 
 def test_gpu_packs_in_pass_only_whole_bytes_of_one_chunk(bits, chunk):
     assert not minmax.packs_in_pass(bits, chunk)
     with pytest.raises(ValueError, match="one pass"):
-        minmax.gpu_quantize_packed(
-            jnp.zeros(64), None, chunk=chunk, bits=bits, stochastic=False, target=None
+        minmax.gpu_quantize(
+            jnp.zeros(64), None, chunk=chunk, bits=bits, stochastic=False, target=None, pack=True
         )

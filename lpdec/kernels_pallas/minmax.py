@@ -652,20 +652,42 @@ def _gpu_call(kernel, *, size, chunk, block_rows, target, **kwargs):
     )
 
 
-def gpu_quantize(flat, seeds, *, chunk, bits, stochastic, target, block_rows=None):
-    """GPU kernel: (codes [size], lo [rows], unit [rows]) of a flat float array."""
+def _codes_kernel(plain, packed, *, size: int, chunk: int, bits: int, pack: bool):
+    """(kernel, length of its codes output): `plain`'s uint8 code per element, or with
+    `pack` `packed`'s bit-packed bytes (`packs_in_pass` must hold)."""
+    if not pack:
+        return plain, size
+    if not packs_in_pass(bits, chunk):
+        raise ValueError(f"{bits}-bit codes of {chunk}-element chunks do not pack in one pass.")
+    return packed, bitpack.packed_size(size, bits)
+
+
+def gpu_quantize(flat, seeds, *, chunk, bits, stochastic, target, block_rows=None, pack=False):
+    """GPU kernel: (codes [size], lo [rows], unit [rows]) of a flat float array.
+
+    `pack`: the codes bit-packed in the same pass, [ceil(size * bits / 8)] bytes,
+    `bitpack.pack_reference` of the codes bit for bit (`packs_in_pass` must hold).
+    """
     size = flat.size
     rows = platforms.num_rows(size, chunk)
+    kernel, codes = _codes_kernel(
+        _gpu_quantize_kernel,
+        _gpu_packed_quantize_kernel,
+        size=size,
+        chunk=chunk,
+        bits=bits,
+        pack=pack,
+    )
     return _gpu_call(
-        functools.partial(_gpu_quantize_kernel, bits=bits, stochastic=stochastic),
+        functools.partial(kernel, bits=bits, stochastic=stochastic),
         size=size,
         chunk=chunk,
         block_rows=block_rows,
         target=target,
         in_specs=[target.scalar_spec((1, 2)), _whole(size)],
-        out_specs=[_whole(size), _whole(rows), _whole(rows)],
+        out_specs=[_whole(codes), _whole(rows), _whole(rows)],
         out_shape=[
-            platforms.out_struct((size,), jnp.uint8, flat),
+            platforms.out_struct((codes,), jnp.uint8, flat),
             platforms.out_struct((rows,), jnp.float32, flat),
             platforms.out_struct((rows,), jnp.float32, flat),
         ],
@@ -673,17 +695,36 @@ def gpu_quantize(flat, seeds, *, chunk, bits, stochastic, target, block_rows=Non
 
 
 def gpu_quantize_feedback(
-    update, residual, decay, seeds, *, chunk, bits, stochastic, target, block_rows=None
+    update,
+    residual,
+    decay,
+    seeds,
+    *,
+    chunk,
+    bits,
+    stochastic,
+    target,
+    block_rows=None,
+    pack=False,
 ):
     """GPU kernel: (codes, lo, unit, new residual) of v = update + decay * residual, flat.
 
     Reads the update and the residual once and writes the codes and the new
     residual v - decode(codes) in the same pass (the residual aliases in place).
+    `pack`: the codes bit-packed in that pass too (as `gpu_quantize`'s).
     """
     size = update.size
     rows = platforms.num_rows(size, chunk)
+    kernel, codes = _codes_kernel(
+        _gpu_feedback_kernel,
+        _gpu_packed_feedback_kernel,
+        size=size,
+        chunk=chunk,
+        bits=bits,
+        pack=pack,
+    )
     return _gpu_call(
-        functools.partial(_gpu_feedback_kernel, bits=bits, stochastic=stochastic),
+        functools.partial(kernel, bits=bits, stochastic=stochastic),
         size=size,
         chunk=chunk,
         block_rows=block_rows,
@@ -694,9 +735,9 @@ def gpu_quantize_feedback(
             _whole(size),
             _whole(size),
         ],
-        out_specs=[_whole(size), _whole(rows), _whole(rows), _whole(size)],
+        out_specs=[_whole(codes), _whole(rows), _whole(rows), _whole(size)],
         out_shape=[
-            platforms.out_struct((size,), jnp.uint8, update),
+            platforms.out_struct((codes,), jnp.uint8, update),
             platforms.out_struct((rows,), jnp.float32, update),
             platforms.out_struct((rows,), jnp.float32, update),
             platforms.out_struct((size,), jnp.float32, update),
@@ -804,69 +845,6 @@ def _gpu_packed_feedback_kernel(
     for (offsets, valid), v, c in zip(geometry[3], vs, codes, strict=True):
         error = v - _dequantize_rows(c, lo, unit)
         platforms.pallas_triton.store(out_residual_ref.at[offsets], error, mask=valid)
-
-
-def gpu_quantize_packed(flat, seeds, *, chunk, bits, stochastic, target, block_rows=None):
-    """GPU kernel: (packed bytes [ceil(size * bits / 8)], lo [rows], unit [rows]).
-
-    `bitpack.pack_reference(quantize codes)` and the scales, bit for bit, in one read
-    of the input and one write of the packed bytes (`packs_in_pass` must hold).
-    """
-    if not packs_in_pass(bits, chunk):
-        raise ValueError(f"{bits}-bit codes of {chunk}-element chunks do not pack in one pass.")
-    size = flat.size
-    rows = platforms.num_rows(size, chunk)
-    out_bytes = -(-size * bits // 8)
-    return _gpu_call(
-        functools.partial(_gpu_packed_quantize_kernel, bits=bits, stochastic=stochastic),
-        size=size,
-        chunk=chunk,
-        block_rows=block_rows,
-        target=target,
-        in_specs=[target.scalar_spec((1, 2)), _whole(size)],
-        out_specs=[_whole(out_bytes), _whole(rows), _whole(rows)],
-        out_shape=[
-            platforms.out_struct((out_bytes,), jnp.uint8, flat),
-            platforms.out_struct((rows,), jnp.float32, flat),
-            platforms.out_struct((rows,), jnp.float32, flat),
-        ],
-    )(seeds, flat)
-
-
-def gpu_quantize_feedback_packed(
-    update, residual, decay, seeds, *, chunk, bits, stochastic, target, block_rows=None
-):
-    """GPU kernel: `gpu_quantize_feedback` with the codes bit-packed in the same pass.
-
-    Returns (packed bytes [ceil(size * bits / 8)], lo [rows], unit [rows], new residual
-    [size]); `packs_in_pass` must hold.
-    """
-    if not packs_in_pass(bits, chunk):
-        raise ValueError(f"{bits}-bit codes of {chunk}-element chunks do not pack in one pass.")
-    size = update.size
-    rows = platforms.num_rows(size, chunk)
-    out_bytes = -(-size * bits // 8)
-    return _gpu_call(
-        functools.partial(_gpu_packed_feedback_kernel, bits=bits, stochastic=stochastic),
-        size=size,
-        chunk=chunk,
-        block_rows=block_rows,
-        target=target,
-        in_specs=[
-            target.scalar_spec((1, 2)),
-            target.scalar_spec((1, 1)),
-            _whole(size),
-            _whole(size),
-        ],
-        out_specs=[_whole(out_bytes), _whole(rows), _whole(rows), _whole(size)],
-        out_shape=[
-            platforms.out_struct((out_bytes,), jnp.uint8, update),
-            platforms.out_struct((rows,), jnp.float32, update),
-            platforms.out_struct((rows,), jnp.float32, update),
-            platforms.out_struct((size,), jnp.float32, update),
-        ],
-        input_output_aliases={3: 3},
-    )(seeds, jnp.asarray(decay, jnp.float32).reshape(1, 1), update, residual)
 
 
 def _gpu_leaves_kernel(seeds_ref, *refs, plans, bits, stochastic):
@@ -1132,8 +1110,14 @@ def _quantize_packed_on(x, seeds, *, chunk, bits: int, stochastic: bool, target)
         and quantize_lowers(target, rows, chunk, x.dtype)
         and packs_in_pass(bits, chunk)
     ):
-        packed, lo, unit = gpu_quantize_packed(
-            x.reshape(-1), seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
+        packed, lo, unit = gpu_quantize(
+            x.reshape(-1),
+            seeds,
+            chunk=chunk,
+            bits=bits,
+            stochastic=stochastic,
+            target=target,
+            pack=True,
         )
         return packed, lo[:, None], unit[:, None]
     codes, lo, unit = _quantize_on(
@@ -1233,7 +1217,7 @@ def _quantize_feedback_packed_on(
         and quantize_lowers(target, rows, chunk, jnp.float32)
         and packs_in_pass(bits, chunk)
     ):
-        packed, lo, unit, error = gpu_quantize_feedback_packed(
+        packed, lo, unit, error = gpu_quantize_feedback(
             update.reshape(-1),
             residual.astype(jnp.float32).reshape(-1),
             decay,
@@ -1242,6 +1226,7 @@ def _quantize_feedback_packed_on(
             bits=bits,
             stochastic=stochastic,
             target=target,
+            pack=True,
         )
         return packed, lo[:, None], unit[:, None], error.reshape(update.shape)
     codes, lo, unit, error = _quantize_feedback_on(
