@@ -859,7 +859,16 @@ def elastic_reference(ctx: Context) -> dict:
                     f"the uninterrupted elastic run (seed {seed}) failed: exits {codes}, "
                     f"hung {hung}: {cluster.tail(0)}"
                 )
-            runs.append({"seed": seed, "accuracy": final["accuracy"], "loss": final["loss"]})
+            rounds = (final["summaries"][0] or {}).get("rounds")
+            runs.append(
+                {
+                    "seed": seed,
+                    "accuracy": final["accuracy"],
+                    "loss": final["loss"],
+                    "took_s": round(took, 1),
+                    "rounds": rounds,
+                }
+            )
             print(
                 f"elastic reference, seed {seed}: test accuracy {final['accuracy']:.4f}, "
                 f"test loss {final['loss']:.4f}, {took:.0f} s",
@@ -908,6 +917,10 @@ def _judge(ctx: Context, cluster: Cluster, case: dict, checks: dict) -> Trial:
         "loss": final["loss"],
         "d_accuracy_points": d_accuracy,
         "d_loss_relative": d_loss,
+        # The run's length: rounds (of a machine not faulted) and the local steps its
+        # exchanges took in (config.elastic_budget "samples": >= 3 x ELASTIC_STEPS).
+        "rounds": (final["summaries"][others[0]] or {}).get("rounds"),
+        "machine_steps": (final["summaries"][others[0]] or {}).get("machine_steps"),
     }
     ok = {
         "ended": not hung and all(c == 0 for c in codes),
@@ -1181,7 +1194,11 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
         "",
         f"3 machines of an elastic DiLoCo run (`train.py --elastic_service`, "
         f"`configs/elastic_mlp.py` with `--config.num_steps={ELASTIC_STEPS}`: "
-        f"{ELASTIC_ROUNDS} rounds of H = 10 local steps, 4-bit error-feedback mean), {where}; "
+        f"H = 10 local steps per round, 4-bit error-feedback mean; its "
+        '`elastic_budget = "samples"` ends the run at the first exchange after which the '
+        "rounds' members' local steps add up to "
+        f"{ELASTIC_MACHINES} x {ELASTIC_STEPS}, the uninterrupted run's {ELASTIC_ROUNDS} "
+        f"rounds, so a faulted run takes more rounds), {where}; "
         f"heartbeat timeout {ELASTIC_HEARTBEAT} s, join timeout {ELASTIC_JOIN_TIMEOUT} s, "
         "exchange deadline 60 s unless said; each machine is `train.py` under its supervisor "
         "(`--elastic_restarts`, default 5: a machine process that ends abnormally is started "
@@ -1195,7 +1212,8 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
         "invocation, one per seed; the tries run seed 0): "
         + ", ".join(
             f"seed {r['seed']}: test accuracy {100 * r['accuracy']:.2f} %, test loss "
-            f"{r['loss']:.4f} (means of the last {LAST_EVALS} evaluations)"
+            f"{r['loss']:.4f} (means of the last {LAST_EVALS} evaluations), "
+            f"{r.get('rounds', '?')} rounds in {r.get('took_s', float('nan')):.0f} s"
             for r in ref.get("runs", [])
         )
         + f" (commit {ref.get('commit', '?')}).",
@@ -1213,10 +1231,11 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
         "agreed, the others had rounds with fewer members; slow, same H — the others' means "
         "went on without it; slow, H / 10 — every round had all 3.",
         "",
-        "| case | try | commit | survived | exits | s | short rounds | longest wait (s) | "
+        "| case | try | commit | survived | exits | s | rounds | short rounds | "
+        "longest wait (s) | "
         "joined at round | first exchange after join | anchors | test acc (Δ points) | "
         "test loss (Δ) | failed checks; what happened |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
 
     def cell(text) -> str:
@@ -1226,12 +1245,14 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
     for row in rows:
         if row["skipped"]:
             lines.append(
-                f"| {row['what']} | — | not run | | | | | | | | | | {cell(row['skipped'])} |"
+                f"| {row['what']} | — | not run | | | | | | | | | | | {cell(row['skipped'])} |"
             )
             continue
         for k, (trial, note) in enumerate(zip(row["trials"], row["notes"], strict=True)):
             if "exits" not in trial:  # the harness itself failed
-                lines.append(f"| {row['what']} | {k + 1} | | no | | | | | | | | | | {cell(note)} |")
+                lines.append(
+                    f"| {row['what']} | {k + 1} | | no | | | | | | | | | | | {cell(note)} |"
+                )
                 continue
             failed = ", ".join(trial["failed"]) or "none"
             extra = ""
@@ -1251,6 +1272,7 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
                 f"| {row['what']} | {k + 1} | {trial.get('commit', '?')} | "
                 f"{'yes' if trial['survived'] else 'no'} | "
                 f"{' '.join(str(c) for c in trial['exits'])} | {trial['took_s']:.0f} | "
+                f"{trial.get('rounds', '?')} | "
                 f"{trial['short_rounds']} | {trial['longest_wait_s']:.2f} | "
                 f"{joined} | "
                 f"{cell(trial.get('first_after_join') or '—')} | "
@@ -1263,7 +1285,8 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
         "Columns: *commit* — the checkout the try's processes were started from; "
         "*exits* — the exit status of each machine's last process (0 ok, 2 refused, "
         "4 lost the service; a machine killed at the bound shows -9); *s* — seconds from the "
-        "start of the service to the end of the last machine; *short rounds* — exchanges, "
+        "start of the service to the end of the last machine; *rounds* — the exchanges of "
+        "the run (a machine not faulted: `summary.json`'s rounds); *short rounds* — exchanges, "
         "summed over the machines not faulted, whose mean had fewer than 3 members; *longest "
         "wait* — the longest `waited_s` of those machines' exchanges (time from contributing "
         "to the round's decision); *joined at round* — the faulted machine's "

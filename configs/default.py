@@ -25,6 +25,12 @@ def get_config() -> ml_collections.ConfigDict:
     # untrained meanwhile); "whole", every machine samples the whole training set with
     # its own random stream (a lost or slow machine costs throughput, not data).
     config.elastic_data = "shard"
+    # How long an elastic run is: "rounds", ceil(num_steps / local_steps) exchanges,
+    # whoever contributes to them; "samples", until the local steps the exchanges took
+    # in add up to num_steps x machines, what the uninterrupted run trains on (a lost or
+    # slow machine's share is made up by more rounds of the others; needs a constant
+    # learning-rate schedule, whose end would otherwise not be known in advance).
+    config.elastic_budget = "rounds"
     config.augment = False  # CIFAR random crop + flip
     # "stdlib_text" (a language model's bytes: this Python's standard library sources,
     # or the .py files under data_dir): windows of sequence_length + 1 bytes; text_bytes

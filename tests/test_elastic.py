@@ -124,11 +124,11 @@ class _Procs:
         self.procs.append(proc)
         return proc
 
-    def service(self, machines: int) -> str:
+    def service(self, machines: int, heartbeat: int = 2) -> str:
         address = f"127.0.0.1:{_free_port()}"
         self.start(
             "service", sys.executable, "-m", "lpdec.elastic", "serve", "--bind", address,
-            "--machines", str(machines), "--heartbeat_timeout", "2",
+            "--machines", str(machines), "--heartbeat_timeout", str(heartbeat),
         )  # fmt: skip
         time.sleep(1.0)
         return address
@@ -321,6 +321,75 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     assert summaries["m0"]["final"]["train_loss"] < 1.0  # it trained (2.3 at the start)
 
 
+def test_train_py_samples_budget_makes_up_lost_steps_and_hands_over_the_final_state(
+    procs, tmp_path
+):
+    """config.elastic_budget="samples": machine 2 takes 1 local step per round (the
+    others 10), and machine 1 is stopped (SIGSTOP, shorter than the heartbeat timeout)
+    near the end, so the others go on without it and finish. The run lasts until its
+    rounds' members' local steps add up to the uninterrupted run's (num_steps x 3);
+    machine 1, behind when it wakes, joins for the final state: every machine ends
+    with the same parameters and step."""
+    token = tmp_path / "token"
+    token.write_text("run-secret\n")
+    address = procs.service(3, heartbeat=10)
+    common = (
+        f"--elastic_token_file={token}", "--config.elastic_budget=samples",
+        "--config.num_steps=200", "--config.log_every=50", "--elastic_deadline=0.3",
+        "--elastic_heartbeat_timeout=10",
+    )  # fmt: skip
+    per_machine = {0: (), 1: (), 2: ("--elastic_local_steps=1",)}
+    runs = [
+        _train(procs, f"t{m}", address, m, tmp_path / f"m{m}", *common, *per_machine[m])
+        for m in range(3)
+    ]
+    budget = 200 * 3
+    exchanges = tmp_path / "m0" / "exchanges.csv"
+
+    def machine_steps():
+        lines = exchanges.read_text().splitlines() if exchanges.exists() else []
+        return int(lines[-1].rsplit(",", 1)[1]) if len(lines) > 1 else 0
+
+    _wait_for(lambda: machine_steps() >= budget - 80, 240, "the run's last rounds")
+    child = subprocess.run(
+        ["pgrep", "-f", "--", f"--workdir={tmp_path / 'm1'} .*--elastic_child"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    (child,) = child
+    os.kill(int(child), signal.SIGSTOP)
+    _wait_for(lambda: machine_steps() >= budget, 8, "the others to finish without machine 1")
+    time.sleep(0.5)
+    os.kill(int(child), signal.SIGCONT)
+    for proc in runs:
+        assert proc.wait(timeout=120) == 0, proc.out_path.read_text()[-3000:]
+    summaries = [json.loads((tmp_path / f"m{m}" / "summary.json").read_text()) for m in range(3)]
+    assert len({s["final_anchor_digest"] for s in summaries}) == 1
+    # The count, replayed from machine 0's record of each round's members.
+    steps = {0: 10, 1: 10, 2: 1}
+    rows = exchanges.read_text().splitlines()[1:]
+    rows = [dict(zip(elastic_lib_fields(), r.split(","), strict=True)) for r in rows]
+    assert [int(r["round"]) for r in rows] == list(range(len(rows)))  # never behind
+    counted = np.cumsum([sum(steps[int(m)] for m in r["members"].split()) for r in rows])
+    assert [int(r["machine_steps"]) for r in rows] == counted.tolist()
+    assert counted[-1] >= budget > counted[-2]  # it ends at the first round past the budget
+    assert len(rows) > 200 // 10  # longer than the 20 rounds of "rounds"
+    assert rows[-1]["members"] == "0 2"  # the others finished without machine 1
+    assert all(s["machine_steps"] == counted[-1] for s in summaries)
+    assert summaries[1]["joined_at_rounds"] == [len(rows)]  # the final state
+    assert {s["final"]["step"] for s in summaries} == {10 * len(rows)}
+    finals = np.load(tmp_path / "m0" / "final_params.npz")
+    late = np.load(tmp_path / "m1" / "final_params.npz")
+    for key in finals.files:
+        np.testing.assert_array_equal(finals[key], late[key])
+
+
+def elastic_lib_fields():
+    sys.path.insert(0, str(ROOT))
+    from train_lib import elastic as elastic_lib  # noqa: PLC0415
+
+    return elastic_lib.EXCHANGE_FIELDS
+
+
 def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
     sys.path.insert(0, str(ROOT))
     from configs import elastic_mlp  # noqa: PLC0415
@@ -337,6 +406,12 @@ def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
         ({}, {"deadline": 0.0}, "must be > 0 s"),
         ({}, {"slowdown": 0.5}, "--elastic_slowdown=0.5 must be >= 1"),
         ({"elastic_data": "mine"}, {}, "config.elastic_data='mine' must be 'shard' or 'whole'"),
+        ({"elastic_budget": "time"}, {}, "must be 'rounds' or 'samples'"),
+        (
+            {"elastic_budget": "samples", "lr_schedule": "cosine"},
+            {},
+            "needs config.lr_schedule='constant'",
+        ),
     ]
     for fields, opts, message in cases:
         config = elastic_mlp.get_config()

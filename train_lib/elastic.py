@@ -25,6 +25,12 @@ the hierarchical DiLoCo of `train.py` does). A round:
    start the next round from: anchor, outer momentum, its inner optimizer
    state, the round.
 
+How long the run is (`config.elastic_budget`): "rounds", ceil(num_steps / H)
+exchanges whoever takes part; "samples", until the local steps the exchanges took
+in (`machine_steps`, the same count on every machine, handed to a joining one)
+reach num_steps x machines, the uninterrupted run's: the others make up a lost or
+slow machine's share with more rounds, in more wall time.
+
 A late contribution is dropped (its machine applies the round's mean like the
 others; its steps of that round are lost, `included=0` in `exchanges.csv`). A
 machine the service declared lost (its link was down) is ended by jaxlib when
@@ -75,6 +81,7 @@ EXCHANGE_FIELDS = (
     "bytes_received",
     "anchors_agree",
     "local_steps",
+    "machine_steps",
 )
 
 
@@ -147,6 +154,15 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
         raise ConfigError(
             f"config.elastic_data={config.elastic_data!r} must be 'shard' or 'whole'."
         )
+    budget = config.get("elastic_budget", "rounds")
+    if budget not in ("rounds", "samples"):
+        raise ConfigError(f"config.elastic_budget={budget!r} must be 'rounds' or 'samples'.")
+    if budget == "samples" and config.lr_schedule != "constant":
+        raise ConfigError(
+            f"config.elastic_budget='samples' needs config.lr_schedule='constant' (got "
+            f"{config.lr_schedule!r}): the run's length, and so a decay's end, is not known "
+            "in advance."
+        )
     if options.local_steps < 0:
         raise ConfigError(f"--elastic_local_steps={options.local_steps} must be >= 0.")
     if not options.deadline > 0 or not options.join_timeout > 0:
@@ -216,6 +232,11 @@ class _Machine:
         self.H = int(config.local_steps)
         self.h = int(options.local_steps or self.H)
         self.rounds = math.ceil(exp.total_steps / self.H)
+        # "samples": the run ends once its exchanges took in the uninterrupted run's
+        # local steps (every machine's rounds x H); "rounds": after self.rounds rounds.
+        self.by_samples = config.get("elastic_budget", "rounds") == "samples"
+        self.budget = self.rounds * self.H * options.machines
+        self.machine_steps = 0  # local steps the decided exchanges took in, run-wide
         self.outer_lr, self.outer_mu = float(config.outer_lr), float(config.outer_momentum)
         self.compressed = config.exchange == "compressed_mean"
         self.feedback = self.compressed and bool(config.error_feedback)
@@ -285,10 +306,17 @@ class _Machine:
         decoded = lpdec.compress.tree.decode_tree(self.compressor, payload, v)
         return payload, jax.tree.map(lambda a, b: a - b, v, decoded)
 
+    def _done(self, round_: int) -> bool:
+        """Whether the run is over before round `round_` (see `config.elastic_budget`)."""
+        if self.by_samples:
+            return self.machine_steps >= self.budget
+        return round_ >= self.rounds
+
     def _state_bytes(self, round_: int) -> bytes:
         return elastic.pack(
             {
                 "round": np.int64(round_),
+                "machine_steps": np.int64(self.machine_steps),
                 "anchor": self.anchor,
                 "momentum": self.momentum,
                 "inner": self._node0(self.opt_state),
@@ -299,6 +327,7 @@ class _Machine:
     def _load_state(self, blob: bytes) -> int:
         like = {
             "round": np.int64(0),
+            "machine_steps": np.int64(0),
             "anchor": self.anchor,
             "momentum": self.momentum,
             "inner": self._node0(self.opt_state),
@@ -306,6 +335,7 @@ class _Machine:
         }
         state = elastic.unpack(blob, like)
         self.anchor, self.momentum = state["anchor"], state["momentum"]
+        self.machine_steps = int(state["machine_steps"])
         self.model_state = state["model_state"]
         self.opt_state = self._put(state["inner"])
         self.model_state_dev = self._put(self.model_state)
@@ -336,8 +366,11 @@ class _Machine:
 
     def _join(self) -> int:
         latest = self.group.latest_round()
-        if latest is not None and latest >= self.rounds - 1:
-            raise RunError(f"the run has finished (its last round, {latest}, is decided)")
+        finished = self.group.finished_round()
+        others = set(self.group.live()) - {self.options.machine}
+        if finished is not None and not others:
+            # Nobody is left to hand over the final state.
+            raise RunError(f"the run has finished (its last round, {finished}, is decided)")
         logging.info(
             "elastic: machine %d joins a running run (last exchange: round %s)",
             self.options.machine,
@@ -377,6 +410,58 @@ class _Machine:
 
     # -- the loop --------------------------------------------------------------
 
+    def _step(self, round_: int) -> int:
+        """The local steps a machine of H takes by round `round_` (the metrics' step)."""
+        step = round_ * self.H
+        return step if self.by_samples else min(step, self.exp.total_steps)
+
+    def _log(self, writer, step, row, seconds, losses, accuracies, fields) -> dict:
+        """Evaluates the anchor and writes one metrics row; returns it."""
+        exp = self.exp
+        eval_started = time.time()
+        evaluated = self.evaluator.evaluate(
+            self._put(self.anchor), self.opt_state, self.model_state_dev, step
+        )
+        metrics = {
+            "step": step,
+            "epoch": step / exp.steps_per_epoch,
+            "train_loss": float(np.mean(losses)) if losses else float("nan"),
+            "train_accuracy": float(np.mean(accuracies)) if accuracies else float("nan"),
+            **{k: v for k, v in evaluated.items() if "local_mean" not in k},
+            "wire_bytes_per_step": (row["bytes_sent"] + row["bytes_received"]) / self.h,
+            "step_time_s": seconds / self.h,
+            "eval_time_s": time.time() - eval_started,
+            "wall_time_s": time.time() - self.started,
+            "learning_rate": float(exp.schedule(step - 1)),
+            "nonfinite_updates": 0,
+            "nonfinite_received": 0,
+            "theta_warnings": 0,
+            "loss_jump": 0,
+            "members": len(row["members"].split()),
+        }
+        metrics = {k: v for k, v in metrics.items() if k in fields}
+        writer.write(metrics)
+        return metrics
+
+    def _finish(self, round_: int) -> None:
+        """Marks the run over after round `round_ - 1`, then hands the final state to
+        machines still behind (their exchange raises `Behind` and they join for it),
+        until every machine the service hears has finished or --elastic_join_timeout."""
+        if round_ == 0:
+            return
+        me = self.options.machine
+        self.group.finish(round_ - 1)
+        deadline = time.monotonic() + self.options.join_timeout
+        while set(self.group.live()) - self.group.finished_machines() - {me}:
+            for line in self.group.serve_joins(
+                round_, self.model_sig, lambda: self._state_bytes(round_)
+            ):
+                logging.warning("elastic: %s (the final state)", line)
+            if time.monotonic() > deadline:
+                logging.warning("elastic: machines still training after the run ended; leaving")
+                break
+            time.sleep(self.group.poll_s)
+
     def run(self) -> dict[str, Any]:
         exp, options = self.exp, self.options
         self.joins: list[int] = []
@@ -397,7 +482,7 @@ class _Machine:
         accuracies: list[float] = []
         train_time = 0.0
         log_every = max(exp.loop.log_every, self.H)
-        while round_ < self.rounds:
+        while not self._done(round_):
             try:
                 row, (loss, accuracy), seconds = self._round(round_)
             except elastic.ServiceLost as error:
@@ -418,38 +503,24 @@ class _Machine:
                     "elastic: round %d's members started from different anchors", round_
                 )
             round_ += 1
-            step = min(round_ * self.H, exp.total_steps)
-            if step % log_every < self.H or round_ == self.rounds:
-                eval_started = time.time()
-                evaluated = self.evaluator.evaluate(
-                    self._put(self.anchor), self.opt_state, self.model_state_dev, step
-                )
-                metrics = {
-                    "step": step,
-                    "epoch": step / exp.steps_per_epoch,
-                    "train_loss": float(np.mean(losses)),
-                    "train_accuracy": float(np.mean(accuracies)),
-                    **{k: v for k, v in evaluated.items() if "local_mean" not in k},
-                    "wire_bytes_per_step": (row["bytes_sent"] + row["bytes_received"]) / self.h,
-                    "step_time_s": seconds / self.h,
-                    "eval_time_s": time.time() - eval_started,
-                    "wall_time_s": time.time() - self.started,
-                    "learning_rate": float(exp.schedule(step - 1)),
-                    "nonfinite_updates": 0,
-                    "nonfinite_received": 0,
-                    "theta_warnings": 0,
-                    "loss_jump": 0,
-                    "members": len(row["members"].split()),
-                }
-                metrics = {k: v for k, v in metrics.items() if k in fields}
-                writer.write(metrics)
+            step = self._step(round_)
+            if step % log_every < self.H or self._done(round_):
+                metrics = self._log(writer, step, row, seconds, losses, accuracies, fields)
                 losses, accuracies = [], []
+        step = self._step(round_)
+        if history and metrics.get("step") != step:
+            # It joined for the run's final state after its last round: evaluate that.
+            metrics = self._log(writer, step, history[-1], 0.0, losses, accuracies, fields)
         writer.close()
+        self._finish(round_)
         self.group.close()
         summary = {
             "final": metrics,
-            "steps": min(self.rounds * self.H, exp.total_steps),
-            "rounds": self.rounds,
+            "steps": self._step(round_),
+            "rounds": round_,
+            "budget": "samples" if self.by_samples else "rounds",
+            "machine_steps": self.machine_steps,
+            "budget_machine_steps": self.budget,
             "machine": options.machine,
             "machines": options.machines,
             "local_steps": self.h,
@@ -520,6 +591,7 @@ class _Machine:
         ]
         deltas = [jax.tree.map(np.asarray, d) for d in deltas]
         mean = elastic.step_weighted_mean(deltas, [c.steps for c in ex.contributions])
+        self.machine_steps += sum(c.steps for c in ex.contributions)
         self.anchor, self.momentum = elastic.nesterov_step(
             self.anchor, self.momentum, mean, self.outer_lr, self.outer_mu
         )
@@ -540,6 +612,7 @@ class _Machine:
             "bytes_received": ex.bytes_received,
             "anchors_agree": int(len({c.anchor_digest for c in ex.contributions}) == 1),
             "local_steps": h,
+            "machine_steps": self.machine_steps,
         }
         if len(ex.members) < self.options.machines or not ex.included:
             logging.info(

@@ -288,6 +288,27 @@ class ElasticGroup:
         value = self._get("latest")
         return None if value is None else int(value)
 
+    def finished_round(self) -> int | None:
+        """The run's last round if a machine has finished the run (`finish`), else None."""
+        value = self._get("finished")
+        return None if value is None else int(value)
+
+    def finished_machines(self) -> set[int]:
+        """The slots whose current incarnation finished the run."""
+        live = self.live()
+        done = {int(m): int(v) for m, v in self._dir("done").items()}
+        return {m for m, inc in done.items() if live.get(m) == inc}
+
+    def finish(self, last_round: int) -> None:
+        """Declares the run over after `last_round` and this machine no trainer.
+
+        A machine still in an earlier round then gets `Behind` at its exchange and
+        joins for the final state (see `serve_joins`) instead of deciding rounds alone.
+        """
+        self._put("finished", str(int(last_round)).encode())
+        self._delete(f"active/{self.machine}")
+        self._put(f"done/{self.machine}", str(self.incarnation).encode())
+
     def mark_active(self) -> None:
         """Declares this incarnation a trainer: exchanges wait for its contributions."""
         self._put(f"active/{self.machine}", str(self.incarnation).encode())
@@ -314,7 +335,8 @@ class ElasticGroup:
 
         Raises:
           ServiceLost: the service went away (reconnect, then `join`).
-          Behind: the run is more than a round ahead of `round_` (`join` again).
+          Behind: the run is more than a round ahead of `round_`, or ended before
+            it (`join` again).
         """
         me, started = self.machine, time.monotonic()
         self._check_behind(round_)
@@ -380,6 +402,12 @@ class ElasticGroup:
         )
 
     def _check_behind(self, round_: int) -> None:
+        finished = self.finished_round()
+        if finished is not None and round_ > finished:
+            raise Behind(
+                f"machine {self.machine} is in round {round_} but the run ended after round "
+                f"{finished}: it must join for the final state"
+            )
         latest = self.latest_round()
         if latest is not None and latest > round_ + 1:
             raise Behind(
