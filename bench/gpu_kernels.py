@@ -8,7 +8,12 @@ jitted, warmed up, and timed (median of `--repeats` calls, each synchronised):
 * single arrays, 8- and 4-bit min-max encode (the public API) at power-of-two and
   ragged sizes; bytes moved: 4 in + bits / 8 out per element;
 * whole trees (GPT-2-small-shaped: byte vocabulary, d_model, 4 * d_model MLP, one
-  bias per matrix) through `lpdec.compress.encode_tree`, 8- and 4-bit;
+  bias per matrix) through `lpdec.compress.encode_tree`, 8- and 4-bit, in both
+  tree layouts: ``tree_layout="packed"`` (one flat kernel over the leaves padded
+  to whole chunks in one buffer; first, as it compiles fastest, and checked bit
+  for bit against the default layout on the device) and the default one-launch
+  kernel with a ref per leaf; then, for 8 bits, that kernel alone, one encode per
+  leaf, and concatenating the leaves first (one flat encode, not the payloads);
 * error feedback: `encode_feedback` (one fused pass on GPU) against the unfused
   sum, encode and decode; bytes: 8 in + bits / 8 + 4 out;
 * MXFP4 / MXFP8 encode;
@@ -186,11 +191,17 @@ def measure(quick: bool, repeats: int, parts=("arrays", "trees")) -> dict:
             "leaves": len(jax.tree.leaves(tree)),
             "copy_s": timed(jax.jit(lambda x: x + 1), flat, repeats=repeats),
         }
+        packed = {}  # the packed layout first: it compiles in seconds
+        for bits in (8, 4):
+            comp = lpdec.minmax(bits, tree_layout="packed")
+            packed[bits] = jax.jit(lambda t, c=comp: lpdec.compress.encode_tree(c, t))
+            row[f"packed{bits}_s"] = timed(packed[bits], tree, repeats=repeats)
+            print(json.dumps(row), flush=True)  # kept if a slower compile below times out
         for bits in (8, 4):
             comp = lpdec.minmax(bits)
-            row[f"minmax{bits}_s"] = timed(
-                jax.jit(lambda t, c=comp: lpdec.compress.encode_tree(c, t)), tree, repeats=repeats
-            )
+            encode = jax.jit(lambda t, c=comp: lpdec.compress.encode_tree(c, t))
+            row[f"minmax{bits}_s"] = timed(encode, tree, repeats=repeats)
+            row[f"packed{bits}_exact"] = _bit_equal(packed[bits](tree), encode(tree))
         # Where the 8-bit tree's time goes: the one-launch quantize alone (no bit
         # packing), one encode per leaf, and concatenating first (one flat encode).
         comp = lpdec.minmax(8)
@@ -325,6 +336,18 @@ def fraction(row: dict, field: str, bytes_per_element: float) -> str:
     return f"{100 * bytes_per_element * elements / seconds / copy:.0f}%"
 
 
+# The tree table's timed columns: (field, bytes moved per element: 4 in + bits / 8 out).
+TREE_COLUMNS = (
+    ("minmax8_s", 5),
+    ("minmax4_s", 4.5),
+    ("packed8_s", 5),
+    ("packed4_s", 4.5),
+    ("leaves_kernel8_s", 5),
+    ("per_leaf8_s", 5),
+    ("concat8_s", 5),
+)
+
+
 def section(results: dict, device: str) -> str:
     lines = [
         f"Device: {device}; {_sections.versions()}.",
@@ -350,21 +373,29 @@ def section(results: dict, device: str) -> str:
     lines += [
         "",
         "| tree | parameters | leaves | 8-bit encode_tree | 4-bit encode_tree "
+        "| 8-bit packed tree | 4-bit packed tree "
         "| 8-bit quantize_leaves (no packing) | 8-bit, one encode per leaf "
         "| 8-bit, concatenate then encode |",
-        "|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results.get("trees", []):
+        cells = []
+        for field, bytes_per_element in TREE_COLUMNS:
+            if field not in r:
+                cells.append("—")
+                continue
+            mark = "" if r.get(field[: -len("_s")] + "_exact", True) else " (!)"
+            cells.append(f"{1e3 * r[field]:.2f} ms ({fraction(r, field, bytes_per_element)}){mark}")
         lines.append(
-            f"| {r['tree']} | {r['parameters']:,} | {r['leaves']} | "
-            f"{1e3 * r['minmax8_s']:.2f} ms ({fraction(r, 'minmax8_s', 5)}) | "
-            f"{1e3 * r['minmax4_s']:.2f} ms ({fraction(r, 'minmax4_s', 4.5)}) | "
-            + " | ".join(
-                f"{1e3 * r[f]:.2f} ms ({fraction(r, f, 5)})" if f in r else "—"
-                for f in ("leaves_kernel8_s", "per_leaf8_s", "concat8_s")
-            )
-            + " |"
+            f"| {r['tree']} | {r['parameters']:,} | {r['leaves']} | " + " | ".join(cells) + " |"
         )
+    if results.get("trees"):
+        lines += [
+            "",
+            'Packed tree: `lpdec.minmax(bits, tree_layout="packed")`, the leaves padded to '
+            "whole chunks in one buffer and encoded by one flat kernel; `(!)` where its "
+            "payloads differ from the default layout's bits on the device.",
+        ]
     if results.get("backends"):
         lines += backend_section(results["backends"])
     return "\n".join(lines)

@@ -24,4 +24,7 @@ def test_quick_mode_measures_every_candidate_and_writes_its_table(tmp_path):
     assert all(r["minmax8_s"] > 0 for r in results["arrays"])
     tree = results["trees"][0]
     assert tree["leaves"] > 10 and tree["minmax4_s"] > 0
+    assert tree["packed8_s"] > 0 and tree["packed4_s"] > 0
+    assert tree["packed8_exact"] is True and tree["packed4_exact"] is True
+    assert "| 8-bit packed tree | 4-bit packed tree |" in proc.stdout
     assert "| 4,096 |" in proc.stdout and "| d=32, 2 blocks |" in proc.stdout

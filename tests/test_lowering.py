@@ -342,3 +342,22 @@ def test_a_whole_tree_quantizes_in_one_gpu_launch():
     encode = trace(lambda t: lpdec.compress.encode_tree(comp, t, KEY), tree)
     assert kernel_calls(encode, "cuda") == 1
     assert kernel_calls(encode, "tpu") > 1  # TPU keeps one launch per leaf
+
+
+@pytest.mark.parametrize("bits, cuda_kernels", [(1, 2), (2, 2), (4, 2), (8, 2), (3, 2 + 7)])
+def test_a_packed_tree_is_one_gpu_launch_per_dtype(bits, cuda_kernels):
+    """`tree_layout="packed"`: the float32 leaves in one buffer, the bfloat16 leaf in
+    another, one flat kernel each that packs 1, 2 and 4 bits in its pass (8-bit codes
+    are their bytes); 3 bits packs each leaf's codes after it (7 leaves)."""
+    comp = lpdec.minmax(bits, "stochastic", tree_layout="packed")
+    tree = {
+        "embed": jax.ShapeDtypeStruct((256, 64), jnp.float32),
+        "w": [jax.ShapeDtypeStruct((64, 192), jnp.float32) for _ in range(2)],
+        "b": [jax.ShapeDtypeStruct((1000,), jnp.float32), jax.ShapeDtypeStruct((7,), jnp.bfloat16)],
+        "scale": jax.ShapeDtypeStruct((), jnp.float32),
+        "ragged": jax.ShapeDtypeStruct((2048 * 3 + 37,), jnp.float32),
+    }
+    encode = trace(lambda t: lpdec.compress.encode_tree(comp, t, KEY), tree)
+    assert kernel_calls(encode, "cuda") == cuda_kernels
+    assert kernel_calls(encode, "tpu") > cuda_kernels  # TPU encodes leaf by leaf
+    assert "custom_call" not in lowered_text(encode, "cpu")

@@ -12,6 +12,7 @@ from lpdec import kernels_pallas as kernels
 from lpdec.compress import base
 
 DEFAULT_CHUNK_SIZE = 2048
+TREE_LAYOUTS = ("leaves", "packed")
 
 
 def default_chunk_size(bits: int) -> int:
@@ -55,6 +56,7 @@ class MinMax(base.Compressor):
     rounding: str = "nearest"
     chunk_size: int | None = None
     implementation: str | None = None
+    tree_layout: str = "leaves"
 
     def __post_init__(self):
         kernels.check_bits(self.bits)
@@ -68,6 +70,10 @@ class MinMax(base.Compressor):
         ):
             raise ValueError(f"chunk_size must be an integer >= 1; got {self.chunk_size!r}.")
         kernels.check_implementation(self.implementation)
+        if self.tree_layout not in TREE_LAYOUTS:
+            raise ValueError(
+                f"tree_layout must be one of {TREE_LAYOUTS}; got {self.tree_layout!r}."
+            )
 
     @property
     def needs_key(self) -> bool:
@@ -98,7 +104,10 @@ class MinMax(base.Compressor):
         return MinMaxPayload(packed, lo.reshape(-1), unit.reshape(-1), tuple(x.shape), x.dtype)
 
     def encode_leaves(self, leaves: list, keys: list) -> list[MinMaxPayload]:
-        """`encode` of each leaf, bit for bit; on GPU one quantize launch for all of them."""
+        """`encode` of each leaf, bit for bit; on GPU one quantize launch for all of them.
+
+        How the GPU launch takes the leaves is `tree_layout` (see `minmax`).
+        """
         leaves = [base.check_float_input(x, "minmax") for x in leaves]
         if not leaves:
             return []
@@ -108,23 +117,38 @@ class MinMax(base.Compressor):
             seeds = jnp.concatenate(
                 [kernels.seeds_from_key(base.check_key(k, who)) for k in keys], axis=0
             )
-        quantized = kernels.minmax_quantize_leaves(
-            leaves,
-            seeds,
-            bits=self.bits,
-            stochastic=self.needs_key,
-            chunks=[self._layout(x.size)[1] for x in leaves],
-            implementation=self.implementation,
-        )
-        payloads = []
-        for x, (codes, lo, unit) in zip(leaves, quantized, strict=True):
-            packed = kernels.pack_bits(
-                codes.reshape(-1), bits=self.bits, implementation=self.implementation
+        if self.tree_layout == "packed":
+            encoded = kernels.minmax_quantize_tree_packed(
+                leaves,
+                seeds,
+                bits=self.bits,
+                stochastic=self.needs_key,
+                chunk=self.chunk_size,
+                implementation=self.implementation,
             )
-            payloads.append(
-                MinMaxPayload(packed, lo.reshape(-1), unit.reshape(-1), tuple(x.shape), x.dtype)
+        else:
+            quantized = kernels.minmax_quantize_leaves(
+                leaves,
+                seeds,
+                bits=self.bits,
+                stochastic=self.needs_key,
+                chunks=[self._layout(x.size)[1] for x in leaves],
+                implementation=self.implementation,
             )
-        return payloads
+            encoded = [
+                (
+                    kernels.pack_bits(
+                        codes.reshape(-1), bits=self.bits, implementation=self.implementation
+                    ),
+                    lo,
+                    unit,
+                )
+                for codes, lo, unit in quantized
+            ]
+        return [
+            MinMaxPayload(packed, lo.reshape(-1), unit.reshape(-1), tuple(x.shape), x.dtype)
+            for x, (packed, lo, unit) in zip(leaves, encoded, strict=True)
+        ]
 
     def encode_feedback(
         self, update: jax.Array, residual: jax.Array, key: jax.Array | None = None, decay=1.0
@@ -202,6 +226,7 @@ def minmax(
     chunk_size: int | None = None,
     *,
     implementation: str | None = None,
+    tree_layout: str = "leaves",
 ) -> MinMax:
     """Min-max quantizer with per-chunk scales, bit-packed codes.
 
@@ -226,6 +251,14 @@ def minmax(
         None (default): `default_chunk_size(bits)` = 2048 * (8 // bits), so the
         scales add at most 0.63% to the packed codes at every bit width.
       implementation: None (Pallas on GPU/TPU, fused jnp on CPU), "xla", "pallas".
+      tree_layout: how `encode_tree` hands a tree's leaves to the GPU; the bytes
+        are the same either way, and CPU and TPU encode leaf by leaf for both.
+        "leaves" (default): one quantize launch taking each leaf as its own input
+        (`kernels.minmax_quantize_leaves`), then a pack launch per leaf below 8
+        bits. "packed": the leaves copied into one buffer of whole chunks and
+        encoded by one flat launch that also packs 1, 2 and 4 bits
+        (`kernels.minmax_quantize_tree_packed`). Which is the GPU default waits
+        for the next GPU measurement (`bench/gpu_kernels.py --parts trees`).
 
     Returns:
       A `MinMax` compressor.
@@ -240,5 +273,9 @@ def minmax(
       Bagua low-precision decentralized SGD, https://arxiv.org/abs/1803.06443
     """
     return MinMax(
-        bits=bits, rounding=rounding, chunk_size=chunk_size, implementation=implementation
+        bits=bits,
+        rounding=rounding,
+        chunk_size=chunk_size,
+        implementation=implementation,
+        tree_layout=tree_layout,
     )

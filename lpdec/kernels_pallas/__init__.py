@@ -43,6 +43,7 @@ from lpdec.kernels_pallas.minmax import quantize_leaves as minmax_quantize_leave
 from lpdec.kernels_pallas.minmax import quantize_packed as minmax_quantize_packed
 from lpdec.kernels_pallas.minmax import quantize_pallas as minmax_quantize_pallas
 from lpdec.kernels_pallas.minmax import quantize_reference as minmax_quantize_reference
+from lpdec.kernels_pallas.minmax_tree import quantize_tree_packed as minmax_quantize_tree_packed
 from lpdec.kernels_pallas.modulo import encode as modulo_encode
 from lpdec.kernels_pallas.modulo import encode_pallas as modulo_encode_pallas
 from lpdec.kernels_pallas.modulo import encode_reference as modulo_encode_reference
@@ -72,6 +73,7 @@ __all__ = [
     "minmax_quantize_leaves",
     "minmax_quantize_pallas",
     "minmax_quantize_reference",
+    "minmax_quantize_tree_packed",
     "modulo_encode",
     "modulo_encode_pallas",
     "modulo_encode_reference",

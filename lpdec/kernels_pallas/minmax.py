@@ -525,10 +525,12 @@ def block_rows_for_gpu(rows: int, width: int) -> int:
     return platforms.block_rows_for(rows, width, platforms.Target("gpu").block_elements)
 
 
-def _gpu_offsets(br: int, width: int, chunk: int, size: int, step=None):
+def _gpu_offsets(br: int, width: int, chunk: int, size, step=None):
     """The grid step's (row indices [br], flat offsets [br, width], valid [br, width]).
 
-    `step`: the step within this array's grid (default: the program id).
+    `size`: the array's length, or each row's end ([br, 1], a packed tree's rows:
+    `_gpu_tree_kernel`). `step`: the step within this array's grid (default: the
+    program id).
     """
     step = pl.program_id(0) if step is None else step
     row = step * br + jax.lax.broadcasted_iota(jnp.int32, (br, width), 0)
@@ -552,16 +554,27 @@ def _gpu_quantize_kernel(
     bits,
     stochastic,
     step=None,
+    origin=None,
 ):
     rows, offsets, valid = _gpu_offsets(br, width, chunk, size, step)
     x = platforms.pallas_triton.load(x_ref.at[offsets], mask=valid, other=0).astype(jnp.float32)
     _gpu_quantize_tile(
-        x, rows, offsets, valid, seeds_ref, codes_ref, lo_ref, unit_ref, bits, stochastic
+        x, rows, offsets, valid, seeds_ref, codes_ref, lo_ref, unit_ref, bits, stochastic, origin
     )
 
 
+def _draw_index(offsets, origin):
+    """Each element's index in its own array, from which stochastic rounding draws.
+
+    `origin`: None (the buffer is one array), or each row's array's first offset
+    ([br, 1] uint32, a packed tree's rows: `_gpu_tree_kernel`).
+    """
+    index = offsets.astype(jnp.uint32)
+    return index if origin is None else index - origin
+
+
 def _gpu_quantize_tile(
-    x, rows, offsets, valid, seeds, codes_ref, lo_ref, unit_ref, bits, stochastic
+    x, rows, offsets, valid, seeds, codes_ref, lo_ref, unit_ref, bits, stochastic, origin=None
 ):
     """Quantizes a loaded [br, width] float32 tile; stores its codes and scales.
 
@@ -573,7 +586,7 @@ def _gpu_quantize_tile(
     # _row_scales' arithmetic, on the masked min and max.
     unit = (hi - lo) * jnp.float32(1.0 / numerics.levels(bits))
     inv_unit = 1.0 / jnp.where(unit > 0, unit, jnp.float32(jnp.inf))
-    index = offsets.astype(jnp.uint32) if stochastic else None
+    index = _draw_index(offsets, origin) if stochastic else None
     codes = _codes(x, lo, inv_unit, seeds, index, bits=bits)
     platforms.pallas_triton.store(codes_ref.at[offsets], codes, mask=valid)
     in_rows = rows < lo_ref.shape[0]
@@ -662,11 +675,26 @@ def _codes_kernel(plain, packed, *, size: int, chunk: int, bits: int, pack: bool
     return packed, bitpack.packed_size(size, bits)
 
 
-def gpu_quantize(flat, seeds, *, chunk, bits, stochastic, target, block_rows=None, pack=False):
+def gpu_quantize(
+    flat,
+    seeds,
+    *,
+    chunk,
+    bits,
+    stochastic,
+    target,
+    block_rows=None,
+    pack=False,
+    leaf_rows=None,
+):
     """GPU kernel: (codes [size], lo [rows], unit [rows]) of a flat float array.
 
     `pack`: the codes bit-packed in the same pass, [ceil(size * bits / 8)] bytes,
     `bitpack.pack_reference` of the codes bit for bit (`packs_in_pass` must hold).
+    `leaf_rows`: `flat` holds many arrays, each padded to whole chunks
+    (`minmax_tree`), and this uint32[rows * TREE_ROW_FIELDS] table gives each row
+    its array's (first offset, end, seed0, seed1); `seeds` is then unused. Each
+    row's codes and scales are those of quantizing its array alone.
     """
     size = flat.size
     rows = platforms.num_rows(size, chunk)
@@ -678,13 +706,18 @@ def gpu_quantize(flat, seeds, *, chunk, bits, stochastic, target, block_rows=Non
         bits=bits,
         pack=pack,
     )
+    kernel = functools.partial(kernel, bits=bits, stochastic=stochastic)
+    seeds_spec = target.scalar_spec((1, 2))
+    if leaf_rows is not None:
+        kernel = functools.partial(_gpu_tree_kernel, kernel=kernel)
+        seeds, seeds_spec = leaf_rows, _whole(leaf_rows.size)
     return _gpu_call(
-        functools.partial(kernel, bits=bits, stochastic=stochastic),
+        kernel,
         size=size,
         chunk=chunk,
         block_rows=block_rows,
         target=target,
-        in_specs=[target.scalar_spec((1, 2)), _whole(size)],
+        in_specs=[seeds_spec, _whole(size)],
         out_specs=[_whole(codes), _whole(rows), _whole(rows)],
         out_shape=[
             platforms.out_struct((codes,), jnp.uint8, flat),
@@ -752,11 +785,12 @@ def packs_in_pass(bits: int, chunk: int) -> bool:
     return bits < 8 and 8 % bits == 0 and chunk % (8 // bits) == 0
 
 
-def _gpu_byte_views(br: int, width: int, chunk: int, size: int, per: int):
+def _gpu_byte_views(br: int, width: int, chunk: int, size, per: int):
     """A packed tile's geometry: [br chunks, width // per bytes] of `per` codes each.
 
     Returns (rows [br], byte offsets [br, bw], bytes valid [br, bw], views): view j is
     (element offsets, valid) of every byte's element j, a strided view of the chunks.
+    `size`: as `_gpu_offsets`'.
     """
     step = pl.program_id(0)
     bw = width // per
@@ -768,7 +802,9 @@ def _gpu_byte_views(br: int, width: int, chunk: int, size: int, per: int):
     return rows, row * (chunk // per) + col, (col * per < chunk) & (first < size), views
 
 
-def _gpu_pack_tile(xs, geometry, seeds, packed_ref, lo_ref, unit_ref, bits, stochastic):
+def _gpu_pack_tile(
+    xs, geometry, seeds, packed_ref, lo_ref, unit_ref, bits, stochastic, origin=None
+):
     """Quantizes the loaded float32 views `xs` of a packed tile; stores bytes and scales.
 
     Byte b of a chunk holds the codes of its elements b * per + j at bits
@@ -792,7 +828,7 @@ def _gpu_pack_tile(xs, geometry, seeds, packed_ref, lo_ref, unit_ref, bits, stoc
     packed = jnp.zeros(byte.shape, jnp.int32)
     codes = []
     for j, (x, (offsets, valid)) in enumerate(zip(xs, views, strict=True)):
-        index = offsets.astype(jnp.uint32) if stochastic else None
+        index = _draw_index(offsets, origin) if stochastic else None
         c = _codes(x, lo, inv_unit, seeds, index, bits=bits)
         codes.append(c)
         packed = packed | (jnp.where(valid, c.astype(jnp.int32), 0) << (bits * j))
@@ -804,7 +840,19 @@ def _gpu_pack_tile(xs, geometry, seeds, packed_ref, lo_ref, unit_ref, bits, stoc
 
 
 def _gpu_packed_quantize_kernel(
-    seeds_ref, x_ref, packed_ref, lo_ref, unit_ref, *, size, chunk, br, width, bits, stochastic
+    seeds_ref,
+    x_ref,
+    packed_ref,
+    lo_ref,
+    unit_ref,
+    *,
+    size,
+    chunk,
+    br,
+    width,
+    bits,
+    stochastic,
+    origin=None,
 ):
     """Quantize and bit-pack in one pass (`_gpu_pack_tile`)."""
     geometry = _gpu_byte_views(br, width, chunk, size, 8 // bits)
@@ -812,7 +860,32 @@ def _gpu_packed_quantize_kernel(
         platforms.pallas_triton.load(x_ref.at[o], mask=v, other=0).astype(jnp.float32)
         for o, v in geometry[3]
     ]
-    _gpu_pack_tile(xs, geometry, seeds_ref, packed_ref, lo_ref, unit_ref, bits, stochastic)
+    _gpu_pack_tile(xs, geometry, seeds_ref, packed_ref, lo_ref, unit_ref, bits, stochastic, origin)
+
+
+# A packed tree's row table (`gpu_quantize`'s `leaf_rows`): per row, its leaf's
+# first offset and end in the buffer and its leaf's two hash seeds, row-major.
+TREE_ROW_FIELDS = 4
+
+
+def _gpu_tree_kernel(table_ref, *refs, kernel, size, br, **params):
+    """`kernel` on a tree's leaves packed into one buffer of whole chunks.
+
+    Each row reads its leaf's entry of the row table: its elements stop at the
+    leaf's end, and stochastic rounding draws with the leaf's seeds from the
+    element's index within the leaf, so every row gets the codes and scales of
+    encoding its leaf alone.
+    """
+    del size  # each row's end comes from the table
+    n = table_ref.shape[0] // TREE_ROW_FIELDS
+    rows = pl.program_id(0) * br + jax.lax.broadcasted_iota(jnp.int32, (br,), 0)
+    start, end, seed0, seed1 = (
+        platforms.pallas_triton.load(
+            table_ref.at[rows * TREE_ROW_FIELDS + k], mask=rows < n, other=0
+        )[:, None]
+        for k in range(TREE_ROW_FIELDS)
+    )
+    kernel((seed0, seed1), *refs, size=end.astype(jnp.int32), br=br, origin=start, **params)
 
 
 def _gpu_packed_feedback_kernel(
