@@ -25,7 +25,7 @@ timeout "${T_TESTS:-150}" $PY -m pytest -q -n "${WORKERS:-6}" -rs -p no:cachepro
   tests/test_kernels_pallas.py tests/test_mx.py tests/test_mosaic_gpu.py > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -3 "$OUT/pytest.log"; date +%T
 # Trees first (the part furthest from its target), then single arrays and backends.
-timeout "${T_TREES:-100}" $PY bench/gpu_kernels.py $quick --parts trees \
+timeout "${T_TREES:-150}" $PY bench/gpu_kernels.py $quick --parts trees \
   --json "$OUT/gpu_trees.json" > "$OUT/gpu_trees.log" 2>&1
 echo "gpu_kernels trees rc=$?"; date +%T
 timeout "${T_KERNELS:-200}" $PY bench/gpu_kernels.py $quick --parts "${PARTS:-arrays,backends}" \
