@@ -630,7 +630,14 @@ SLOWDOWN = 10
 # does. Since 2026-11-27 11:55 (before the fourth table ran), configs/elastic_mlp.py
 # takes elastic_budget="samples": every try is as long as the uninterrupted runs in
 # local steps (3 x ELASTIC_STEPS), however many rounds that takes; the references and
-# the margins are unchanged.
+# the margins are unchanged. In that fourth table (samples budget, the contributors'
+# step-weighted mean) kill and link-down passed 6/6 and the first slow try still
+# ended 5.8 points short: its test accuracy settled at a lower level from step ~1500
+# on, as a constant learning rate settles at a noise floor, and a round of 2
+# machines took a full-length outer step from 2/3 of the batches. Since
+# 2026-11-27 12:35 (before the fifth table ran) configs/elastic_mlp.py also takes
+# elastic_mean="slots" (lpdec.elastic.slot_mean: a missing machine adds zero);
+# references and margins unchanged.
 REFERENCE_SEEDS = (0, 1, 2)
 LAST_EVALS = 10
 ACCURACY_POINTS = 1.0  # final test accuracy of the anchor: >= the worst reference's - this

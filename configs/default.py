@@ -31,6 +31,11 @@ def get_config() -> ml_collections.ConfigDict:
     # slow machine's share is made up by more rounds of the others; needs a constant
     # learning-rate schedule, whose end would otherwise not be known in advance).
     config.elastic_budget = "rounds"
+    # The round's mean: "contributors", the contributions' mean weighted by their local
+    # steps (lpdec.elastic.step_weighted_mean); "slots", their sum over the run's
+    # machines (lpdec.elastic.slot_mean: a missing machine adds zero, each local step
+    # weighs what it weighs in a round of every machine).
+    config.elastic_mean = "contributors"
     config.augment = False  # CIFAR random crop + flip
     # "stdlib_text" (a language model's bytes: this Python's standard library sources,
     # or the .py files under data_dir): windows of sequence_length + 1 bytes; text_bytes

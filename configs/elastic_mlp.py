@@ -11,12 +11,15 @@ Kill a machine and the others go on without it after the service misses its
 heartbeats (`--elastic_heartbeat_timeout`, 10 s); start it again with the same
 command and it joins at the next exchange with a live machine's state. A machine
 started with `--elastic_local_steps=2` takes 2 local steps per round instead of
-10 (a slow machine keeping up); the mean weighs each machine by its local steps.
+10 (a slow machine keeping up): each of its steps weighs what one of the
+others' does.
 Every machine samples the whole training set in its own order
 (`config.elastic_data = "whole"`), so a lost or slow machine takes no data away,
 and the run lasts until its exchanges took in the uninterrupted run's local steps,
 3 x num_steps (`config.elastic_budget = "samples"`): the machines left make up
-the share of a lost or slow one with more rounds.
+the share of a lost or slow one with more rounds. A round's pseudo-gradient is
+the sum of its contributions over the 3 slots (`config.elastic_mean = "slots"`):
+a round without a machine moves the anchor 2/3 as far, with 2/3 of the batches.
 
 MNIST-1D, an MLP with two hidden layers of 256 (84,746 parameters), 3 machines
 of one worker each (`num_nodes` = machines x workers), batch 32, Nesterov SGD at
@@ -50,4 +53,7 @@ def get_config():
     # The run is as long as the uninterrupted one in local steps (samples), not in
     # rounds: the others make up a lost or slow machine's share with more rounds.
     config.elastic_budget = "samples"
+    # A round of fewer machines moves the anchor that much less far (their sum over
+    # the 3 slots), so that its noise per local step stays the full run's.
+    config.elastic_mean = "slots"
     return config

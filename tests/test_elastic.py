@@ -49,6 +49,20 @@ def test_step_weighted_mean_counts_every_local_step_once():
     assert np.linalg.norm(got) <= longest
 
 
+def test_slot_mean_weighs_every_local_step_as_a_round_of_every_machine_does():
+    rng = np.random.default_rng(1)
+    deltas = [{"a": rng.normal(size=(3, 2)).astype(np.float32)} for _ in range(2)]
+    got = elastic.slot_mean(deltas, 3)["a"]
+    # sum over the contributors / all 3 slots (the missing machine adds zero), float64.
+    want = (deltas[0]["a"].astype(np.float64) + deltas[1]["a"].astype(np.float64)) / 3
+    np.testing.assert_allclose(got, want, rtol=1e-6)
+    assert got.dtype == np.float32
+    full = elastic.slot_mean([*deltas, {"a": np.zeros((3, 2), np.float32)}], 3)["a"]
+    np.testing.assert_allclose(full, got, rtol=1e-6)  # = the mean with a zero third
+    with pytest.raises(ValueError, match="slots=1"):
+        elastic.slot_mean(deltas, 1)
+
+
 def test_step_weighted_mean_refuses_bad_steps():
     with pytest.raises(ValueError, match="steps >= 1"):
         elastic.step_weighted_mean([{"a": np.ones(2)}], [0])
@@ -407,6 +421,7 @@ def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
         ({}, {"slowdown": 0.5}, "--elastic_slowdown=0.5 must be >= 1"),
         ({"elastic_data": "mine"}, {}, "config.elastic_data='mine' must be 'shard' or 'whole'"),
         ({"elastic_budget": "time"}, {}, "must be 'rounds' or 'samples'"),
+        ({"elastic_mean": "all"}, {}, "must be 'contributors' or 'slots'"),
         (
             {"elastic_budget": "samples", "lr_schedule": "cosine"},
             {},

@@ -17,10 +17,12 @@ the hierarchical DiLoCo of `train.py` does). A round:
    `config.error_feedback`), posted to the service;
 3. the round's decision names the contributions that arrived in time (every
    live machine's, or whatever came before `--elastic_deadline`); every machine
-   decodes the same ones in the same order, takes their mean weighted by their
-   local steps (`lpdec.elastic.step_weighted_mean`: every local step counts once)
-   and the outer Nesterov step in float32 numpy: the same anchor, bit for bit,
-   on every machine, which also starts the next round from it;
+   decodes the same ones in the same order, takes their mean
+   (`config.elastic_mean`: "contributors", weighted by their local steps,
+   `lpdec.elastic.step_weighted_mean`; "slots", their sum over the run's
+   machines, `lpdec.elastic.slot_mean`) and the outer Nesterov step in float32
+   numpy: the same anchor, bit for bit, on every machine, which also starts the
+   next round from it;
 4. the lowest machine of the decision answers join requests with the state to
    start the next round from: anchor, outer momentum, its inner optimizer
    state, the round.
@@ -154,6 +156,10 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
         raise ConfigError(
             f"config.elastic_data={config.elastic_data!r} must be 'shard' or 'whole'."
         )
+    if config.get("elastic_mean", "contributors") not in ("contributors", "slots"):
+        raise ConfigError(
+            f"config.elastic_mean={config.elastic_mean!r} must be 'contributors' or 'slots'."
+        )
     budget = config.get("elastic_budget", "rounds")
     if budget not in ("rounds", "samples"):
         raise ConfigError(f"config.elastic_budget={budget!r} must be 'rounds' or 'samples'.")
@@ -237,6 +243,7 @@ class _Machine:
         self.by_samples = config.get("elastic_budget", "rounds") == "samples"
         self.budget = self.rounds * self.H * options.machines
         self.machine_steps = 0  # local steps the decided exchanges took in, run-wide
+        self.slot_mean = config.get("elastic_mean", "contributors") == "slots"
         self.outer_lr, self.outer_mu = float(config.outer_lr), float(config.outer_momentum)
         self.compressed = config.exchange == "compressed_mean"
         self.feedback = self.compressed and bool(config.error_feedback)
@@ -590,7 +597,10 @@ class _Machine:
             self._decode(elastic.unpack(c.payload, self._payload_like)) for c in ex.contributions
         ]
         deltas = [jax.tree.map(np.asarray, d) for d in deltas]
-        mean = elastic.step_weighted_mean(deltas, [c.steps for c in ex.contributions])
+        if self.slot_mean:
+            mean = elastic.slot_mean(deltas, self.options.machines)
+        else:
+            mean = elastic.step_weighted_mean(deltas, [c.steps for c in ex.contributions])
         self.machine_steps += sum(c.steps for c in ex.contributions)
         self.anchor, self.momentum = elastic.nesterov_step(
             self.anchor, self.momentum, mean, self.outer_lr, self.outer_mu

@@ -12,6 +12,7 @@ protocol, `codec` the bytes and the arithmetic. Needs nothing beyond jax;
 from lpdec.elastic.codec import nesterov_step
 from lpdec.elastic.codec import pack
 from lpdec.elastic.codec import signature
+from lpdec.elastic.codec import slot_mean
 from lpdec.elastic.codec import step_weighted_mean
 from lpdec.elastic.codec import tree_digest
 from lpdec.elastic.codec import unpack
@@ -35,6 +36,7 @@ __all__ = [
     "pack",
     "serve_forever",
     "signature",
+    "slot_mean",
     "start",
     "step_weighted_mean",
     "tree_digest",

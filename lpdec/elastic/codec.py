@@ -103,6 +103,33 @@ def step_weighted_mean(deltas: Sequence[Any], steps: Sequence[int]) -> Any:
     return jax.tree.map(combine, *deltas)
 
 
+def slot_mean(deltas: Sequence[Any], slots: int) -> Any:
+    """The round's pseudo-gradient as the uninterrupted run of `slots` machines weighs it.
+
+    Returns sum_i deltas[i] / slots: a machine that is missing adds zero, one that
+    took fewer local steps adds the steps it took, each local step at the weight
+    it has in a round of every machine (1 / slots). With every machine there it
+    is the plain mean. Against `step_weighted_mean` (the mean over the
+    contributors): a round of m < slots machines moves the anchor m / slots as
+    far, with the noise of m machines' batches, so the anchor's noise per local
+    step, and with a constant learning rate the loss it settles at, stay those
+    of the full run (the linear scaling of the step with the batch); the
+    contributors' mean takes full-length steps from fewer batches, and settled
+    2-4 points of test accuracy lower in BENCHMARKS.md's elastic faults.
+    float32, summed in the given order.
+    """
+    if not deltas or not isinstance(slots, int) or slots < len(deltas):
+        raise ValueError(f"need 1 to slots={slots!r} deltas; got {len(deltas)}")
+
+    def combine(*leaves):
+        total = np.zeros(np.shape(leaves[0]), np.float32)
+        for leaf in leaves:
+            total = total + np.asarray(leaf, np.float32)
+        return total / np.float32(slots)
+
+    return jax.tree.map(combine, *deltas)
+
+
 def nesterov_step(anchor: Any, momentum: Any, delta: Any, lr: float, mu: float):
     """DiLoCo's outer step on the anchor: SGD with Nesterov momentum on delta = anchor - x.
 
