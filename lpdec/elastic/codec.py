@@ -114,8 +114,10 @@ def slot_mean(deltas: Sequence[Any], slots: int) -> Any:
     far, with the noise of m machines' batches, so the anchor's noise per local
     step, and with a constant learning rate the loss it settles at, stay those
     of the full run (the linear scaling of the step with the batch); the
-    contributors' mean takes full-length steps from fewer batches, and settled
-    2-4 points of test accuracy lower in BENCHMARKS.md's elastic faults.
+    contributors' mean takes full-length steps from fewer batches, and with a
+    10x slower machine settled 1.6-5.8 points of test accuracy lower in
+    BENCHMARKS.md's elastic faults, where this mean ended within the
+    uninterrupted runs'.
     float32, summed in the given order.
     """
     if not deltas or not isinstance(slots, int) or slots < len(deltas):
