@@ -37,6 +37,7 @@ def main() -> int:
     p.add_argument("--steps_by_machine", action="store_true")
     p.add_argument("--slow_round", type=int, default=-1, help="sleep --slow_sleep before it")
     p.add_argument("--slow_sleep", type=float, default=0.0)
+    p.add_argument("--finish", action="store_true", help="declare the run over at the end")
     a = p.parse_args()
     emit = lambda **kw: print(json.dumps(kw), flush=True)  # noqa: E731
     group = elastic.ElasticGroup(
@@ -84,6 +85,8 @@ def main() -> int:
         if min(ex.members) == a.machine:
             for line in group.serve_joins(r + 1, a.model, lambda s=state: elastic.pack(s)):
                 emit(event="serve", line=line)
+    if a.finish:
+        group.finish(a.rounds - 1)
     group.close()
     return 0
 

@@ -273,6 +273,21 @@ def test_machines_with_different_local_steps_take_the_step_weighted_mean(procs):
     assert [r["w"] for r in _rounds(members[0])] == pytest.approx(want.tolist(), rel=1e-6)
 
 
+def test_a_machine_past_the_end_of_a_finished_run_is_behind_not_alone(procs):
+    """Machines 0 and 1 finish after round 2 and declare the run over; machine 2,
+    late, comes to round 3: it must learn that the run ended (and join for the
+    final state), not decide round 3 alone once the others have left."""
+    address = procs.service(3)
+    done = [procs.member(f"m{m}", address, m, "3", "--finish") for m in range(2)]
+    late = procs.member("m2", address, 2, "4", "--slow_round", "3", "--slow_sleep", "1.5")
+    for proc in done:
+        assert proc.wait(timeout=60) == 0, proc.out_path.read_text()[-2000:]
+    assert late.wait(timeout=60) == 5, late.out_path.read_text()[-2000:]
+    assert [r["round"] for r in _rounds(late)] == [0, 1, 2]
+    (behind,) = [e for e in _events(late) if e["event"] == "behind"]
+    assert "in round 3 but the run ended after round 2" in behind["error"]
+
+
 # -- train.py, kill and rejoin ------------------------------------------------------------
 
 
