@@ -101,6 +101,9 @@ def get_config() -> ml_collections.ConfigDict:
     # add at most 0.63% to the codes at every width
     # (lpdec.compress.minmax_quantizer.default_chunk_size).
     config.chunk_size = ml_collections.config_dict.placeholder(int)
+    # How min-max hands a tree's leaves to the GPU (the same bytes either way):
+    # "leaves", one launch taking every leaf; "packed", one flat buffer of whole chunks.
+    config.tree_layout = "leaves"
     config.ratio = 0.01  # top_k / random_k: fraction kept (0.01 = "99% compression")
 
     # Local optimization (seed 002: Nesterov 0.9, weight decay 1e-4, lr 0.1).

@@ -158,3 +158,22 @@ def test_quantize_tree_packed_rejects_bad_chunks(chunk):
         lpdec.kernels_pallas.minmax_quantize_tree_packed(
             [x], jnp.zeros((1, 2), jnp.uint32), bits=4, stochastic=False, chunk=chunk
         )
+
+
+def test_train_py_chooses_the_tree_layout_by_config_and_refuses_a_bad_one():
+    import pathlib  # noqa: PLC0415
+    import sys  # noqa: PLC0415
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    from configs import default  # noqa: PLC0415
+    from train_lib import ConfigError  # noqa: PLC0415
+    from train_lib import registry  # noqa: PLC0415
+
+    config = default.get_config()
+    config.update(compressor="minmax", bits=4, tree_layout="packed")
+    built = registry.build(config, "compressor", registry.COMPRESSORS)
+    assert built == lpdec.minmax(4, tree_layout="packed")
+    config.tree_layout = "flat"
+    with pytest.raises(ConfigError, match="tree_layout must be one of") as info:
+        registry.build(config, "compressor", registry.COMPRESSORS)
+    assert "\n" not in str(info.value)

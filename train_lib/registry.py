@@ -292,8 +292,10 @@ COMPRESSORS = {
     ),
     "identity": Entry(lambda c: lpdec.identity()),
     "minmax": Entry(
-        lambda c: lpdec.minmax(bits=c.bits, rounding=c.rounding, chunk_size=c.chunk_size),
-        ("bits", "rounding", "chunk_size"),
+        lambda c: lpdec.minmax(
+            bits=c.bits, rounding=c.rounding, chunk_size=c.chunk_size, tree_layout=c.tree_layout
+        ),
+        ("bits", "rounding", "chunk_size", "tree_layout"),
     ),
     # The MX block-scaled floats fix their own widths (4.25 and 8.25 bits per value).
     "mxfp4": Entry(lambda c: lpdec.mx("fp4", rounding=c.rounding), ("rounding",)),
