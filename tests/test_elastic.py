@@ -302,6 +302,15 @@ def _train(procs, name, address, machine, workdir, *extra):
     )  # fmt: skip
 
 
+def _training_child(workdir) -> str:
+    """The pid of the training process (not its supervisor) of the machine in `workdir`."""
+    (child,) = subprocess.run(
+        ["pgrep", "-f", "--", f"--workdir={workdir} .*--elastic_child"],
+        capture_output=True, text=True, check=True,
+    ).stdout.split()  # fmt: skip
+    return child
+
+
 def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameters(procs, tmp_path):
     token = tmp_path / "token"
     token.write_text("run-secret\n")
@@ -322,11 +331,7 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     # Machine 1's training process frozen past the heartbeat timeout (as if its link
     # were down): the service drops it, jaxlib ends it when it wakes, its supervisor
     # (the train.py command) restarts it and it joins again.
-    child = subprocess.run(
-        ["pgrep", "-f", "--", f"--workdir={tmp_path / 'm1'} .*--elastic_child"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    (child,) = child
+    child = _training_child(tmp_path / "m1")
     os.kill(int(child), signal.SIGSTOP)
     time.sleep(6)
     os.kill(int(child), signal.SIGCONT)
@@ -380,11 +385,7 @@ def test_train_py_samples_budget_makes_up_lost_steps_and_hands_over_the_final_st
         return int(lines[-1].rsplit(",", 1)[1]) if len(lines) > 1 else 0
 
     _wait_for(lambda: machine_steps() >= budget - 80, 240, "the run's last rounds")
-    child = subprocess.run(
-        ["pgrep", "-f", "--", f"--workdir={tmp_path / 'm1'} .*--elastic_child"],
-        capture_output=True, text=True, check=True,
-    ).stdout.split()  # fmt: skip
-    (child,) = child
+    child = _training_child(tmp_path / "m1")
     os.kill(int(child), signal.SIGSTOP)
     _wait_for(lambda: machine_steps() >= budget, 25, "the others to finish without machine 1")
     time.sleep(0.5)

@@ -459,15 +459,18 @@ class _Machine:
         me = self.options.machine
         self.group.finish(round_ - 1)
         deadline = time.monotonic() + self.options.join_timeout
-        training = set(self.group.live()) - self.group.finished_machines() - {me}
-        if training:
+
+        def training() -> set[int]:
+            return set(self.group.live()) - self.group.finished_machines() - {me}
+
+        if training():
             logging.info(
                 "elastic: the run is over; machine(s) %s still train: waiting up to %g s to "
                 "hand them the final state",
-                sorted(training),
+                sorted(training()),
                 self.options.join_timeout,
             )
-        while set(self.group.live()) - self.group.finished_machines() - {me}:
+        while training():
             for line in self.group.serve_joins(
                 round_, self.model_sig, lambda: self._state_bytes(round_)
             ):
