@@ -588,7 +588,7 @@ def test_encode_feedback_is_encode_of_the_sum_and_its_error(rng, comp):
 @pytest.mark.parametrize("chunk_size, stochastic", [(1000, True), (2048, False)])
 def test_minmax_fused_feedback_kernel_matches_the_unfused_path(rng, chunk_size, stochastic):
     """The GPU kernel (interpreted as the GPU builds it) against quantize + decode."""
-    from lpdec.kernels_pallas import minmax as minmax_kernels
+    from lpdec.kernels_pallas import minmax_feedback
     from lpdec.kernels_pallas import platforms
 
     u = jnp.asarray(rng.standard_normal(7013), jnp.float32)
@@ -597,7 +597,7 @@ def test_minmax_fused_feedback_kernel_matches_the_unfused_path(rng, chunk_size, 
 
     def run(target):
         return jax.jit(
-            lambda u, e: minmax_kernels._quantize_feedback_on(
+            lambda u, e: minmax_feedback._quantize_feedback_on(
                 u,
                 e,
                 jnp.float32(0.3),
@@ -617,7 +617,7 @@ def test_minmax_fused_feedback_kernel_matches_the_unfused_path(rng, chunk_size, 
 def test_minmax_encode_leaves_equals_leaf_by_leaf_encode(rng, bits, rounding):
     """One launch for many leaves (the GPU kernel, interpreted as the GPU builds it),
     against each leaf's own encode."""
-    from lpdec.kernels_pallas import minmax as minmax_kernels
+    from lpdec.kernels_pallas import minmax_tree
     from lpdec.kernels_pallas import platforms
 
     comp = lpdec.minmax(bits, rounding, chunk_size=1000)
@@ -629,7 +629,7 @@ def test_minmax_encode_leaves_equals_leaf_by_leaf_encode(rng, bits, rounding):
     got = jax.jit(lambda xs, ks: comp.encode_leaves(xs, ks))(leaves, keys)
     seeds = jnp.concatenate([lpdec.kernels_pallas.seeds_from_key(k) for k in keys])
     on_gpu = jax.jit(
-        lambda xs: minmax_kernels._quantize_leaves_on(
+        lambda xs: minmax_tree._quantize_leaves_on(
             xs,
             seeds,
             chunks=(1000,) * len(xs),

@@ -18,6 +18,8 @@ import pytest
 
 from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import minmax
+from lpdec.kernels_pallas import minmax_feedback
+from lpdec.kernels_pallas import minmax_gpu
 from lpdec.kernels_pallas import modulo
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
@@ -417,7 +419,7 @@ def test_gpu_packed_quantize_is_quantize_then_pack(rng, bits, stochastic, size, 
     x = special_rows(rng, 8, 128).reshape(-1)
     x = np.concatenate([x, rng.standard_normal(size).astype(np.float32)])[-size:]
     seeds = jnp.asarray(random_seeds(rng))
-    packed, lo, unit = minmax.gpu_quantize(
+    packed, lo, unit = minmax_gpu.gpu_quantize(
         jnp.asarray(x),
         seeds,
         chunk=chunk,
@@ -442,7 +444,7 @@ def test_gpu_packed_feedback_is_feedback_then_pack(rng, bits, stochastic, size, 
     update = jnp.asarray(rng.standard_normal(size).astype(np.float32))
     residual = jnp.asarray(0.1 * rng.standard_normal(size).astype(np.float32))
     seeds = jnp.asarray(random_seeds(rng))
-    got = minmax.gpu_quantize_feedback(
+    got = minmax_gpu.gpu_quantize_feedback(
         update,
         residual,
         0.9,
@@ -453,7 +455,7 @@ def test_gpu_packed_feedback_is_feedback_then_pack(rng, bits, stochastic, size, 
         target=platforms.Target("gpu", True),
         pack=True,
     )
-    codes, lo, unit, error = minmax.quantize_feedback(
+    codes, lo, unit, error = minmax_feedback.quantize_feedback(
         update,
         residual,
         0.9,
@@ -470,8 +472,8 @@ def test_gpu_packed_feedback_is_feedback_then_pack(rng, bits, stochastic, size, 
 
 @pytest.mark.parametrize("bits, chunk", [(3, 64), (8, 64), (4, 5)])
 def test_gpu_packs_in_pass_only_whole_bytes_of_one_chunk(bits, chunk):
-    assert not minmax.packs_in_pass(bits, chunk)
+    assert not minmax_gpu.packs_in_pass(bits, chunk)
     with pytest.raises(ValueError, match="one pass"):
-        minmax.gpu_quantize(
+        minmax_gpu.gpu_quantize(
             jnp.zeros(64), None, chunk=chunk, bits=bits, stochastic=False, target=None, pack=True
         )

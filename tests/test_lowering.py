@@ -162,7 +162,7 @@ def test_gpu_quantizes_any_chunk_and_size_with_its_kernel(size, chunk_size):
     """Chunks that are not a power of two, and ragged sizes, compile on GPU and TPU alike.
 
     The GPU kernels address the flat array with masked loads and stores
-    (`minmax.gpu_quantize`), so neither needs the jnp path or a padded copy.
+    (`minmax_gpu.gpu_quantize`), so neither needs the jnp path or a padded copy.
     """
     comp = lpdec.minmax(8, chunk_size=chunk_size)
     x = jax.ShapeDtypeStruct((size,), jnp.float32)

@@ -137,9 +137,9 @@ def test_buffers_split_by_dtype_and_skip_empty_leaves():
 
 def test_a_buffer_past_int32_offsets_starts_another(monkeypatch):
     """Each buffer stays below the kernel's 2**31 elements (here a 1000-element limit)."""
-    from lpdec.kernels_pallas import minmax
+    from lpdec.kernels_pallas import minmax_gpu
 
-    monkeypatch.setattr(minmax, "_gpu_lowers", lambda target, size: size < 1000)
+    monkeypatch.setattr(minmax_gpu, "lowers", lambda size: size < 1000)
     xs = [jax.ShapeDtypeStruct((n,), jnp.float32) for n in (600, 300, 10, 700, 2000)]
     # Padded to 256: 768, 512, 256, 768; 2048 fits no buffer and is encoded alone.
     assert minmax_tree._buffers(xs, CHUNK, GPU) == [[0], [1, 2], [3]]

@@ -37,12 +37,14 @@ from lpdec.kernels_pallas.minmax import (
 from lpdec.kernels_pallas.minmax import dequantize_pallas as minmax_dequantize_pallas
 from lpdec.kernels_pallas.minmax import dequantize_reference as minmax_dequantize_reference
 from lpdec.kernels_pallas.minmax import quantize as minmax_quantize
-from lpdec.kernels_pallas.minmax import quantize_feedback as minmax_quantize_feedback
-from lpdec.kernels_pallas.minmax import quantize_feedback_packed as minmax_quantize_feedback_packed
-from lpdec.kernels_pallas.minmax import quantize_leaves as minmax_quantize_leaves
 from lpdec.kernels_pallas.minmax import quantize_packed as minmax_quantize_packed
 from lpdec.kernels_pallas.minmax import quantize_pallas as minmax_quantize_pallas
 from lpdec.kernels_pallas.minmax import quantize_reference as minmax_quantize_reference
+from lpdec.kernels_pallas.minmax_feedback import quantize_feedback as minmax_quantize_feedback
+from lpdec.kernels_pallas.minmax_feedback import (
+    quantize_feedback_packed as minmax_quantize_feedback_packed,
+)
+from lpdec.kernels_pallas.minmax_tree import quantize_leaves as minmax_quantize_leaves
 from lpdec.kernels_pallas.minmax_tree import quantize_tree_packed as minmax_quantize_tree_packed
 from lpdec.kernels_pallas.modulo import encode as modulo_encode
 from lpdec.kernels_pallas.modulo import encode_pallas as modulo_encode_pallas

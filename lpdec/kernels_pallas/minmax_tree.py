@@ -1,6 +1,6 @@
-"""Min-max encode of a model's leaves through one flat buffer of whole chunks (issue 26).
+"""Min-max encode of a model's leaves in one GPU launch: each leaf as its own input, or packed.
 
-`minmax.quantize_leaves` runs many arrays in one GPU launch that takes each as
+`quantize_leaves` (at the end of this module) runs many arrays in one GPU launch that takes each as
 its own input, one branch per array; on an H100 that launch was slower than
 one launch per leaf, and took minutes to compile for hundreds of leaves
 (BENCHMARKS.md, GPU section). Concatenating the leaves and encoding the flat
@@ -11,7 +11,7 @@ flat launch::
     buffer = [leaf 0, padded to whole chunks | leaf 1, padded | ...]
 
 Every leaf starts on a chunk boundary, so no chunk holds two leaves. One
-`minmax.gpu_quantize` runs over the buffer with a row table (`leaf_rows`)
+`minmax_gpu.gpu_quantize` runs over the buffer with a row table (`leaf_rows`)
 giving each chunk its leaf's first offset, end and hash seeds: a row stops at
 its leaf's end (the padding is never read into a min or max) and draws
 stochastic rounding's bits from (its leaf's seeds, the element's index within
@@ -41,6 +41,7 @@ import numpy as np
 
 from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import minmax
+from lpdec.kernels_pallas import minmax_gpu
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
 
@@ -60,7 +61,7 @@ def _row_table(sizes, first_rows, rows, seeds, chunk: int):
     bounds = jnp.asarray(np.stack([starts, starts + np.asarray(sizes, np.uint32)], axis=1))
     per_leaf = jnp.concatenate([bounds, seeds.astype(jnp.uint32)], axis=1)
     table = jnp.concatenate(
-        [jnp.broadcast_to(per_leaf[i], (r, minmax.TREE_ROW_FIELDS)) for i, r in enumerate(rows)]
+        [jnp.broadcast_to(per_leaf[i], (r, minmax_gpu.TREE_ROW_FIELDS)) for i, r in enumerate(rows)]
     )
     return table.reshape(-1)
 
@@ -79,8 +80,8 @@ def _gpu_quantize_packed_tree(xs, seeds, *, chunk: int, bits: int, stochastic: b
             for x, r, d in zip(xs, rows, sizes, strict=True)
         ]
     )
-    pack = minmax.packs_in_pass(bits, chunk)
-    codes, lo, unit = minmax.gpu_quantize(
+    pack = minmax_gpu.packs_in_pass(bits, chunk)
+    codes, lo, unit = minmax_gpu.gpu_quantize(
         buffer,
         None,
         chunk=chunk,
@@ -194,6 +195,66 @@ def quantize_tree_packed(
     body = functools.partial(
         _quantize_tree_packed_on,
         chunk=chunk,
+        bits=numerics.check_bits(bits),
+        stochastic=stochastic,
+    )
+    return platforms.dispatch(implementation, body, list(xs), seeds, interpret=interpret)
+
+
+def _quantize_leaves_on(xs, seeds, *, chunks, bits: int, stochastic: bool, target):
+    """`minmax._quantize_on` of each array; on GPU the arrays the kernel takes share one launch."""
+    out = [None] * len(xs)
+    batched = []
+    for i, (x, chunk) in enumerate(zip(xs, chunks, strict=True)):
+        rows, chunk = minmax._layout(x.size, chunk, x.shape)
+        if (
+            target is not None
+            and target.platform == "gpu"
+            and minmax.quantize_lowers(target, rows, chunk, x.dtype)
+        ):
+            batched.append((i, chunk))
+        else:
+            out[i] = minmax._quantize_on(
+                x, seeds[i : i + 1], chunk=chunk, bits=bits, stochastic=stochastic, target=target
+            )
+    if batched:
+        index = [i for i, _ in batched]
+        results = minmax_gpu.gpu_quantize_leaves(
+            [xs[i].reshape(-1) for i in index],
+            seeds[jnp.asarray(index)],
+            chunks=[c for _, c in batched],
+            bits=bits,
+            stochastic=stochastic,
+            target=target,
+        )
+        for i, (codes, lo, unit) in zip(index, results, strict=True):
+            out[i] = (codes.reshape(xs[i].shape), lo[:, None], unit[:, None])
+    return out
+
+
+def quantize_leaves(
+    xs,
+    seeds,
+    *,
+    bits: int,
+    stochastic: bool,
+    chunks,
+    implementation: platforms.Implementation = None,
+    interpret: bool = False,
+):
+    """`quantize` of many arrays (a model's leaves), one kernel launch for all on GPU.
+
+    Args:
+      xs: float arrays of any shapes.
+      seeds: uint32[len(xs), 2]: row i is array i's hash seeds (zeros for nearest).
+      chunks: each array's chunk length (as `quantize`'s `chunk`).
+
+    Returns:
+      [(codes, lo, unit) per array], each as `quantize` returns it, bit for bit.
+    """
+    body = functools.partial(
+        _quantize_leaves_on,
+        chunks=tuple(chunks),
         bits=numerics.check_bits(bits),
         stochastic=stochastic,
     )

@@ -8,7 +8,7 @@ the `mosaic_gpu_v2` custom call on jax 0.10.2, 0.11.2 and 0.12.
 
 The kernels compute exactly what `minmax.quantize_reference` and
 `minmax.dequantize_reference` compute, with the same element-wise helpers
-(`minmax._order_key`, `minmax._codes_from_levels`, `minmax._dequantize_rows`,
+(`minmax_jnp.order_key`, `minmax_jnp.codes_from_levels`, `minmax_jnp.dequantize_rows`,
 `numerics.hash_uniform`): nearest and stochastic rounding, any `bits`. Only
 stochastic rounding's floor is written differently (`_floor_codes`), since
 Mosaic GPU has no `floor` lowering on jax 0.10.2.
@@ -49,7 +49,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from lpdec.kernels_pallas import minmax
+from lpdec.kernels_pallas import minmax_jnp
 from lpdec.kernels_pallas import numerics
 
 try:  # Mosaic GPU ships with jax, but keep this module importable without it.
@@ -119,7 +119,7 @@ def _strided_vector(size: int, dtype) -> int:
 
 
 def _floor_codes(t, top: int):
-    """uint8 clip(floor(t), 0, top) with NaN -> 0: the stochastic codes of `minmax._codes`.
+    """uint8 clip(floor(t), 0, top) with NaN -> 0: `minmax_jnp.element_codes`' stochastic codes.
 
     Mosaic GPU (jax 0.10.2) has no lowering for `floor`. Clipping to the integer
     bounds first (NaN fails `t > 0` and becomes 0) gives the same codes, since
@@ -137,13 +137,13 @@ def _quantize_body(
 ):
     row = jax.lax.axis_index(_ROW)
     x = x_gmem.at[row][...].astype(jnp.float32)  # [chunk], WG_STRIDED
-    # The row's min and max as order keys (minmax._row_min_max): integer min/max
+    # The row's min and max as order keys (minmax_jnp.row_min_max): integer min/max
     # are exact, so the reduction order cannot change a bit. The reductions keep
     # a [1] dim: a reduced scalar bitcast back to float does not lower.
-    key = minmax._order_key(x)
-    lo = minmax._from_order_key(jnp.min(key, keepdims=True))
-    hi = minmax._from_order_key(jnp.max(key, keepdims=True))
-    # minmax._row_scales, on [1] values.
+    key = minmax_jnp.order_key(x)
+    lo = minmax_jnp.from_order_key(jnp.min(key, keepdims=True))
+    hi = minmax_jnp.from_order_key(jnp.max(key, keepdims=True))
+    # minmax_jnp.row_scales, on [1] values.
     unit = (hi - lo) * jnp.float32(1.0 / numerics.levels(bits))
     inv_unit = 1.0 / jnp.where(unit > 0, unit, jnp.float32(jnp.inf))
     t = (x - lo) * inv_unit
@@ -162,7 +162,7 @@ def _quantize_body(
         u = numerics.hash_uniform(seeds_gmem[0, 0], seeds_gmem[0, 1], index)
         codes = _floor_codes(numerics.rounded(t) + u, numerics.levels(bits))
     else:
-        codes = minmax._codes_from_levels(t, numerics.levels(bits))
+        codes = minmax_jnp.codes_from_levels(t, numerics.levels(bits))
     codes_gmem.at[row][...] = codes
     lo_gmem.at[row][...] = lo
     unit_gmem.at[row][...] = unit
@@ -174,7 +174,7 @@ def _dequantize_body(codes_gmem, lo_gmem, unit_gmem, out_gmem):
     # multiple of 128 elements), a scalar is splat across the warpgroup.
     lo = lo_gmem[row, 0]
     unit = unit_gmem[row, 0]
-    x = minmax._dequantize_rows(codes_gmem.at[row][...], lo, unit)
+    x = minmax_jnp.dequantize_rows(codes_gmem.at[row][...], lo, unit)
     out_gmem.at[row][...] = x.astype(out_gmem.dtype)
 
 

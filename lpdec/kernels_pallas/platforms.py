@@ -71,7 +71,7 @@ class Target:
     Attributes:
       platform: "cpu", "gpu" (the Triton lowering) or "tpu" (Mosaic). It sets the
         block size, the compiler parameters and any lowering-specific form of the
-        kernel body (see `minmax._row_min_max`).
+        kernel body (see `minmax_jnp.row_min_max`).
       interpret: run the kernel body on XLA one grid step at a time instead of
         compiling it. Pallas has no CPU lowering, so "cpu" is always interpreted;
         tests interpret the "gpu" and "tpu" kernels to check them on CPU.
