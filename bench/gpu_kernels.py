@@ -23,7 +23,11 @@ jitted, warmed up, and timed (median of `--repeats` calls, each synchronised):
   per element, before bit packing): the Triton kernels (`minmax.quantize_pallas`,
   the dispatch's GPU choice today), the Mosaic GPU kernels (`mosaic_gpu`) and XLA's
   fusion of the jnp reference, each checked bit for bit against the reference on
-  the device. This is the measurement the per-jax-version backend choice rests on.
+  the device. This is the measurement the per-jax-version backend choice rests on;
+* ``--parts tune``: the flat GPU kernels (8-bit quantize, 4-bit quantize packed in
+  the same pass, 8-bit error feedback) at each grid step size (chunks per step) and
+  Triton warp count, in a device-side loop: what the dispatch's block size
+  (`platforms.Target.block_elements`, 4096 on GPU, and `num_warps`) should be.
 
 Writes its section of BENCHMARKS.md (``--write``) and the raw numbers as JSON
 (``--json``). On CPU, ``--quick`` runs tiny sizes as a smoke test.
@@ -53,7 +57,9 @@ import lpdec  # noqa: E402
 from bench import _sections  # noqa: E402
 from lpdec import kernels_pallas as kernels  # noqa: E402
 from lpdec.kernels_pallas import minmax  # noqa: E402
+from lpdec.kernels_pallas import minmax_gpu  # noqa: E402
 from lpdec.kernels_pallas import mosaic_gpu  # noqa: E402
+from lpdec.kernels_pallas import platforms  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SIZES = [1 << 20, 1 << 22, 1 << 24, 1 << 26, 1 << 28, 86_017_024, 10_000_037]
@@ -67,6 +73,10 @@ QUICK_TREES = {"d=32, 2 blocks": (32, 2)}
 BACKEND_SIZES = [1 << 22, 1 << 24, 1 << 26, 86_016_000]
 QUICK_BACKEND_SIZES = [1 << 13]
 ROW = 2048
+TUNE_SIZES = [1 << 26]
+QUICK_TUNE_SIZES = [10_037]
+TUNE_BLOCK_ROWS = (1, 2, 4, 8)
+TUNE_WARPS = (4, 8, 16)
 
 
 def gpt_tree(d_model: int, blocks: int, vocab: int = 256) -> dict:
@@ -171,6 +181,16 @@ def torch_encode(size: int, repeats: int) -> float | None:
     return statistics.median(times)
 
 
+def encode_difference(comp, a, b):
+    """`encode_tree` of the tree a - b (as CHOCO encodes x - x_hat)."""
+    return lpdec.compress.encode_tree(comp, jax.tree.map(jnp.subtract, a, b))
+
+
+def encode_difference_per_leaf(comp, a, b):
+    """One `encode` per leaf of a - b."""
+    return [comp.encode(x) for x in jax.tree.leaves(jax.tree.map(jnp.subtract, a, b))]
+
+
 def measure(quick: bool, repeats: int, parts=("arrays", "trees")) -> dict:
     rows = {"arrays": [], "trees": []}
     key = jax.random.key(1)
@@ -237,6 +257,19 @@ def measure(quick: bool, repeats: int, parts=("arrays", "trees")) -> dict:
             comp = lpdec.minmax(bits, tree_layout="packed")
             packed[bits] = jax.jit(lambda t, c=comp: lpdec.compress.encode_tree(c, t))
             row[f"packed{bits}_s"] = timed(packed[bits], tree, repeats=repeats)
+        # A computed tree (CHOCO's x - x_hat): the packed buffer's copy fuses into the
+        # subtraction that makes the tree, so 8 B in + 1 B out is the one-pass cost.
+        other = jax.tree.map(lambda x: 0.5 * x, tree)
+
+        candidates = (
+            ("packed8_diff_s", encode_difference, lpdec.minmax(8, tree_layout="packed")),
+            ("per_leaf8_diff_s", encode_difference_per_leaf, lpdec.minmax(8)),
+        )
+        for field, encode, comp in candidates:
+            row[field] = timed(
+                jax.jit(encode, static_argnums=0), comp, tree, other, repeats=repeats
+            )
+        del other
         comp = lpdec.minmax(8)
         row["per_leaf8_s"] = timed(
             jax.jit(lambda ls, c=comp: [c.encode(x) for x in ls]), leaves, repeats=repeats
@@ -341,6 +374,102 @@ def measure_backends(quick: bool, repeats: int) -> list[dict]:
     return rows_out
 
 
+def tune_candidates(interpret: bool) -> dict:
+    """name -> (bytes moved per element, chunk, fn(inputs, block_rows, warps)).
+
+    Each candidate calls a flat GPU kernel as the dispatch does for the default
+    chunk of its width, with the block size and warp count given.
+    """
+
+    def target(warps):
+        return platforms.Target("gpu", interpret=interpret, num_warps=warps)
+
+    def quantize(bits, chunk, pack):
+        def run(inputs, br, warps):
+            return minmax_gpu.gpu_quantize(
+                inputs[0],
+                jnp.zeros((1, 2), jnp.uint32),
+                chunk=chunk,
+                bits=bits,
+                stochastic=False,
+                target=target(warps),
+                block_rows=br,
+                pack=pack,
+            )
+
+        return run
+
+    def feedback(inputs, br, warps):
+        update, residual = inputs
+        return minmax_gpu.gpu_quantize_feedback(
+            update,
+            residual,
+            1.0,
+            jnp.zeros((1, 2), jnp.uint32),
+            chunk=2048,
+            bits=8,
+            stochastic=False,
+            target=target(warps),
+            block_rows=br,
+        )
+
+    return {
+        "8-bit": (5, 2048, quantize(8, 2048, False)),
+        "4-bit packed": (4.5, 4096, quantize(4, 4096, True)),
+        "8-bit EF": (13, 2048, feedback),
+    }
+
+
+def measure_tune(quick: bool, repeats: int) -> list[dict]:
+    """Each flat kernel's looped time per (chunks per grid step, warps), against the copy."""
+    interpret = jax.devices()[0].platform != "gpu"
+    rows_out = []
+    for size in QUICK_TUNE_SIZES if quick else TUNE_SIZES:
+        x = jax.random.normal(jax.random.key(4), (size,), jnp.float32)
+        e = 0.01 * jax.random.normal(jax.random.key(5), (size,), jnp.float32)
+        row = {"elements": size, "copy_s": timed_loop(lambda x: x + 1, x, repeats=repeats)}
+        for name, (_, chunk, run) in tune_candidates(interpret).items():
+            for br in TUNE_BLOCK_ROWS[:2] if quick else TUNE_BLOCK_ROWS:
+                for warps in TUNE_WARPS[:1] if quick else TUNE_WARPS:
+                    field = f"{name}|{br * chunk}|{warps}"
+                    try:
+                        row[field] = timed_loop(
+                            lambda i, br=br, w=warps, run=run: run(i, br, w), (x, e), repeats
+                        )
+                    except Exception as err:  # noqa: BLE001 - a configuration that fails is a result
+                        row[field + "|error"] = f"{type(err).__name__}: {str(err)[:200]}"
+        rows_out.append(row)
+        print(json.dumps(row), flush=True)
+    return rows_out
+
+
+def tune_section(rows: list[dict]) -> list[str]:
+    lines = [
+        "",
+        "Flat kernels by grid step size (elements per step) and Triton warps, in a "
+        "device-side loop; each cell against the looped copy (the dispatch today: 4096 "
+        "elements, 8 warps; 8-bit and EF chunk 2048, 4-bit chunk 4096).",
+        "",
+        "| elements | kernel | elements per step | "
+        + " | ".join(f"{w} warps" for w in TUNE_WARPS)
+        + " |",
+        "|---|---|---|" + "---|" * len(TUNE_WARPS),
+    ]
+    for r in rows:
+        for name, (bpe, _, _) in tune_candidates(True).items():
+            steps = sorted({int(k.split("|")[1]) for k in r if k.startswith(name + "|")})
+            for step in steps:
+                cells = []
+                for w in TUNE_WARPS:
+                    field = f"{name}|{step}|{w}"
+                    if field + "|error" in r:
+                        cells.append("failed")
+                    else:
+                        cells.append(fraction(r, field, bpe))
+                lines.append(f"| {r['elements']:,} | {name} | {step} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def backend_section(rows: list[dict]) -> list[str]:
     names = sorted({k.split("_")[0] for r in rows for k in r if k.endswith("_nearest_s")})
     lines = [
@@ -388,6 +517,8 @@ TREE_COLUMNS = (
     ("leaves_kernel8_s", 5),
     ("per_leaf8_s", 5),
     ("concat8_s", 5),
+    ("packed8_diff_s", 9),
+    ("per_leaf8_diff_s", 9),
 )
 
 
@@ -436,8 +567,9 @@ def section(results: dict, device: str) -> str:
         "| tree | parameters | leaves | 8-bit encode_tree | 4-bit encode_tree "
         "| 8-bit packed tree | 4-bit packed tree "
         "| 8-bit quantize_leaves (no packing) | 8-bit, one encode per leaf "
-        "| 8-bit, concatenate then encode |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| 8-bit, concatenate then encode | 8-bit packed, encode of a - b "
+        "| 8-bit, one encode per leaf of a - b |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results.get("trees", []):
         cells = []
@@ -455,10 +587,15 @@ def section(results: dict, device: str) -> str:
             "",
             'Packed tree: `lpdec.minmax(bits, tree_layout="packed")`, the leaves padded to '
             "whole chunks in one buffer and encoded by one flat kernel; `(!)` where its "
-            "payloads differ from the default layout's bits on the device.",
+            "payloads differ from the default layout's bits on the device. The last two "
+            "columns encode a computed tree (a - b, as CHOCO encodes x - x_hat): 8 B read "
+            "and 1 B written per parameter, where the packed buffer's copy fuses into the "
+            "subtraction.",
         ]
     if results.get("backends"):
         lines += backend_section(results["backends"])
+    if results.get("tune"):
+        lines += tune_section(results["tune"])
     return "\n".join(lines)
 
 
@@ -469,7 +606,9 @@ def main(argv=None) -> None:
     parser.add_argument("--write", action="store_true", help="rewrite BENCHMARKS.md's section")
     parser.add_argument("--json", default=None, help="write the raw numbers here")
     parser.add_argument(
-        "--parts", default="backends,arrays,trees", help="comma-separated: backends,arrays,trees"
+        "--parts",
+        default="backends,arrays,trees",
+        help="comma-separated: backends,arrays,trees,tune",
     )
     args = parser.parse_args(argv)
     device = str(jax.devices()[0].device_kind)
@@ -481,6 +620,10 @@ def main(argv=None) -> None:
     if "backends" in parts:
         results["backends"] = measure_backends(args.quick, repeats)
         if args.json:  # kept even if a later part fails
+            pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
+    if "tune" in parts:
+        results["tune"] = measure_tune(args.quick, repeats)
+        if args.json:
             pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     results |= measure(args.quick, repeats, parts)
     results["device"] = device

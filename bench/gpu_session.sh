@@ -25,14 +25,19 @@ timeout "${T_TESTS:-150}" $PY -m pytest -q -n "${WORKERS:-6}" -rs -p no:cachepro
   tests/test_kernels_pallas.py tests/test_mx.py tests/test_mosaic_gpu.py > "$OUT/pytest.log" 2>&1
 echo "pytest rc=$?"; tail -3 "$OUT/pytest.log"; date +%T
 # Trees first (the part furthest from its target), then single arrays and backends.
-timeout "${T_TREES:-150}" $PY bench/gpu_kernels.py $quick --parts trees \
+timeout "${T_TREES:-120}" $PY bench/gpu_kernels.py $quick --parts trees \
   --json "$OUT/gpu_trees.json" > "$OUT/gpu_trees.log" 2>&1
 echo "gpu_kernels trees rc=$?"; date +%T
-timeout "${T_KERNELS:-200}" $PY bench/gpu_kernels.py $quick --parts "${PARTS:-arrays,backends}" \
+# The flat kernels' block size and warps (the backends were compared on 2026-11-27).
+timeout "${T_TUNE:-90}" $PY bench/gpu_kernels.py $quick --parts tune \
+  --json "$OUT/gpu_tune.json" > "$OUT/gpu_tune.log" 2>&1
+echo "gpu_kernels tune rc=$?"; date +%T
+timeout "${T_KERNELS:-150}" $PY bench/gpu_kernels.py $quick --parts "${PARTS:-arrays}" \
   --json "$OUT/gpu_kernels.json" > "$OUT/gpu_kernels.log" 2>&1
 echo "gpu_kernels rc=$?"; date +%T
-[ "${T_LM:-150}" = 0 ] && exit 0
+# The steps above stop at 510 s; the LM run takes what is left of a 600 s call.
+[ "${T_LM:-80}" = 0 ] && exit 0
 lm_steps=${QUICK:+--steps 6 --log-every 2}
-timeout "${T_LM:-150}" $PY -m bench.gpu_lm $quick ${lm_steps:---steps 60 --log-every 20} \
+timeout "${T_LM:-80}" $PY -m bench.gpu_lm $quick ${lm_steps:---steps 60 --log-every 20} \
   --output "$OUT/gpu_lm.md" > "$OUT/gpu_lm.log" 2>&1
 echo "gpu_lm rc=$?"; date +%T

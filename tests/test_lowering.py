@@ -247,6 +247,17 @@ def test_gpu_backend_is_the_measured_choice():
     assert mosaic_gpu.CUSTOM_CALL_TARGET not in text
 
 
+def test_gpu_warps_default_by_block_size_and_a_target_can_override_them():
+    """The dispatch's Triton warps (8 for blocks of >= 4096 elements, else 4), and
+    `Target.num_warps`, which `bench/gpu_kernels.py --parts tune` sweeps."""
+    if platforms.pallas_triton is None:
+        pytest.skip(f"jax {jax.__version__} has no Pallas Triton")
+    gpu = platforms.Target("gpu")
+    assert gpu.compiler_params(4096).num_warps == 8
+    assert gpu.compiler_params(2048).num_warps == 4
+    assert platforms.Target("gpu", num_warps=16).compiler_params(2048).num_warps == 16
+
+
 def test_an_interpreted_kernel_fails_the_check():
     """Interpreting (what the old default-backend dispatch did on CPU) is caught."""
     x = jax.ShapeDtypeStruct((64, 2048), jnp.float32)

@@ -75,10 +75,14 @@ class Target:
       interpret: run the kernel body on XLA one grid step at a time instead of
         compiling it. Pallas has no CPU lowering, so "cpu" is always interpreted;
         tests interpret the "gpu" and "tpu" kernels to check them on CPU.
+      num_warps: GPU only, Triton's warps per program; None (the dispatch's
+        choice) takes 8 for blocks of 4096 elements or more, else 4.
+        `bench/gpu_kernels.py --parts tune` times the others.
     """
 
     platform: Platform
     interpret: bool = False
+    num_warps: int | None = None
 
     def __post_init__(self):
         if self.platform not in _PLATFORMS:
@@ -130,9 +134,8 @@ class Target:
         TPU: every grid step is independent ("parallel" lets a megacore split it).
         """
         if self.platform == "gpu" and pallas_triton is not None:
-            return pallas_triton.CompilerParams(
-                num_warps=8 if block_elements >= 4096 else 4, num_stages=1
-            )
+            warps = self.num_warps or (8 if block_elements >= 4096 else 4)
+            return pallas_triton.CompilerParams(num_warps=warps, num_stages=1)
         if self.platform == "tpu" and pallas_tpu is not None:
             return pallas_tpu.CompilerParams(dimension_semantics=("parallel",))
         return None
