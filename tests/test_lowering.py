@@ -212,12 +212,30 @@ def test_tpu_blocks_are_whole_tiles():
     assert_kernels(trace(comp.encode, x), {"cuda": 1, "tpu": 2})
 
 
-def test_without_pallas_triton_the_gpu_takes_jnp(monkeypatch):
-    """A jax without the Triton lowering (it is deprecated from 0.11) still lowers for cuda."""
+@pytest.mark.parametrize(
+    "bits, chunk_size, mosaic_kernels",
+    [(8, None, 1), (4, None, 1), (8, 1000, 0), (1, None, 0)],
+    ids=["8-bit", "4-bit", "chunk 1000", "1-bit chunk 16384"],
+)
+def test_without_pallas_triton_the_gpu_quantizes_with_mosaic_gpu(
+    monkeypatch, bits, chunk_size, mosaic_kernels
+):
+    """A jax without the Triton lowering (deprecated from 0.11) quantizes with the Mosaic
+    GPU row kernel (`minmax.mosaic_quantizes`): chunks of whole warpgroups up to 4096
+    elements; other chunks, the bit packing and the decode take the jnp path."""
+    from lpdec.kernels_pallas import mosaic_gpu
+
+    if not mosaic_gpu.available():
+        pytest.skip(f"jax {jax.__version__} has no plgpu.kernel")
     monkeypatch.setattr(platforms, "pallas_triton", None)
-    comp = lpdec.minmax(4)
-    x = jax.ShapeDtypeStruct((SIZES[0],), jnp.float32)
-    assert_kernels(trace(comp.encode, x), {"cuda": 0, "tpu": 2})
+    comp = lpdec.minmax(bits, "stochastic", chunk_size=chunk_size)
+    x = jax.ShapeDtypeStruct((SIZES[1],), jnp.float32)
+    text = lowered_text(trace(lambda x: comp.decode(comp.encode(x, KEY)), x), "cuda")
+    assert "stablehlo.while" not in text
+    assert text.count(mosaic_gpu.CUSTOM_CALL_TARGET) == mosaic_kernels
+    assert _TRITON not in text
+    tpu = kernel_calls(trace(lambda x: comp.encode(x, KEY), x), "tpu")
+    assert tpu >= 1  # TPU keeps its kernels
 
 
 @pytest.mark.parametrize("bits, kernels", [(4, 1), (1, 1), (8, 1), (3, 2)])
@@ -234,7 +252,7 @@ def test_gpu_backend_is_the_measured_choice():
 
     On an H100 (jax 0.11.2) the Mosaic GPU row kernels ran as fast as Triton's and
     bit-exact, but only Triton has every kernel (flat arrays, many leaves, error
-    feedback, MX, bit packing); a jax without it takes the jnp path (test above).
+    feedback, MX, bit packing); a jax without it quantizes with Mosaic GPU (test above).
     Changing the GPU backend means measuring again and changing this test.
     """
     from lpdec.kernels_pallas import mosaic_gpu

@@ -1,4 +1,4 @@
-"""The Mosaic GPU prototype of the min-max kernels (lpdec/kernels_pallas/mosaic_gpu.py).
+"""The Mosaic GPU min-max kernels (lpdec/kernels_pallas/mosaic_gpu.py) and their use without Triton.
 
 Two checks, both on this CPU-only machine:
 
@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import lpdec
 from lpdec.kernels_pallas import minmax
 from lpdec.kernels_pallas import mosaic_gpu
 
@@ -135,6 +136,39 @@ def test_interpreted_kernels_on_a_ragged_array():
     assert_bits_equal(minmax._from_rows(out, x.shape), want_x)
 
 
+@needs_interpret
+@pytest.mark.parametrize(
+    "bits, chunk_size, dtype",
+    [(8, None, jnp.float32), (4, None, jnp.bfloat16), (2, 1152, jnp.float32)],
+    ids=["8-bit", "4-bit bf16", "2-bit chunk 1152"],
+)
+def test_without_triton_the_interpreted_gpu_encode_is_mosaic_gpu_bit_for_bit(
+    monkeypatch, bits, chunk_size, dtype
+):
+    """A jax without Pallas Triton: `minmax`'s GPU encode, interpreted as the GPU runs
+    it (the Mosaic GPU row kernel, then the jnp packing), against the jnp encode."""
+    from lpdec.kernels_pallas import platforms
+
+    monkeypatch.setattr(platforms, "pallas_triton", None)
+    chunk = lpdec.minmax(bits, chunk_size=chunk_size).chunk_size
+    size = 3 * chunk + 37  # a partial last chunk
+    x = np.random.default_rng(3).standard_normal(size).astype(np.float32)
+    x[chunk : 2 * chunk] = 0.75  # a constant chunk
+    x[5] = np.nan
+    x[2 * chunk + 1 :: 2] = -0.0
+    x[3 * chunk :] = 1.0 + np.abs(x[3 * chunk :])  # padding the last chunk with 0 would show
+    x = jnp.asarray(x).astype(dtype)
+    seeds = lpdec.kernels_pallas.seeds_from_key(jax.random.key(4))
+    gpu = platforms.Target("gpu", True)
+    assert minmax.mosaic_quantizes(gpu, 4, chunk, dtype)
+    got = jax.jit(
+        lambda x: minmax._quantize_on(x, seeds, chunk=chunk, bits=bits, stochastic=True, target=gpu)
+    )(x)
+    want = minmax.quantize(x, seeds, bits=bits, stochastic=True, chunk=chunk, implementation="xla")
+    for g, w in zip(got, want, strict=True):
+        assert_bits_equal(g, w)
+
+
 on_a_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GPU to compile")
 
 
@@ -154,3 +188,20 @@ def test_compiled_kernels_match_the_reference(shape, stochastic, bits):
             mosaic_gpu.dequantize(*want, dtype=dtype),
             minmax.dequantize_reference(*want, dtype=dtype),
         )
+
+
+@on_a_gpu
+@pytest.mark.parametrize("bits", [8, 4])
+def test_without_triton_the_compiled_compressor_encodes_with_mosaic_gpu(monkeypatch, bits):
+    """A jax without Pallas Triton, compiled: `minmax`'s encode and decode against jnp's."""
+    from lpdec.kernels_pallas import platforms
+
+    monkeypatch.setattr(platforms, "pallas_triton", None)
+    x = jnp.asarray(awkward_rows((64, 2048)).reshape(-1)[: 64 * 2048 - 37])
+    key = jax.random.key(5)
+    got = jax.jit(lambda x: lpdec.minmax(bits, "stochastic").encode(x, key))(x)
+    want = jax.jit(lambda x: lpdec.minmax(bits, "stochastic", implementation="xla").encode(x, key))(
+        x
+    )
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert_bits_equal(g, w)

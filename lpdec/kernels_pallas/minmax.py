@@ -52,6 +52,7 @@ from jax.experimental import pallas as pl
 from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import minmax_gpu
 from lpdec.kernels_pallas import minmax_jnp
+from lpdec.kernels_pallas import mosaic_gpu
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
 from lpdec.kernels_pallas.minmax_jnp import dequantize_accumulate_reference
@@ -350,9 +351,45 @@ def _from_rows(x2d, shape: tuple[int, ...]):
     return x2d.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
+# The chunks Mosaic GPU's row quantize takes without a padded copy (whole warpgroups)
+# and with at most 32 values per lane in registers; measured at 2048 (BENCHMARKS.md).
+_MOSAIC_CHUNKS = range(mosaic_gpu.LANES, 4096 + 1, mosaic_gpu.LANES)
+
+
+def mosaic_quantizes(target, rows: int, chunk: int, dtype) -> bool:
+    """Whether the GPU quantize runs Mosaic GPU's row kernel: only on a jax without
+    Pallas Triton, for chunks of `_MOSAIC_CHUNKS` and float32 or bfloat16 input.
+
+    On an H100 (jax 0.11.2) that kernel quantized [rows, 2048] float32 at 94-99 % of
+    copy bandwidth from 64M elements, as fast as Triton's and 1.7x XLA's fusion of
+    the jnp path (BENCHMARKS.md, GPU section); XLA dequantizes as fast as either, so
+    dequantize keeps the jnp path there.
+    """
+    return (
+        target is not None
+        and target.platform == "gpu"
+        and platforms.pallas_triton is None
+        and mosaic_gpu.available()
+        and (not target.interpret or mosaic_gpu.interpret_available())
+        and 0 < rows * chunk < 2**31
+        and chunk in _MOSAIC_CHUNKS
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    )
+
+
 def _quantize_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
     """The quantize `target` runs: its kernel, or the jnp path (see quantize_lowers)."""
     rows, chunk = _layout(x.size, chunk, x.shape)
+    if mosaic_quantizes(target, rows, chunk, x.dtype):
+        # Rows as the row kernels take them: a partial last chunk repeats its last element.
+        codes, lo, unit = mosaic_gpu.quantize(
+            _as_rows(x, rows, chunk, "edge"),
+            seeds,
+            bits=bits,
+            stochastic=stochastic,
+            interpret=target.interpret,
+        )
+        return _from_rows(codes, x.shape), lo, unit
     if not quantize_lowers(target, rows, chunk, x.dtype):
         return minmax_jnp.quantize_elementwise(
             x, seeds, chunk=chunk, bits=bits, stochastic=stochastic

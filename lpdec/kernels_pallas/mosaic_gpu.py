@@ -1,6 +1,7 @@
-"""Prototype: the per-chunk min-max quantize and dequantize as Mosaic GPU kernels.
+"""The per-chunk min-max quantize and dequantize as Mosaic GPU kernels.
 
-Not wired into `platforms.dispatch` yet. jax 0.11 deprecates Pallas's Triton
+`minmax` quantizes with the row kernel here on a jax without Pallas Triton
+(`minmax.mosaic_quantizes`); with Triton, its kernels run. jax 0.11 deprecates Pallas's Triton
 lowering in favour of Mosaic GPU, and from jax 0.11 `pl.pallas_call` with Mosaic
 GPU compiler parameters no longer lowers (an AssertionError in pallas_call's GPU
 lowering); the supported entry point is `plgpu.kernel`, used here. It lowers to
@@ -78,7 +79,7 @@ _ROW = "row"
 
 
 def available() -> bool:
-    """Whether this jax has the Mosaic GPU kernel API the prototype uses."""
+    """Whether this jax has the Mosaic GPU kernel API these kernels use."""
     return plgpu is not None and hasattr(plgpu, "kernel")
 
 
