@@ -62,24 +62,66 @@ def require_axis(axis_name: AxisName, who: str, *, topology: Topology | None = N
     return size
 
 
-def all_to_all_payload(payload_chunks: PyTree, *, axis_name: str) -> PyTree:
+def _split_axes(axis_name: AxisName) -> tuple[str, str] | None:
+    """(outer, inner) where jax cannot run one collective over `axis_name`: two axes,
+    not both `shard_map` mesh axes (a vmap axis among them); else None."""
+    names = (axis_name,) if isinstance(axis_name, str) else tuple(axis_name)
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    if len(names) == 1 or all(name in manual for name in names):
+        return None
+    if len(names) != 2:
+        raise ValueError(f"axis_name={axis_name!r}: at most (mesh axis, vmap axis) here.")
+    return names
+
+
+def all_to_all_payload(payload_chunks: PyTree, *, axis_name: AxisName) -> PyTree:
     """Personalised exchange: row c of every leaf goes to node c.
 
     Args:
       payload_chunks: a pytree whose leaves have a leading axis of size n (the
         axis size); row c is what this node sends to node c (row `me` stays).
+      axis_name: the nodes' axis, or (mesh axis, vmap axis) for several nodes per
+        device: node (o, i) is then node o * L + i, as `lax.axis_index` numbers it.
 
     Returns:
       The same structure and shapes; row c is what node c sent to this node.
     """
     wire.record(payload_chunks, axis_name)  # counted like compiled HLO counts it: the whole operand
-    return jax.lax.all_to_all(payload_chunks, axis_name, 0, 0)
+    split = _split_axes(axis_name)
+    if split is None:
+        return jax.lax.all_to_all(payload_chunks, axis_name, 0, 0)
+    # jax has no all-to-all over a mesh axis and a vmap axis at once: one per axis.
+    # Rows [O * L] as [O, L]: the vmap axis exchanges the column block (row (p, q) of
+    # node (o, i) reaches node (o, q) at (p, i)), then the mesh axis the row block.
+    outer, inner = split
+    sizes = (jax.lax.axis_size(outer), jax.lax.axis_size(inner))
+
+    def exchange(x):
+        x = x.reshape(sizes + x.shape[1:])
+        x = jax.lax.all_to_all(x, inner, 1, 1)
+        x = jax.lax.all_to_all(x, outer, 0, 0)
+        return x.reshape((-1,) + x.shape[2:])
+
+    return jax.tree.map(exchange, payload_chunks)
 
 
-def all_gather_payload(payload: PyTree, *, axis_name: str) -> PyTree:
-    """Every node's `payload`, stacked along a new leading axis of size n (row c: node c's)."""
+def all_gather_payload(payload: PyTree, *, axis_name: AxisName) -> PyTree:
+    """Every node's `payload`, stacked along a new leading axis of size n (row c: node c's).
+
+    `axis_name` as in `all_to_all_payload`; over (mesh axis, vmap axis) it gathers
+    over the vmap axis, then the mesh axis (jax cannot gather over both at once).
+    """
     wire.record(payload, axis_name)
-    return jax.lax.all_gather(payload, axis_name)
+    split = _split_axes(axis_name)
+    if split is None:
+        return jax.lax.all_gather(payload, axis_name)
+    outer, inner = split
+
+    def gather(x):
+        x = jax.lax.all_gather(jax.lax.all_gather(x, inner), outer)  # [O, L, ...]
+        return x.reshape((-1,) + x.shape[2:])
+
+    return jax.tree.map(gather, payload)
 
 
 def local_reduce_scatter(x: PyTree, *, axis_name: str) -> PyTree:

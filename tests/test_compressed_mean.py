@@ -305,3 +305,28 @@ def test_compressed_mean_bad_inputs_raise_clear_errors():
     cm = compressed_mean(comp)
     with pytest.raises(ValueError, match="not bound here"):
         cm.update({"v": jnp.ones(4)}, cm.init({"v": jnp.ones(4)}))
+
+
+@pytest.mark.parametrize("rounds", [2, 1])
+def test_several_nodes_per_device_give_the_bits_of_one_node_axis(rounds, rng):
+    """A vmap axis nested in the shard_map axis (8 nodes simulated on one GPU, say):
+    the all-to-all and all-gather run per axis and give the bits of one axis."""
+    n = 2 * len(jax.devices())
+
+    def tx(axis):
+        return lpdec.compressed_mean(
+            lpdec.minmax(4, "stochastic"), axis_name=axis, error_feedback=True, rounds=rounds
+        )
+
+    params = {
+        "w": rng.standard_normal((n, 1000)).astype(np.float32),
+        "b": rng.standard_normal((n, 7)).astype(np.float32),
+    }
+
+    def grad_fn(p, node, t):  # every node's gradient differs
+        return jax.tree.map(lambda x: jnp.sin(x * (node + 1.0) + t.astype(jnp.float32)), p)
+
+    nested = harness.run(tx(harness.NESTED_AXIS), params, 3, grad_fn=grad_fn, mode="nested")
+    one_axis = harness.run(tx(harness.AXIS), params, 3, grad_fn=grad_fn, mode="vmap")
+    for got, want in zip(jax.tree.leaves(nested[:2]), jax.tree.leaves(one_axis[:2]), strict=True):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))

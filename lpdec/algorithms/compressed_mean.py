@@ -263,7 +263,12 @@ def _two_round_mean(
     own = jnp.take(chunks, me, axis=0)
     decoded = jnp.where(mine[:, None], own[None], decoded)
     ok = jnp.where(mine, jnp.all(jnp.isfinite(own)), ok)
-    total = jnp.sum(jnp.where(ok[:, None], decoded, 0.0), axis=0)
+    # Summed in node order, as `_gathered_mean` does: the same bits in every layout
+    # (a reduction's order may differ between compiled programs).
+    decoded = jnp.where(ok[:, None], decoded, 0.0)
+    total = decoded[0]
+    for j in range(1, n):
+        total = total + decoded[j]
     contributors = jnp.sum(ok.astype(jnp.int32))
     average = total / jnp.maximum(contributors, 1).astype(jnp.float32)  # a_me
     skipped = jnp.sum((~ok & ~mine).astype(jnp.int32))
@@ -353,14 +358,6 @@ def step(
       (the mean over both axes, in each leaf's dtype; the next state).
     """
     gossip.require_axis(hp.axis_name, "compressed_mean")
-    if not isinstance(hp.axis_name, str) and len(hp.axis_name) > 1:
-        manual = jax.sharding.get_abstract_mesh().manual_axes
-        if any(a not in manual for a in hp.axis_name):
-            raise ValueError(
-                f"compressed_mean: axis_name={hp.axis_name!r} includes a vmap axis, and jax cannot "
-                "all-gather over several axes when one is vmapped: use shard_map mesh axes "
-                "only, or one axis (with local_axis= for the nodes nested in each device)."
-            )
     if hp.local_axis is None:
 
         def device_id(node):
