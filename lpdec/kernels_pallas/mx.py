@@ -155,18 +155,37 @@ def _element_values(codes, fmt: ElementFormat):
     )
 
 
+def _quantize_views(xs, indices, seeds, *, fmt: ElementFormat):
+    """Quantizes one MX block per row, given as views that together hold its 32 elements.
+
+    Args:
+      xs: float arrays [r, w], view j holding some of each row's elements (one
+        [r, 32] view; or the GPU kernel's strided views, one per code of a byte).
+      indices: each view's flat uint32 element indices, from which stochastic
+        rounding draws; None per view: round to nearest.
+      seeds: uint32 [1, 2] hash seeds (an array or a ref).
+
+    Returns:
+      (uint8 codes per view, uint8 E8M0 scales [r, 1]); a NaN/Inf block's codes are 0.
+    """
+    xs = [x.astype(jnp.float32) for x in xs]
+    amax = functools.reduce(
+        jnp.maximum, [jnp.max(_magnitude_bits(x), axis=1, keepdims=True) for x in xs]
+    )
+    e, byte = _block_exponents(amax, fmt)
+    scale = _pow2(-e)
+    codes = []
+    for x, index in zip(xs, indices, strict=True):
+        v = x * scale  # exact unless v is a float32 subnormal
+        u = None if index is None else numerics.hash_uniform(seeds[0, 0], seeds[0, 1], index)
+        codes.append(jnp.where(byte == NAN_SCALE, jnp.uint8(0), _element_codes(v, u, fmt)))
+    return codes, byte
+
+
 def _quantize_rows(x, seeds, row0, *, fmt: ElementFormat, stochastic: bool):
     """[r, 32] float -> (uint8 codes [r, 32], uint8 E8M0 scales [r, 1])."""
-    x = x.astype(jnp.float32)
-    amax = jnp.max(_magnitude_bits(x), axis=1, keepdims=True)
-    e, byte = _block_exponents(amax, fmt)
-    v = x * _pow2(-e)  # exact unless v is a float32 subnormal
-    u = None
-    if stochastic:
-        index = numerics.element_index(x.shape, row0, x.shape[1])
-        u = numerics.hash_uniform(seeds[0, 0], seeds[0, 1], index)
-    codes = _element_codes(v, u, fmt)
-    codes = jnp.where(byte == NAN_SCALE, jnp.uint8(0), codes)
+    index = numerics.element_index(x.shape, row0, x.shape[1]) if stochastic else None
+    (codes,), byte = _quantize_views([x], [index], seeds, fmt=fmt)
     return codes, byte
 
 
