@@ -1,11 +1,13 @@
 """Block-scaled float formats (OCP Microscaling, "MX"): MXFP8 (E4M3) and MXFP4 (E2M1).
 
-Layout: the input is viewed as [rows, 32]; each row is one MX block of 32
-consecutive elements sharing one power-of-two scale 2**e, stored as an E8M0
-byte e + 127. Each element is x / 2**e rounded to the element format: E4M3
-(4 exponent bits, 3 mantissa bits, bias 7, largest value 448) or E2M1 (2, 1,
-bias 1, largest 6; its values are 0, 0.5, 1, 1.5, 2, 3, 4, 6), with subnormals,
-sign and magnitude in one code of 8 or 4 bits.
+Layout: each MX block of 32 consecutive elements of the flattened input
+shares one power-of-two scale 2**e, stored as an E8M0 byte e + 127. The row
+kernels and references here see the input as [rows, 32], one block a row; on
+GPU the kernels of `mx_gpu` address the flat array instead (no padded copy, and
+E2M1 codes packed two a byte in the same pass). Each element is x / 2**e
+rounded to the element format: E4M3 (4 exponent bits, 3 mantissa bits, bias 7,
+largest value 448) or E2M1 (2, 1, bias 1, largest 6; its values are 0, 0.5, 1,
+1.5, 2, 3, 4, 6), with subnormals, sign and magnitude in one code of 8 or 4 bits.
 
 The shared exponent is the smallest e with max|x| <= largest * 2**e, so no
 element saturates. The OCP specification (v1.0, section 6.3) takes
