@@ -101,10 +101,7 @@ def _tile_codes(codes_ref, scales_ref, *, size, br, per, fmt):
     """(views, codes per view [br, w] int32, scales [br, 1]) of a decode's grid step."""
     blocks, byte, byte_valid, views = _tile(br, size, per)
     scales = _load(scales_ref, blocks, blocks < scales_ref.shape[0])[:, None]
-    packed = _load(codes_ref, byte, byte_valid)
-    if per == 1:  # as the row kernels read it: the whole byte is the code
-        return views, [packed], scales
-    packed = packed.astype(jnp.int32)
+    packed = _load(codes_ref, byte, byte_valid).astype(jnp.int32)
     mask = (1 << fmt.bits) - 1
     return views, [(packed >> (fmt.bits * j)) & mask for j in range(per)], scales
 
