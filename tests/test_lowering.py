@@ -121,16 +121,37 @@ def test_modulo_compressor_lowers_to_kernels(implementation, bits, dtype, size):
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16], ids=["f32", "bf16"])
 @pytest.mark.parametrize("size", [32 * 4096, 32 * 1000 + 7])
 def test_mx_compressor_lowers_to_kernels(implementation, fmt, dtype, size):
-    """MX blocks are [rows, 32]: every row count and size compiles on both platforms."""
+    """Every size compiles on both platforms. The GPU kernels take the flat arrays
+    (`mx_gpu`): one launch per op, E2M1 codes packed and unpacked in it; TPU's
+    [rows, 32] kernels pack and unpack in launches of their own."""
     comp = lpdec.mx(fmt, "stochastic", implementation=implementation)
     x = jax.ShapeDtypeStruct((size,), dtype)
     acc = jax.ShapeDtypeStruct((size,), jnp.float32)
     packing = int(fmt == "fp4")
-    assert_kernels(trace(lambda x: comp.encode(x, KEY), x), {p: 1 + packing for p in PLATFORMS})
+    assert_kernels(trace(lambda x: comp.encode(x, KEY), x), {"cuda": 1, "tpu": 1 + packing})
     payload = jax.eval_shape(lambda x: comp.encode(x, KEY), x)
-    assert_kernels(trace(comp.decode, payload), {p: packing + 1 for p in PLATFORMS})
+    assert_kernels(trace(comp.decode, payload), {"cuda": 1, "tpu": packing + 1})
     accumulate = trace(lambda p, a: comp.decode_accumulate(p, a, 0.5), payload, acc)
-    assert_kernels(accumulate, {p: packing + 1 for p in PLATFORMS})
+    assert_kernels(accumulate, {"cuda": 1, "tpu": packing + 1})
+
+
+@pytest.mark.parametrize("fmt", ["fp4", "fp8"])
+def test_mx_gpu_kernels_take_a_ragged_array_as_it_is(fmt):
+    """No padded copy in and no sliced copy out around the GPU kernels (nearest
+    rounding: the key's bits would bring slices of their own)."""
+    comp = lpdec.mx(fmt)
+    size = 32 * 1000 + 7  # neither whole blocks nor whole grid steps
+    x = jax.ShapeDtypeStruct((size,), jnp.bfloat16)
+    payload = jax.eval_shape(comp.encode, x)
+    programs = [
+        trace(comp.encode, x),
+        trace(comp.decode, payload),
+        trace(lambda p, a: comp.decode_accumulate(p, a, 0.5), payload, x),
+    ]
+    for program in programs:
+        text = lowered_text(program, "cuda")
+        assert "stablehlo.pad" not in text and "stablehlo.slice" not in text
+        assert text.count(CUSTOM_CALL["cuda"]) == 1
 
 
 def test_the_cpu_lowering_keeps_the_jnp_path():

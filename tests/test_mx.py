@@ -15,7 +15,9 @@ import pytest
 
 import lpdec
 from lpdec import kernels_pallas as kernels
+from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import mx as mx_kernels
+from lpdec.kernels_pallas import mx_gpu
 from lpdec.kernels_pallas import platforms
 
 NP_TYPES = {"fp8": ml_dtypes.float8_e4m3fn, "fp4": ml_dtypes.float4_e2m1fn}
@@ -238,3 +240,225 @@ def test_kernels_take_any_row_count_on_every_platform():
         assert mx_kernels.kernel_lowers(platforms.Target("gpu"), rows, jnp.float32)
         assert mx_kernels.kernel_lowers(platforms.Target("tpu"), rows, jnp.bfloat16)
     assert kernels.packed_size(33, 4) == 17
+
+
+# ----------------------------------------------------------------------------
+# The GPU kernels on the flat array (`mx_gpu`), interpreted: masked loads and
+# stores instead of padding, E2M1 codes packed two a byte in the same pass.
+# ----------------------------------------------------------------------------
+
+GPU = platforms.Target("gpu", interpret=True)
+# One element; under a block; one block; a ragged last block; whole grid steps
+# (128 blocks of 32 each on GPU); a ragged last step.
+GPU_SIZES = [1, 31, 32, 33, 4096 * 2, 4096 * 2 + 37]
+
+
+def mixed_values(rng, size):
+    """Values over six decades with signed zeros; an Inf, a NaN and a -Inf block where
+    the size reaches blocks 1, 2 and 3. No element scales to a float32 subnormal."""
+    x = (rng.standard_normal(size) * 10.0 ** rng.uniform(-3, 3, size)).astype(np.float32)
+    x[rng.random(size) < 0.05] = 0.0
+    x[rng.random(size) < 0.05] = -0.0
+    x[size - size % 32 :] *= 1e-4  # a short last block of small values: loads past it give 0
+    for i, special in ((40, np.inf), (70, np.nan), (100, -np.inf)):
+        if i < size:
+            x[i] = special
+    return x
+
+
+def rows_reference(x, seeds, fmt, stochastic):
+    """`quantize_reference` of x zero-padded to whole blocks: (codes [size], scales)."""
+    x2d = jnp.pad(jnp.asarray(x), (0, -x.size % 32)).reshape(-1, 32)
+    codes, scales = mx_kernels.quantize_reference(x2d, seeds, fmt=fmt, stochastic=stochastic)
+    return codes.reshape(-1)[: x.size], scales.reshape(-1)
+
+
+def packed_reference(codes, bits):
+    """`bitpack.pack_reference` of flat codes, cut to ceil(size * bits / 8) bytes."""
+    groups = jnp.pad(jnp.asarray(codes), (0, -codes.size % 8)).reshape(-1, 8)
+    packed = bitpack.pack_reference(groups, bits=bits).reshape(-1)
+    return packed[: bitpack.packed_size(codes.size, bits)]
+
+
+def np_mx_codes(x, fmt):
+    """(codes, scale bytes) of flat float32 x from float64 scales and ml_dtypes' casts.
+
+    A block holding NaN or Inf: scale 255, codes 0. A zero input's code is +0 (its
+    sign is not kept); a nonzero value rounding to zero keeps its sign.
+    """
+    codes, scales = np.zeros(x.size, np.uint8), []
+    for start in range(0, x.size, 32):
+        block = x[start : start + 32]
+        if not np.isfinite(block).all():
+            scales.append(255)
+            continue
+        e = np_block_exponent(block, fmt)
+        scaled = (block.astype(np.float64) / 2.0**e).astype(np.float32)
+        cast = scaled.astype(NP_TYPES[fmt]).view(np.uint8)
+        codes[start : start + 32] = np.where(scaled == 0, 0, cast)
+        scales.append(e + 127)
+    return codes, np.asarray(scales, np.uint8)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("stochastic", [False, True])
+@pytest.mark.parametrize("size", GPU_SIZES)
+def test_gpu_quantize_matches_the_references(rng, fmt, stochastic, size):
+    """Codes one per byte and packed (E2M1 two a byte) against the row reference
+    and bitpack's packing, and (nearest) against ml_dtypes' casts."""
+    x = mixed_values(rng, size)
+    seeds = random_seeds(rng)
+    bits = mx_kernels.FORMATS[fmt].bits
+    args = {"fmt": fmt, "stochastic": stochastic, "target": GPU}
+    codes, scales = mx_gpu.quantize(jnp.asarray(x), seeds, **args)
+    packed, packed_scales = mx_gpu.quantize(jnp.asarray(x), seeds, pack=True, **args)
+    want_codes, want_scales = rows_reference(x, seeds, fmt, stochastic)
+    same_bits(codes, want_codes)
+    same_bits(scales, want_scales)
+    same_bits(packed, packed_reference(want_codes, bits))
+    same_bits(packed_scales, want_scales)
+    if not stochastic:
+        np_codes, np_scales = np_mx_codes(x, fmt)
+        same_bits(codes, np_codes)
+        same_bits(scales, np_scales)
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16])
+def test_gpu_quantize_half_precision_inputs(rng, fmt, dtype):
+    x = jnp.asarray(mixed_values(rng, 4096 + 45), dtype)
+    seeds = random_seeds(rng)
+    packed, scales = mx_gpu.quantize(x, seeds, fmt=fmt, stochastic=True, target=GPU, pack=True)
+    want_codes, want_scales = rows_reference(x, seeds, fmt, True)
+    same_bits(packed, packed_reference(want_codes, mx_kernels.FORMATS[fmt].bits))
+    same_bits(scales, want_scales)
+
+
+def random_codes_and_scales(rng, fmt, size):
+    """Every code value (the sign-of-zero code among them) and scales of every kind:
+    the NaN byte, the extremes, and 127 (2**0)."""
+    codes = rng.integers(0, 2 ** mx_kernels.FORMATS[fmt].bits, size).astype(np.uint8)
+    blocks = -(-size // 32)
+    scales = rng.integers(127 - 30, 127 + 30, blocks).astype(np.uint8)
+    scales[: min(blocks, 4)] = [127, 255, 0, 253][: min(blocks, 4)]
+    return codes, scales
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("packed", [False, True])
+@pytest.mark.parametrize("size", [1, 33, 4096 * 2 + 37])
+def test_gpu_decodes_match_the_references(rng, fmt, packed, size):
+    codes, scales = random_codes_and_scales(rng, fmt, size)
+    bits = mx_kernels.FORMATS[fmt].bits
+    wire = packed_reference(codes, bits) if packed else jnp.asarray(codes)
+    c2d = jnp.pad(jnp.asarray(codes), (0, -size % 32)).reshape(-1, 32)
+    s2d = jnp.asarray(scales).reshape(-1, 1)
+    for dtype in (jnp.float32, jnp.bfloat16):
+        got = mx_gpu.dequantize(
+            wire, jnp.asarray(scales), fmt=fmt, size=size, dtype=dtype, target=GPU, packed=packed
+        )
+        want = mx_kernels.dequantize_reference(c2d, s2d, fmt=fmt, dtype=dtype)
+        same_bits(got, want.reshape(-1)[:size])
+    acc = rng.standard_normal(size).astype(np.float32)
+    got = mx_gpu.dequantize_accumulate(
+        jnp.asarray(acc), 0.3, wire, jnp.asarray(scales), fmt=fmt, target=GPU, packed=packed
+    )
+    a2d = jnp.pad(jnp.asarray(acc), (0, -size % 32)).reshape(-1, 32)
+    want = mx_kernels.dequantize_accumulate_reference(a2d, 0.3, c2d, s2d, fmt=fmt)
+    same_bits(got, want.reshape(-1)[:size])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_gpu_decode_keeps_the_sign_of_zero(fmt):
+    """Each code at scale 2**0 decodes to ml_dtypes' value, bit for bit: -0 stays -0
+    (an H100 once decoded it to +0: Triton lowers -x as 0 - x)."""
+    bits = mx_kernels.FORMATS[fmt].bits
+    codes = np.arange(2**bits, dtype=np.uint8)
+    expected = codes.view(NP_TYPES[fmt]).astype(np.float32)
+    finite = np.isfinite(expected)  # E4M3's two NaN codes are never sent
+    assert np.signbit(expected[1 << (bits - 1)]) and expected[1 << (bits - 1)] == 0
+    scales = jnp.full((-(-codes.size // 32),), 127, jnp.uint8)
+    for packed in (False, True):
+        wire = packed_reference(codes, bits) if packed else jnp.asarray(codes)
+        args = {"fmt": fmt, "size": codes.size, "target": GPU, "packed": packed}
+        got = mx_gpu.dequantize(wire, scales, dtype=jnp.float32, **args)
+        same_bits(np.asarray(got)[finite], expected[finite])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_public_ops_on_gpu_take_the_flat_kernels(rng, fmt):
+    """What the public ops run on a GPU (its target, interpreted), on a 2-D array:
+    the jnp path's bytes, one code per byte and packed."""
+    shape = (3, 77)
+    x = jnp.asarray(mixed_values(rng, 3 * 77).reshape(shape))
+    seeds = random_seeds(rng)
+    f = mx_kernels.FORMATS[fmt]
+    codes, scales = mx_kernels._quantize_on(x, seeds, fmt=f, stochastic=True, target=GPU)
+    packed, packed_scales = mx_kernels._quantize_packed_on(
+        x, seeds, fmt=f, stochastic=True, target=GPU
+    )
+    want = mx_kernels.quantize(x, seeds, fmt=fmt, stochastic=True, implementation="xla")
+    same_bits(codes, want[0])
+    same_bits(scales, want[1])
+    same_bits(packed, packed_reference(want[0].reshape(-1), f.bits))
+    same_bits(packed_scales, want[1])
+    acc = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    want_values = mx_kernels.dequantize(codes, scales, fmt=fmt, implementation="xla")
+    want_acc = mx_kernels.dequantize_accumulate(
+        acc, 0.5, codes, scales, fmt=fmt, implementation="xla"
+    )
+    same_bits(
+        mx_kernels._dequantize_on(codes, scales, fmt=f, dtype=jnp.float32, target=GPU), want_values
+    )
+    same_bits(
+        mx_kernels._dequantize_packed_on(
+            packed, scales, fmt=f, shape=shape, dtype=jnp.float32, target=GPU
+        ),
+        want_values,
+    )
+    weight = jnp.float32(0.5)
+    same_bits(
+        mx_kernels._dequantize_accumulate_on(acc, weight, codes, scales, fmt=f, target=GPU),
+        want_acc,
+    )
+    same_bits(
+        mx_kernels._dequantize_accumulate_packed_on(acc, weight, packed, scales, fmt=f, target=GPU),
+        want_acc,
+    )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("implementation", ["xla", "pallas"])
+def test_packed_ops_are_quantize_then_pack(rng, fmt, implementation):
+    """The packed public ops where no GPU runs (jnp, or the row kernels and bitpack's)."""
+    shape = (37, 29)
+    x = jnp.asarray(mixed_values(rng, 37 * 29).reshape(shape))
+    seeds = random_seeds(rng)
+    bits = mx_kernels.FORMATS[fmt].bits
+    args = {"fmt": fmt, "implementation": implementation, "interpret": True}
+    packed, scales = mx_kernels.quantize_packed(x, seeds, stochastic=True, **args)
+    want_codes, want_scales = rows_reference(np.asarray(x).reshape(-1), seeds, fmt, True)
+    same_bits(packed, packed_reference(want_codes, bits))
+    same_bits(scales, want_scales)
+    codes = want_codes.reshape(shape)
+    same_bits(
+        mx_kernels.dequantize_packed(packed, scales, shape=shape, dtype=jnp.bfloat16, **args),
+        mx_kernels.dequantize(codes, scales, dtype=jnp.bfloat16, fmt=fmt, implementation="xla"),
+    )
+    acc = jnp.asarray(rng.standard_normal(shape), jnp.float32)
+    same_bits(
+        mx_kernels.dequantize_accumulate_packed(acc, 0.25, packed, scales, **args),
+        mx_kernels.dequantize_accumulate(acc, 0.25, codes, scales, fmt=fmt, implementation="xla"),
+    )
+
+
+def test_packed_ops_check_the_byte_count():
+    packed, scales = jnp.zeros(16, jnp.uint8), jnp.zeros(2, jnp.uint8)
+    with pytest.raises(ValueError, match=r"packed fp4 codes of 33 elements have shape \(17,\)"):
+        mx_kernels.dequantize_packed(packed, scales, fmt="fp4", shape=(33,))
+    with pytest.raises(ValueError, match="have shape"):
+        mx_kernels.dequantize_accumulate_packed(jnp.zeros(36), 1.0, packed, scales, fmt="fp4")
+    # 34 fp4 codes take the 17 bytes and 2 scales of 33: the compressor checks the count.
+    comp = lpdec.mx("fp4")
+    with pytest.raises(ValueError, match="acc has 34 elements; the payload 33"):
+        comp.decode_accumulate(comp.encode(jnp.zeros(33)), jnp.zeros(34), 1.0)

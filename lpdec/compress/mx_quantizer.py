@@ -52,41 +52,31 @@ class MX(base.Compressor):
         return self.rounding == "stochastic"
 
     def encode(self, x: jax.Array, key: jax.Array | None = None) -> MXPayload:
-        """Codes and block scales of `x` (flattened, in blocks of 32; see `mx`)."""
+        """Codes and block scales of `x` (flattened, in blocks of 32; see `mx`).
+
+        One kernel on GPU quantizes and packs the codes (`mx_kernels.quantize_packed`).
+        """
         x = base.check_float_input(x, "mx")
         seeds = None
         if self.needs_key:
             seeds = kernels.seeds_from_key(base.check_key(key, "mx(rounding='stochastic')"))
-        codes, scales = mx_kernels.quantize(
+        codes, scales = mx_kernels.quantize_packed(
             x,
             seeds,
             fmt=self.format,
             stochastic=self.needs_key,
             implementation=self.implementation,
         )
-        codes = codes.reshape(-1)
-        if self.bits < 8:
-            codes = kernels.pack_bits(codes, bits=self.bits, implementation=self.implementation)
         return MXPayload(codes, scales, tuple(x.shape), x.dtype)
-
-    def _codes(self, payload: MXPayload, shape: tuple[int, ...]) -> jax.Array:
-        codes = payload.codes
-        if self.bits < 8:
-            codes = kernels.unpack_bits(
-                codes,
-                bits=self.bits,
-                num_elements=math.prod(payload.shape),
-                implementation=self.implementation,
-            )
-        return codes.reshape(shape)
 
     def decode(self, payload: MXPayload, *, reference=None, key=None) -> jax.Array:
         """Element values times their block's 2**e, in the encoded shape and dtype."""
         del reference, key
-        return mx_kernels.dequantize(
-            self._codes(payload, payload.shape),
+        return mx_kernels.dequantize_packed(
+            payload.codes,
             payload.scales,
             fmt=self.format,
+            shape=payload.shape,
             dtype=payload.dtype,
             implementation=self.implementation,
         )
@@ -96,10 +86,14 @@ class MX(base.Compressor):
     ) -> jax.Array:
         """acc + weight * decode(payload) in float32, fused."""
         del reference, key
-        return mx_kernels.dequantize_accumulate(
+        if acc.size != math.prod(payload.shape):
+            raise ValueError(
+                f"acc has {acc.size} elements; the payload {math.prod(payload.shape)}."
+            )
+        return mx_kernels.dequantize_accumulate_packed(
             acc,
             weight,
-            self._codes(payload, acc.shape),
+            payload.codes,
             payload.scales,
             fmt=self.format,
             implementation=self.implementation,

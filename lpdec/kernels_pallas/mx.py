@@ -1,11 +1,13 @@
 """Block-scaled float formats (OCP Microscaling, "MX"): MXFP8 (E4M3) and MXFP4 (E2M1).
 
-Layout: the input is viewed as [rows, 32]; each row is one MX block of 32
-consecutive elements sharing one power-of-two scale 2**e, stored as an E8M0
-byte e + 127. Each element is x / 2**e rounded to the element format: E4M3
-(4 exponent bits, 3 mantissa bits, bias 7, largest value 448) or E2M1 (2, 1,
-bias 1, largest 6; its values are 0, 0.5, 1, 1.5, 2, 3, 4, 6), with subnormals,
-sign and magnitude in one code of 8 or 4 bits.
+Layout: each MX block of 32 consecutive elements of the flattened input
+shares one power-of-two scale 2**e, stored as an E8M0 byte e + 127. The row
+kernels and references here see the input as [rows, 32], one block a row; on
+GPU the kernels of `mx_gpu` address the flat array instead (no padded copy, and
+E2M1 codes packed two a byte in the same pass). Each element is x / 2**e
+rounded to the element format: E4M3 (4 exponent bits, 3 mantissa bits, bias 7,
+largest value 448) or E2M1 (2, 1, bias 1, largest 6; its values are 0, 0.5, 1,
+1.5, 2, 3, 4, 6), with subnormals, sign and magnitude in one code of 8 or 4 bits.
 
 The shared exponent is the smallest e with max|x| <= largest * 2**e, so no
 element saturates. The OCP specification (v1.0, section 6.3) takes
@@ -31,11 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lpdec.kernels_pallas import bitpack
+from lpdec.kernels_pallas import mx_gpu
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
 
@@ -155,18 +160,37 @@ def _element_values(codes, fmt: ElementFormat):
     )
 
 
+def _quantize_views(xs, indices, seeds, *, fmt: ElementFormat):
+    """Quantizes one MX block per row, given as views that together hold its 32 elements.
+
+    Args:
+      xs: float arrays [r, w], view j holding some of each row's elements (one
+        [r, 32] view; or the GPU kernel's strided views, one per code of a byte).
+      indices: each view's flat uint32 element indices, from which stochastic
+        rounding draws; None per view: round to nearest.
+      seeds: uint32 [1, 2] hash seeds (an array or a ref).
+
+    Returns:
+      (uint8 codes per view, uint8 E8M0 scales [r, 1]); a NaN/Inf block's codes are 0.
+    """
+    xs = [x.astype(jnp.float32) for x in xs]
+    amax = functools.reduce(
+        jnp.maximum, [jnp.max(_magnitude_bits(x), axis=1, keepdims=True) for x in xs]
+    )
+    e, byte = _block_exponents(amax, fmt)
+    scale = _pow2(-e)
+    codes = []
+    for x, index in zip(xs, indices, strict=True):
+        v = x * scale  # exact unless v is a float32 subnormal
+        u = None if index is None else numerics.hash_uniform(seeds[0, 0], seeds[0, 1], index)
+        codes.append(jnp.where(byte == NAN_SCALE, jnp.uint8(0), _element_codes(v, u, fmt)))
+    return codes, byte
+
+
 def _quantize_rows(x, seeds, row0, *, fmt: ElementFormat, stochastic: bool):
     """[r, 32] float -> (uint8 codes [r, 32], uint8 E8M0 scales [r, 1])."""
-    x = x.astype(jnp.float32)
-    amax = jnp.max(_magnitude_bits(x), axis=1, keepdims=True)
-    e, byte = _block_exponents(amax, fmt)
-    v = x * _pow2(-e)  # exact unless v is a float32 subnormal
-    u = None
-    if stochastic:
-        index = numerics.element_index(x.shape, row0, x.shape[1])
-        u = numerics.hash_uniform(seeds[0, 0], seeds[0, 1], index)
-    codes = _element_codes(v, u, fmt)
-    codes = jnp.where(byte == NAN_SCALE, jnp.uint8(0), codes)
+    index = numerics.element_index(x.shape, row0, x.shape[1]) if stochastic else None
+    (codes,), byte = _quantize_views([x], [index], seeds, fmt=fmt)
     return codes, byte
 
 
@@ -367,8 +391,12 @@ def _accumulate_call(acc, weight, codes, scales, *, fmt, target):
 # ----------------------------------------------------------------------------
 # Public ops on arrays of any shape, with `implementation=` dispatch.
 #
-# The flattened array is cut into MX blocks of 32; a ragged last block is
+# The flattened array is cut into MX blocks of 32, the last one possibly
+# shorter. The GPU takes the flat array as it is (`mx_gpu`); elsewhere the
+# kernels and the jnp path see it as [rows, 32], a ragged last block
 # zero-padded, which changes no block's max |x| and whose codes are dropped.
+# The packed ops carry the codes as `bitpack` bytes (two E2M1 codes a byte):
+# the GPU packs and unpacks them in its one pass, elsewhere `bitpack` does.
 # ----------------------------------------------------------------------------
 
 
@@ -379,13 +407,15 @@ def _as_blocks(x):
 
 
 def _from_blocks(x2d, shape):
-    size = 1
-    for s in shape:
-        size *= s
-    return x2d.reshape(-1)[:size].reshape(shape)
+    return x2d.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
 def _quantize_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
+    if mx_gpu.lowers(target, x.size):
+        codes, scales = mx_gpu.quantize(
+            x.reshape(-1), seeds, fmt=fmt.name, stochastic=stochastic, target=target
+        )
+        return codes.reshape(x.shape), scales
     x2d = _as_blocks(x)
     if not kernel_lowers(target, x2d.shape[0], x.dtype):
         codes, scales = _quantize_rows(x2d, seeds, 0, fmt=fmt, stochastic=stochastic)
@@ -401,7 +431,26 @@ def _quantize_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
     return _from_blocks(codes, x.shape), scales.reshape(-1)
 
 
+def _quantize_packed_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
+    if mx_gpu.lowers(target, x.size):
+        return mx_gpu.quantize(
+            x.reshape(-1), seeds, fmt=fmt.name, stochastic=stochastic, target=target, pack=True
+        )
+    codes, scales = _quantize_on(x, seeds, fmt=fmt, stochastic=stochastic, target=target)
+    return bitpack._pack_bits_on(codes.reshape(-1), bits=fmt.bits, target=target), scales
+
+
 def _dequantize_on(codes, scales, *, fmt: ElementFormat, dtype, target):
+    if mx_gpu.lowers(target, codes.size):
+        out = mx_gpu.dequantize(
+            codes.reshape(-1),
+            scales.reshape(-1),
+            fmt=fmt.name,
+            size=codes.size,
+            dtype=dtype,
+            target=target,
+        )
+        return out.reshape(codes.shape)
     c2d, s2d = _as_blocks(codes), scales.reshape(-1, 1)
     if not kernel_lowers(target, c2d.shape[0], dtype):
         out = _dequantize_rows(c2d, s2d, fmt=fmt).astype(dtype)
@@ -417,7 +466,44 @@ def _dequantize_on(codes, scales, *, fmt: ElementFormat, dtype, target):
     return _from_blocks(out, codes.shape)
 
 
+def _check_packed(packed, shape, fmt: ElementFormat):
+    expected = bitpack.packed_size(math.prod(shape), fmt.bits)
+    if packed.shape != (expected,):
+        raise ValueError(
+            f"packed {fmt.name} codes of {math.prod(shape)} elements have shape ({expected},); "
+            f"got {packed.shape}."
+        )
+
+
+def _dequantize_packed_on(packed, scales, *, fmt: ElementFormat, shape, dtype, target):
+    _check_packed(packed, shape, fmt)
+    size = math.prod(shape)
+    if mx_gpu.lowers(target, size):
+        out = mx_gpu.dequantize(
+            packed,
+            scales.reshape(-1),
+            fmt=fmt.name,
+            size=size,
+            dtype=dtype,
+            target=target,
+            packed=True,
+        )
+        return out.reshape(shape)
+    codes = bitpack._unpack_bits_on(packed, bits=fmt.bits, num_elements=size, target=target)
+    return _dequantize_on(codes.reshape(shape), scales, fmt=fmt, dtype=dtype, target=target)
+
+
 def _dequantize_accumulate_on(acc, weight, codes, scales, *, fmt: ElementFormat, target):
+    if mx_gpu.lowers(target, codes.size):
+        out = mx_gpu.dequantize_accumulate(
+            acc.astype(jnp.float32).reshape(-1),
+            weight,
+            codes.reshape(-1),
+            scales.reshape(-1),
+            fmt=fmt.name,
+            target=target,
+        )
+        return out.reshape(codes.shape)
     a2d, c2d, s2d = _as_blocks(acc.astype(jnp.float32)), _as_blocks(codes), scales.reshape(-1, 1)
     if not kernel_lowers(target, c2d.shape[0], jnp.float32):
         out = _accumulate_rows(a2d, weight.reshape(1, 1), c2d, s2d, fmt=fmt)
@@ -434,6 +520,31 @@ def _dequantize_accumulate_on(acc, weight, codes, scales, *, fmt: ElementFormat,
     return _from_blocks(out, codes.shape)
 
 
+def _dequantize_accumulate_packed_on(acc, weight, packed, scales, *, fmt: ElementFormat, target):
+    _check_packed(packed, acc.shape, fmt)
+    if mx_gpu.lowers(target, acc.size):
+        out = mx_gpu.dequantize_accumulate(
+            acc.astype(jnp.float32).reshape(-1),
+            weight,
+            packed,
+            scales.reshape(-1),
+            fmt=fmt.name,
+            target=target,
+            packed=True,
+        )
+        return out.reshape(acc.shape)
+    codes = bitpack._unpack_bits_on(packed, bits=fmt.bits, num_elements=acc.size, target=target)
+    return _dequantize_accumulate_on(
+        acc, weight, codes.reshape(acc.shape), scales, fmt=fmt, target=target
+    )
+
+
+def _seeds(seeds, stochastic: bool):
+    if stochastic and seeds is None:
+        raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
+    return jnp.zeros((1, 2), jnp.uint32) if seeds is None else seeds
+
+
 def quantize(x, seeds=None, *, fmt: str, stochastic: bool, implementation=None, interpret=False):
     """MX quantize of a float array of any shape, in blocks of 32 flattened elements.
 
@@ -447,18 +558,43 @@ def quantize(x, seeds=None, *, fmt: str, stochastic: bool, implementation=None, 
     Returns:
       (uint8 codes in x's shape, one per element; uint8 E8M0 scales [ceil(size / 32)]).
     """
-    if stochastic and seeds is None:
-        raise ValueError("stochastic rounding needs seeds (see seeds_from_key).")
-    if seeds is None:
-        seeds = jnp.zeros((1, 2), jnp.uint32)
     body = functools.partial(_quantize_on, fmt=check_format(fmt), stochastic=stochastic)
-    return platforms.dispatch(implementation, body, x, seeds, interpret=interpret)
+    return platforms.dispatch(
+        implementation, body, x, _seeds(seeds, stochastic), interpret=interpret
+    )
+
+
+def quantize_packed(
+    x, seeds=None, *, fmt: str, stochastic: bool, implementation=None, interpret=False
+):
+    """`quantize` with the flattened codes as `bitpack.pack_bits` bytes, bit for bit.
+
+    On GPU one kernel reads x once and writes the bytes (E2M1: two codes a byte)
+    and the scales; elsewhere the codes are packed after the quantize.
+
+    Returns:
+      (uint8 codes [ceil(size * bits / 8)], uint8 E8M0 scales [ceil(size / 32)]).
+    """
+    body = functools.partial(_quantize_packed_on, fmt=check_format(fmt), stochastic=stochastic)
+    return platforms.dispatch(
+        implementation, body, x, _seeds(seeds, stochastic), interpret=interpret
+    )
 
 
 def dequantize(codes, scales, *, fmt: str, dtype=jnp.float32, implementation=None, interpret=False):
     """Values of MX codes (any shape) times their blocks' scales, cast to `dtype`."""
     body = functools.partial(_dequantize_on, fmt=check_format(fmt), dtype=jnp.dtype(dtype))
     return platforms.dispatch(implementation, body, codes, scales, interpret=interpret)
+
+
+def dequantize_packed(
+    packed, scales, *, fmt: str, shape, dtype=jnp.float32, implementation=None, interpret=False
+):
+    """`dequantize` of `quantize_packed`'s bytes, in `shape` (on GPU one kernel reads the bytes)."""
+    body = functools.partial(
+        _dequantize_packed_on, fmt=check_format(fmt), shape=tuple(shape), dtype=jnp.dtype(dtype)
+    )
+    return platforms.dispatch(implementation, body, packed, scales, interpret=interpret)
 
 
 def dequantize_accumulate(
@@ -468,3 +604,14 @@ def dequantize_accumulate(
     weight = jnp.asarray(weight, jnp.float32)
     body = functools.partial(_dequantize_accumulate_on, fmt=check_format(fmt))
     return platforms.dispatch(implementation, body, acc, weight, codes, scales, interpret=interpret)
+
+
+def dequantize_accumulate_packed(
+    acc, weight, packed, scales, *, fmt: str, implementation=None, interpret=False
+):
+    """`dequantize_accumulate` of `quantize_packed`'s bytes of acc.size codes, in acc's shape."""
+    weight = jnp.asarray(weight, jnp.float32)
+    body = functools.partial(_dequantize_accumulate_packed_on, fmt=check_format(fmt))
+    return platforms.dispatch(
+        implementation, body, acc, weight, packed, scales, interpret=interpret
+    )
