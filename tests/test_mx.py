@@ -243,11 +243,12 @@ def test_kernels_take_any_row_count_on_every_platform():
 
 
 # ----------------------------------------------------------------------------
-# The GPU kernels on the flat array (`mx_gpu`), interpreted: masked loads and
-# stores instead of padding, E2M1 codes packed two a byte in the same pass.
+# The GPU kernels on the flat array (`mx_gpu`), interpreted (compiled on a GPU
+# machine): masked loads and stores instead of padding, E2M1 codes packed two a
+# byte in the same pass.
 # ----------------------------------------------------------------------------
 
-GPU = platforms.Target("gpu", interpret=True)
+GPU = platforms.Target("gpu", interpret=jax.default_backend() != "gpu")
 # One element; under a block; one block; a ragged last block; whole grid steps
 # (128 blocks of 32 each on GPU); a ragged last step.
 GPU_SIZES = [1, 31, 32, 33, 4096 * 2, 4096 * 2 + 37]

@@ -17,7 +17,8 @@ from lpdec import compress
 from lpdec.kernels_pallas import minmax_tree
 from lpdec.kernels_pallas import platforms
 
-GPU = platforms.Target("gpu", interpret=True)
+# Interpreted here; compiled on a GPU machine (bench/gpu_session.sh runs this file there).
+GPU = platforms.Target("gpu", interpret=jax.default_backend() != "gpu")
 CHUNK = 256  # smaller than the matrices, larger than the biases
 
 

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lpdec.kernels_pallas import mx
+from lpdec.kernels_pallas import mx_jnp
 from lpdec.kernels_pallas import platforms
 
 # Flat offsets are int32: a grid step's tile reaches at most one step past the array.
@@ -49,7 +49,7 @@ def lowers(target, size: int) -> bool:
     )
 
 
-def codes_per_byte(fmt: mx.ElementFormat, pack: bool) -> int:
+def codes_per_byte(fmt: mx_jnp.ElementFormat, pack: bool) -> int:
     """Codes per byte: 8 // bits when packing (2 for E2M1, 1 for E4M3), else 1."""
     return 8 // fmt.bits if pack else 1
 
@@ -61,10 +61,10 @@ def _tile(br: int, size: int, per: int):
     element j, [br, w] each.
     """
     step = pl.program_id(0)
-    width = mx.BLOCK // per
+    width = mx_jnp.BLOCK // per
     block = step * br + jax.lax.broadcasted_iota(jnp.int32, (br, width), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (br, width), 1)
-    first = block * mx.BLOCK + col * per  # each byte's first element
+    first = block * mx_jnp.BLOCK + col * per  # each byte's first element
     views = [(first + j, first + j < size) for j in range(per)]
     blocks = step * br + jax.lax.broadcasted_iota(jnp.int32, (br,), 0)
     return blocks, block * width + col, first < size, views
@@ -82,7 +82,7 @@ def _quantize_kernel(seeds_ref, x_ref, codes_ref, scales_ref, *, size, br, per, 
     blocks, byte, byte_valid, views = _tile(br, size, per)
     xs = [_load(x_ref, offsets, valid) for offsets, valid in views]
     indices = [offsets.astype(jnp.uint32) if stochastic else None for offsets, _ in views]
-    codes, scales = mx._quantize_views(xs, indices, seeds_ref, fmt=fmt)
+    codes, scales = mx_jnp.quantize_views(xs, indices, seeds_ref, fmt=fmt)
     if per == 1:
         packed = codes[0]
     else:  # past the array a byte's high codes are 0, as bitpack's zero-padded stream
@@ -109,7 +109,7 @@ def _tile_codes(codes_ref, scales_ref, *, size, br, per, fmt):
 def _dequantize_kernel(codes_ref, scales_ref, out_ref, *, size, br, per, fmt):
     views, codes, scales = _tile_codes(codes_ref, scales_ref, size=size, br=br, per=per, fmt=fmt)
     for (offsets, valid), c in zip(views, codes, strict=True):
-        out = mx._dequantize_rows(c, scales, fmt=fmt).astype(out_ref.dtype)
+        out = mx_jnp.dequantize_rows(c, scales, fmt=fmt).astype(out_ref.dtype)
         _store(out_ref, offsets, out, valid)
 
 
@@ -117,7 +117,7 @@ def _accumulate_kernel(weight_ref, acc_ref, codes_ref, scales_ref, out_ref, *, s
     views, codes, scales = _tile_codes(codes_ref, scales_ref, size=size, br=br, per=per, fmt=fmt)
     for (offsets, valid), c in zip(views, codes, strict=True):
         acc = _load(acc_ref, offsets, valid)  # each element is read, then written, by one view
-        out = mx._accumulate_rows(acc, weight_ref[0, 0], c, scales, fmt=fmt)
+        out = mx_jnp.accumulate_rows(acc, weight_ref[0, 0], c, scales, fmt=fmt)
         _store(out_ref, offsets, out, valid)
 
 
@@ -128,11 +128,11 @@ def _whole(n: int):
 
 def _call(kernel, *, size: int, per: int, fmt, target, block_rows, **kwargs):
     """`target.pallas_call` of `kernel` over `size` elements' MX blocks, `br` per grid step."""
-    blocks = platforms.num_rows(size, mx.BLOCK)
-    br = block_rows or platforms.block_rows_for(blocks, mx.BLOCK, target.block_elements)
+    blocks = platforms.num_rows(size, mx_jnp.BLOCK)
+    br = block_rows or platforms.block_rows_for(blocks, mx_jnp.BLOCK, target.block_elements)
     return target.pallas_call(
         functools.partial(kernel, size=size, br=br, per=per, fmt=fmt),
-        block_elements=br * mx.BLOCK,
+        block_elements=br * mx_jnp.BLOCK,
         grid=(platforms.num_rows(blocks, br),),
         **kwargs,
     )
@@ -146,7 +146,7 @@ def quantize(flat, seeds, *, fmt: str, stochastic: bool, target, pack=False, blo
     their own bytes). `seeds`: uint32 [1, 2]. `block_rows`: MX blocks per grid step
     (default: about `target.block_elements` elements).
     """
-    fmt = mx.check_format(fmt)
+    fmt = mx_jnp.check_format(fmt)
     size, per = flat.size, codes_per_byte(fmt, pack)
     return _call(
         functools.partial(_quantize_kernel, stochastic=stochastic),
@@ -156,10 +156,10 @@ def quantize(flat, seeds, *, fmt: str, stochastic: bool, target, pack=False, blo
         target=target,
         block_rows=block_rows,
         in_specs=[target.scalar_spec((1, 2)), _whole(size)],
-        out_specs=[_whole(-(-size // per)), _whole(platforms.num_rows(size, mx.BLOCK))],
+        out_specs=[_whole(-(-size // per)), _whole(platforms.num_rows(size, mx_jnp.BLOCK))],
         out_shape=[
             platforms.out_struct((-(-size // per),), jnp.uint8, flat),
-            platforms.out_struct((platforms.num_rows(size, mx.BLOCK),), jnp.uint8, flat),
+            platforms.out_struct((platforms.num_rows(size, mx_jnp.BLOCK),), jnp.uint8, flat),
         ],
     )(seeds, flat)
 
@@ -167,7 +167,7 @@ def quantize(flat, seeds, *, fmt: str, stochastic: bool, target, pack=False, blo
 def dequantize(codes, scales, *, fmt: str, size: int, dtype, target, packed=False, block_rows=None):
     """GPU kernel: the `size` values of flat codes (bytes, with `packed`) times their
     blocks' scales, as flat `dtype`."""
-    fmt = mx.check_format(fmt)
+    fmt = mx_jnp.check_format(fmt)
     per = codes_per_byte(fmt, packed)
     return _call(
         _dequantize_kernel,
@@ -186,7 +186,7 @@ def dequantize_accumulate(
     acc, weight, codes, scales, *, fmt: str, target, packed=False, block_rows=None
 ):
     """GPU kernel: flat float32 acc + weight * dequantize, in place on acc."""
-    fmt = mx.check_format(fmt)
+    fmt = mx_jnp.check_format(fmt)
     size, per = acc.size, codes_per_byte(fmt, packed)
     return _call(
         _accumulate_kernel,
