@@ -14,13 +14,11 @@ E4M3 always) or 2 (E2M1 packed, `bitpack`'s little-endian stream: element j of
 byte b is element 2b + j, at bits [4j, 4j + 4)). The tile is then [br, 32 / per]
 bytes, and element j of every byte is loaded (or stored) as its own strided
 view; the quantize ORs the views' codes into the bytes, the decodes shift them
-out. The arithmetic is `mx`'s row functions' (`_quantize_views`,
-`_dequantize_rows`, `_accumulate_rows`), so the bytes are those of the
+out. The arithmetic is `mx_jnp`'s (`quantize_views`,
+`dequantize_rows`, `accumulate_rows`), so the bytes are those of the
 references bit for bit, and stochastic rounding draws from each element's flat
-index as the row path does.
-
-This module builds on `mx`'s element math and `mx` dispatches to it: nothing here
-reads `mx` at import time, so either may be imported first.
+index as the row path does. `mx` dispatches to these kernels when a program is
+lowered for a GPU.
 """
 
 from __future__ import annotations
