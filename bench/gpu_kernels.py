@@ -524,8 +524,9 @@ TREE_COLUMNS = (
 
 def section(results: dict, device: str) -> str:
     lines = [
-        f"Device: {device}; {_sections.versions()}.",
-        "Command: `python bench/gpu_kernels.py --write --json docs/gpu_kernels.json`. "
+        f"Device: {device}; {results.get('versions') or _sections.versions()}.",
+        "Command: `python bench/gpu_kernels.py --write --json docs/gpu_kernels.json` (or "
+        "`--merge` of the JSON files that `bench/gpu_session.sh` writes, one per part). "
         "Each cell: the candidate's bytes moved per second as a percentage of `x + 1`'s "
         "(4 B read + 4 B written per element) on the same array; encode moves 4 B in and "
         "bits / 8 out per element, error feedback 8 B in and 4 + bits / 8 out.",
@@ -610,13 +611,24 @@ def main(argv=None) -> None:
         default="backends,arrays,trees",
         help="comma-separated: backends,arrays,trees,tune",
     )
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="measure nothing: the section from these runs' --json files (each part from "
+        "the last file that has it), e.g. the ones bench/gpu_session.sh writes",
+    )
     args = parser.parse_args(argv)
+    if args.merge:
+        results = merge_results([json.loads(pathlib.Path(f).read_text()) for f in args.merge])
+        finish(results, args)
+        return
     device = str(jax.devices()[0].device_kind)
     global INNER
     INNER = 1 if args.quick else INNER
     repeats = 3 if args.quick else args.repeats
     parts = set(args.parts.split(","))
-    results = {}
+    results = {"device": device, "versions": _sections.versions()}
     if "backends" in parts:
         results["backends"] = measure_backends(args.quick, repeats)
         if args.json:  # kept even if a later part fails
@@ -626,8 +638,21 @@ def main(argv=None) -> None:
         if args.json:
             pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")
     results |= measure(args.quick, repeats, parts)
-    results["device"] = device
-    text = section(results, device)
+    finish(results, args)
+
+
+def merge_results(runs: list[dict]) -> dict:
+    """One result from several runs' JSON: each part (and the device and versions)
+    from the last run that has it."""
+    merged = {}
+    for run in runs:
+        merged |= {k: v for k, v in run.items() if v}
+    return merged
+
+
+def finish(results: dict, args) -> None:
+    """Prints the section; writes the JSON (`--json`) and BENCHMARKS.md's section (`--write`)."""
+    text = section(results, results.get("device", "unknown"))
     print(text)
     if args.json:
         pathlib.Path(args.json).write_text(json.dumps(results, indent=1) + "\n")

@@ -36,6 +36,9 @@ echo "gpu_kernels tune rc=$?"; date +%T
 timeout "${T_KERNELS:-150}" $PY bench/gpu_kernels.py $quick --parts "${PARTS:-arrays}" \
   --json "$OUT/gpu_kernels.json" > "$OUT/gpu_kernels.log" 2>&1
 echo "gpu_kernels rc=$?"; date +%T
+# The GPU section from every part that finished (back here: add --write to rewrite BENCHMARKS.md).
+parts=$(ls "$OUT"/gpu_trees.json "$OUT"/gpu_tune.json "$OUT"/gpu_kernels.json 2>/dev/null)
+[ -n "$parts" ] && $PY bench/gpu_kernels.py --merge $parts > "$OUT/gpu_section.md" 2>&1
 # The steps above stop at 510 s; the LM run takes what is left of a 600 s call.
 [ "${T_LM:-80}" = 0 ] && exit 0
 lm_steps=${QUICK:+--steps 6 --log-every 2}

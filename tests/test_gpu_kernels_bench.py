@@ -51,3 +51,28 @@ def test_quick_tune_times_every_kernel_block_size_and_warp_count(tmp_path):
     want |= {f"4-bit packed|{s}|4" for s in (4096, 8192)}
     assert want <= set(row) and all(row[k] > 0 for k in want)
     assert "| 10,037 | 4-bit packed | 8192 |" in proc.stdout
+
+    # --merge: the section from several runs' JSON (one per part, as the GPU session
+    # script writes them), measuring nothing; each part from the last file that has it.
+    other = tmp_path / "arrays.json"
+    other.write_text(
+        json.dumps(
+            {
+                "device": "a merged device",
+                "versions": "jax from the JSON",
+                "arrays": [{"elements": 4096, "copy_s": 1e-6, "minmax8_s": 1.25e-6}],
+                "tune": [],
+            }
+        )
+    )
+    merged = subprocess.run(
+        [sys.executable, "bench/gpu_kernels.py", "--merge", str(out), str(other)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert merged.returncode == 0, merged.stderr[-3000:]
+    assert "Device: a merged device; jax from the JSON." in merged.stdout
+    assert "| 4,096 | 33 | 50% |" in merged.stdout  # 5 B in 1.25 µs against 8 B in 1 µs
+    assert "| 10,037 | 4-bit packed | 8192 |" in merged.stdout  # kept: the second is empty
