@@ -67,6 +67,7 @@ __all__ = [
     "dequantize_lowers",
     "dequantize_pallas",
     "dequantize_reference",
+    "mosaic_quantizes",
     "quantize",
     "quantize_lowers",
     "quantize_packed",
