@@ -67,6 +67,7 @@ __all__ = [
     "dequantize_lowers",
     "dequantize_pallas",
     "dequantize_reference",
+    "gpu_quantizes",
     "mosaic_quantizes",
     "quantize",
     "quantize_lowers",
@@ -135,6 +136,15 @@ def quantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
     if target.platform == "gpu":
         return minmax_gpu.lowers(rows * chunk)
     return target.lowers(*_row_blocks(target, rows, chunk, (dtype, jnp.uint8))[2])
+
+
+def gpu_quantizes(target, rows: int, chunk: int, dtype) -> bool:
+    """Whether `target` is a GPU that runs the flat quantize kernels (`minmax_gpu`) here."""
+    return (
+        target is not None
+        and target.platform == "gpu"
+        and quantize_lowers(target, rows, chunk, dtype)
+    )
 
 
 def dequantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
@@ -520,12 +530,7 @@ def _quantize_packed_on(x, seeds, *, chunk, bits: int, stochastic: bool, target)
     """The quantize-and-pack `target` runs: one GPU pass where `minmax_gpu.packs_in_pass`, else
     `_quantize_on` and then `bitpack`'s packing."""
     rows, chunk = _layout(x.size, chunk, x.shape)
-    if (
-        target is not None
-        and target.platform == "gpu"
-        and quantize_lowers(target, rows, chunk, x.dtype)
-        and minmax_gpu.packs_in_pass(bits, chunk)
-    ):
+    if gpu_quantizes(target, rows, chunk, x.dtype) and minmax_gpu.packs_in_pass(bits, chunk):
         packed, lo, unit = minmax_gpu.gpu_quantize(
             x.reshape(-1),
             seeds,

@@ -23,11 +23,7 @@ from lpdec.kernels_pallas import platforms
 def _quantize_feedback_on(update, residual, decay, seeds, *, chunk, bits, stochastic, target):
     """The error-feedback quantize `target` runs: the fused GPU kernel, or quantize + residual."""
     rows, chunk = minmax._layout(update.size, chunk, update.shape)
-    if (
-        target is not None
-        and target.platform == "gpu"
-        and minmax.quantize_lowers(target, rows, chunk, jnp.float32)
-    ):
+    if minmax.gpu_quantizes(target, rows, chunk, jnp.float32):
         codes, lo, unit, error = minmax_gpu.gpu_quantize_feedback(
             update.reshape(-1),
             residual.astype(jnp.float32).reshape(-1),
@@ -53,11 +49,8 @@ def _quantize_feedback_packed_on(
     """`_quantize_feedback_on` with the codes packed: one GPU pass where
     `minmax_gpu.packs_in_pass`."""
     rows, chunk = minmax._layout(update.size, chunk, update.shape)
-    if (
-        target is not None
-        and target.platform == "gpu"
-        and minmax.quantize_lowers(target, rows, chunk, jnp.float32)
-        and minmax_gpu.packs_in_pass(bits, chunk)
+    if minmax.gpu_quantizes(target, rows, chunk, jnp.float32) and minmax_gpu.packs_in_pass(
+        bits, chunk
     ):
         packed, lo, unit, error = minmax_gpu.gpu_quantize_feedback(
             update.reshape(-1),

@@ -207,11 +207,7 @@ def _quantize_leaves_on(xs, seeds, *, chunks, bits: int, stochastic: bool, targe
     batched = []
     for i, (x, chunk) in enumerate(zip(xs, chunks, strict=True)):
         rows, chunk = minmax._layout(x.size, chunk, x.shape)
-        if (
-            target is not None
-            and target.platform == "gpu"
-            and minmax.quantize_lowers(target, rows, chunk, x.dtype)
-        ):
+        if minmax.gpu_quantizes(target, rows, chunk, x.dtype):
             batched.append((i, chunk))
         else:
             out[i] = minmax._quantize_on(
