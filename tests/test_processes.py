@@ -3,6 +3,8 @@
 twice, an id out of range, a peer that never comes, per-machine workdirs, config.devices."""
 
 import csv
+import json
+import os
 import pathlib
 import subprocess
 import sys
@@ -180,13 +182,14 @@ SAME_THREADS = {"NPROC": "8"}
 @pytest.mark.parametrize("config", ["quickstart", "default", "link_mlp"])
 def test_two_processes_of_four_devices_match_one_of_eight_bit_for_bit(tmp_path, config):
     """A shipped config (its model, precision, algorithm and compressor; 4 steps in 2
-    logged chunks) ends with the same parameters and logs the same metrics, bit for bit,
-    whether 8 nodes run in 1 process of 8 devices or in 2 processes of 4."""
+    logged chunks, a checkpoint after each) ends with the same parameters and logs the
+    same metrics, bit for bit, whether 8 nodes run in 1 process of 8 devices or in 2
+    processes of 4 (jax.distributed over loopback, gloo CPU collectives)."""
     flags = [
         f"--config={ROOT / 'configs' / f'{config}.py'}",
         "--config.num_steps=4",
         "--config.log_every=2",
-        "--config.checkpoint_every=0",
+        "--config.checkpoint_every=2",
         "--config.save_final_params=True",
     ]
     train = [sys.executable, str(ROOT / "train.py")]
@@ -224,6 +227,10 @@ def test_two_processes_of_four_devices_match_one_of_eight_bit_for_bit(tmp_path, 
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], errors[0][-3000:] + errors[1][-3000:]
 
+    summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
+    assert summary["processes"] == 2 and summary["devices"] == 8
+    # The checkpoint between the chunks, saved while the next one runs, and the last.
+    assert sorted(os.listdir(tmp_path / "multi" / "checkpoints")) == ["2", "4"]
     single, multi = (final_params(tmp_path / w) for w in ("single", "multi"))
     assert sorted(single) == sorted(multi)
     for name in single:

@@ -13,6 +13,7 @@ import sys
 import time
 
 import jax
+import ml_collections
 import numpy as np
 import optax
 import pytest
@@ -377,27 +378,6 @@ def _free_port():
         return s.getsockname()[1]
 
 
-def test_two_processes_of_four_devices_match_one_process_of_eight(tmp_path):
-    """Multi-host for real: jax.distributed over loopback (gloo CPU collectives)."""
-    base = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
-    single = tmp_path / "single"
-    subprocess.run(
-        base + [f"--workdir={single}"] + TINY_FLAGS,
-        env=_env(8),
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-        timeout=600,
-    )
-    multi = tmp_path / "multi"
-    _two_processes(multi, TINY_FLAGS)
-    summary = json.loads((multi / "summary.json").read_text())
-    assert summary["processes"] == 2 and summary["devices"] == 8
-    a, b = final_params(single), final_params(multi)
-    for name in a:
-        np.testing.assert_array_equal(a[name], b[name], err_msg=name)
-
-
 def _two_processes(workdir, flags, devices=4):
     """train.py as 2 jax.distributed processes of `devices` CPU devices (gloo, loopback)."""
     base = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
@@ -424,21 +404,57 @@ def _two_processes(workdir, flags, devices=4):
     assert all(p.returncode == 0 for p in procs), outputs[0][-3000:] + outputs[1][-3000:]
 
 
-@pytest.mark.parametrize(
-    "algorithm",
-    [
-        ["--config.algorithm=choco"],
-        ["--config.algorithm=compressed_mean"],
-        # 20 steps = 4 rounds of 5: every node ends on the synchronised anchor.
-        ["--config.algorithm=diloco", "--config.local_steps=5", "--config.exchange=gossip"],
-    ],
-    ids=["choco", "compressed_mean", "diloco-gossip"],
+# 2 machines of 4 workers in fp32 with the identity compressor, on TINY_FLAGS' data and
+# model (the MLP's default widths) and 20 steps: the one-process runs that the multi-process
+# runs of the same flags (hierarchical_flags) are compared with, and the replicated twins of
+# tests/test_train_sharded.py's sharded runs.
+HIERARCHICAL = dict(
+    hierarchical=True, machines=2, precision="fp32", compressor="identity", num_steps=20
 )
-def test_hierarchical_run_on_two_processes_matches_two_simulated_machines(tmp_path, algorithm):
+
+
+def hierarchical_config(**overrides):
+    """tiny_config with HIERARCHICAL, the MLP's default widths and `overrides`."""
+    config = tiny_config(**HIERARCHICAL)
+    config.model_kwargs = ml_collections.ConfigDict()  # the MLP's defaults, as TINY_FLAGS
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    return config
+
+
+def hierarchical_run(shared_run, **overrides):
+    """hierarchical_config(**overrides) trained in this process, once per test run for
+    every test that names the same overrides (conftest.shared_run): (workdir, summary)."""
+    name = "hierarchical" + "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
+    config = hierarchical_config(**overrides)
+    return shared_run(name, lambda d: train.train_and_evaluate(config, str(d)))
+
+
+def hierarchical_flags(**overrides):
+    """train.py's flags for hierarchical_config(**overrides) (overrides of plain values) in
+    a run of 2 processes: config.machines left at 0, the processes are the machines."""
+    fields = {k: v for k, v in {**HIERARCHICAL, **overrides}.items() if k != "machines"}
+    kept = [f for f in TINY_FLAGS if f.split("=")[0].removeprefix("--config.") not in fields]
+    return kept + [f"--config.{key}={value}" for key, value in fields.items()]
+
+
+HIERARCHICAL_ALGORITHMS = {
+    "choco": dict(algorithm="choco"),
+    "compressed_mean": dict(algorithm="compressed_mean"),
+    # 20 steps = 4 rounds of 5: every node ends on the synchronised anchor.
+    "diloco-gossip": dict(algorithm="diloco", local_steps=5, exchange="gossip"),
+}
+
+
+@pytest.mark.parametrize("algorithm", sorted(HIERARCHICAL_ALGORITHMS))
+def test_hierarchical_run_on_two_processes_matches_two_simulated_machines(
+    tmp_path, shared_run, algorithm
+):
     """Processes as machines: 2 processes x 4 devices run hierarchical CHOCO (gradients
-    averaged inside a process, CHOCO between the processes on a 1/4 slice per device)
-    or seed 004's compressed mean, and land where 1 process simulating 2 machines x 4
-    workers lands.
+    averaged inside a process, CHOCO between the processes on a 1/4 slice per device),
+    seed 004's compressed mean or DiLoCo gossiping between the machines, and land where
+    1 process simulating 2 machines x 4 workers lands (the one-process runs of choco and
+    compressed_mean are tests/test_train_sharded.py's replicated runs too).
 
     Not bit for bit: the in-machine all-reduce of the gradients adds in another order
     under gloo than in one process; measured 4.5e-7 at most after 20 steps, float32
@@ -446,30 +462,17 @@ def test_hierarchical_run_on_two_processes_matches_two_simulated_machines(tmp_pa
     those ulps flip a code and the runs drift apart by code steps (2e-4 here), which
     would hide a real mismatch; the per-slice 8-bit rule is checked exactly against
     numpy in tests/test_hierarchy.py."""
-    flags = TINY_FLAGS + [
-        "--config.hierarchical=True",
-        *algorithm,
-        "--config.compressor=identity",
-    ]
-    base = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
-    single = tmp_path / "single"
-    subprocess.run(
-        base + [f"--workdir={single}", "--config.machines=2"] + flags,
-        env=_env(8),
-        check=True,
-        capture_output=True,
-        cwd=ROOT,
-        timeout=600,
-    )
+    overrides = HIERARCHICAL_ALGORITHMS[algorithm]
+    single, _ = hierarchical_run(shared_run, **overrides)
     multi = tmp_path / "multi"
-    _two_processes(multi, flags)
+    _two_processes(multi, hierarchical_flags(**overrides))
     summary = json.loads((multi / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["devices"] == 8
     a, b = final_params(single), final_params(multi)
     # Every worker of a machine holds the machine's model, bit for bit (DiLoCo's workers
     # average their gradients in the local steps too). DiLoCo's outer Nesterov step (lr
     # 0.7, momentum 0.9) amplifies the gradients' other rounding: 4.5e-6 measured.
-    atol = 1e-5 if "--config.algorithm=diloco" in algorithm else 2e-6
+    atol = 1e-5 if overrides["algorithm"] == "diloco" else 2e-6
     for name in a:
         for params in (a[name], b[name]):
             for machine in (params[:4], params[4:]):

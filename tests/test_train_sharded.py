@@ -3,7 +3,8 @@
 The reference is the replicated hierarchical run of the same config: every worker
 holds its machine's whole model, the workers average their gradients, the algorithm
 runs between the machines. With the identity compressor both compute the same
-thing in other shapes, so they agree to float32 rounding.
+thing in other shapes, so they agree to float32 rounding. Both runs are
+test_train.hierarchical_run's, shared with the other tests that compare against them.
 """
 
 import json
@@ -12,13 +13,13 @@ import os
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 
 import jax  # noqa: E402
-import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
-from test_train import TINY_FLAGS  # noqa: E402
 from test_train import _two_processes  # noqa: E402
 from test_train import final_params  # noqa: E402
-from test_train import tiny_config  # noqa: E402
+from test_train import hierarchical_config  # noqa: E402
+from test_train import hierarchical_flags  # noqa: E402
+from test_train import hierarchical_run  # noqa: E402
 
 import lpdec  # noqa: E402
 import train_lib  # noqa: E402
@@ -26,7 +27,8 @@ from train_lib import ConfigError  # noqa: E402
 
 pytestmark = pytest.mark.skipif(jax.device_count() < 8, reason="needs 8 devices")
 
-SHARED = dict(hierarchical=True, machines=2, precision="fp32", compressor="identity")
+# The algorithms between the machines (test_train.HIERARCHICAL: 2 machines of 4 workers,
+# fp32, the identity compressor, 20 steps).
 ALGORITHMS = {
     "allreduce": dict(algorithm="allreduce"),
     "choco": dict(algorithm="choco"),
@@ -35,16 +37,10 @@ ALGORITHMS = {
 }
 
 
-def _run(shared_run, name, **overrides):
-    config = tiny_config(**{**SHARED, **overrides})
-    key = name + "".join(f"-{k}={v}" for k, v in sorted(overrides.items()))
-    return shared_run(key, lambda d: train_lib.train_and_evaluate(config, str(d)))
-
-
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_a_sharded_run_lands_where_the_replicated_run_lands(shared_run, algorithm):
-    rep_dir, rep = _run(shared_run, "replicated", **ALGORITHMS[algorithm])
-    fsdp_dir, fsdp = _run(shared_run, "sharded", shard_model=True, **ALGORITHMS[algorithm])
+    rep_dir, rep = hierarchical_run(shared_run, **ALGORITHMS[algorithm])
+    fsdp_dir, fsdp = hierarchical_run(shared_run, shard_model=True, **ALGORITHMS[algorithm])
     replicated, sharded = final_params(rep_dir), final_params(fsdp_dir)
     for name, whole in replicated.items():
         # Replicated: one row per worker, the 4 workers of a machine equal; sharded: one
@@ -52,7 +48,8 @@ def test_a_sharded_run_lands_where_the_replicated_run_lands(shared_run, algorith
         assert sharded[name].shape == (2,) + whole.shape[1:], name
         # float32 rounding: the reduce-scatter and the mean sum in other orders, and
         # DiLoCo's outer momentum carries the difference along (jax 0.12: 7e-6 after 40
-        # steps; a gradient 1% off misses by 6e-4).
+        # steps of the 32-wide MLP; jax 0.10: 1.2e-7 after test_train.HIERARCHICAL's 20
+        # steps of the default MLP, where a gradient 1% off misses by 1.1e-4).
         np.testing.assert_allclose(sharded[name], whole[[0, 4]], rtol=0, atol=3e-5, err_msg=name)
     for metric in ("train_loss", "test_accuracy_avg_model"):
         assert fsdp["final"][metric] == pytest.approx(rep["final"][metric], abs=1e-5), metric
@@ -72,8 +69,8 @@ def test_a_machine_sends_one_compressed_model_per_exchange(shared_run):
         error_feedback=True,
         model_kwargs={"hidden_sizes": (256,)},
     )
-    _, summary = _run(shared_run, "sharded", shard_model=True, **overrides)
-    plan = train_lib.build(tiny_config(**{**SHARED, "shard_model": True, **overrides})).shard_plan
+    _, summary = hierarchical_run(shared_run, shard_model=True, **overrides)
+    plan = train_lib.build(hierarchical_config(shard_model=True, **overrides)).shard_plan
     is_shape = lambda x: isinstance(x, tuple)  # noqa: E731
     size = lambda shapes: sum(int(np.prod(s)) for s in jax.tree.leaves(shapes, is_leaf=is_shape))  # noqa: E731
     s, parameters = size(plan.block_shapes), size(plan.shapes)
@@ -94,45 +91,31 @@ def test_a_machine_sends_one_compressed_model_per_exchange(shared_run):
     ],
 )
 def test_bad_sharding_requests_fail_in_one_line_before_training(tmp_path, overrides, message):
-    config = tiny_config(**{**SHARED, "shard_model": True, **overrides})
+    config = hierarchical_config(shard_model=True, **overrides)
     with pytest.raises(ConfigError, match=message) as info:
         train_lib.train_and_evaluate(config, str(tmp_path))
     assert "\n" not in str(info.value)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
-def test_two_processes_of_four_workers_match_two_simulated_machines(tmp_path):
+def test_two_processes_of_four_workers_match_two_simulated_machines(tmp_path, shared_run):
     """Sharded DiLoCo across 2 real processes (each a machine of 4 CPU devices) lands
     where the one-process simulation of 2 machines lands (gloo sums the in-machine
     reduce-scatter in another order: float32 rounding), and each process's devices hold
-    a quarter of what a device of the replicated run holds."""
-    overrides = dict(ALGORITHMS["diloco"], num_steps=20)
-
-    def config(**more):
-        config = tiny_config(**{**SHARED, **overrides, **more})
-        config.model_kwargs = ml_collections.ConfigDict()  # the MLP's defaults, as the flags
-        return config
-
-    train_lib.train_and_evaluate(config(shard_model=True), str(tmp_path / "single"))
-    replicated = train_lib.train_and_evaluate(
-        config(num_steps=1, save_final_params=False), str(tmp_path / "replicated")
-    )
-    flags = [f for f in TINY_FLAGS if "precision" not in f and "num_steps" not in f] + [
-        "--config.hierarchical=True",
-        "--config.shard_model=True",
-        "--config.precision=fp32",
-        "--config.compressor=identity",
-        *(f"--config.{k}={v}" for k, v in overrides.items()),
-    ]
-    _two_processes(tmp_path / "multi", flags)
+    a quarter of what a device of the replicated run holds (both one-process runs are
+    test_a_sharded_run_lands_where_the_replicated_run_lands[diloco]'s)."""
+    overrides = dict(ALGORITHMS["diloco"], shard_model=True)
+    single, _ = hierarchical_run(shared_run, **overrides)
+    _, replicated = hierarchical_run(shared_run, **ALGORITHMS["diloco"])
+    _two_processes(tmp_path / "multi", hierarchical_flags(**overrides))
     summary = json.loads((tmp_path / "multi" / "summary.json").read_text())
     assert summary["processes"] == 2 and summary["devices"] == 8
     # Read from the arrays' shards on process 0's devices: parameters, Nesterov momentum,
     # DiLoCo's anchor and outer momentum, 4 whole models on a device of the replicated run.
-    model_bytes = 4 * sum(x[0].size for x in jax.tree.leaves(final_params(tmp_path / "single")))
+    model_bytes = 4 * sum(x[0].size for x in jax.tree.leaves(final_params(single)))
     assert replicated["state_bytes_per_device"] >= 4 * model_bytes
     assert summary["state_bytes_per_device"] <= 1.1 * replicated["state_bytes_per_device"] / 4
-    a, b = final_params(tmp_path / "single"), final_params(tmp_path / "multi")
+    a, b = final_params(single), final_params(tmp_path / "multi")
     for name in a:
         assert a[name].shape[0] == 2, name  # one whole model per machine
         np.testing.assert_allclose(b[name], a[name], rtol=0, atol=2e-6, err_msg=name)
