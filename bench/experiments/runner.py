@@ -253,12 +253,18 @@ class Runner:
             "wire_bytes_per_step": numbers["bytes"],
             "step_time_s": numbers["step_time_s"],
         }
+        # Split over the axes a run reports: a hierarchical one, the workers' inside each
+        # machine and the machines'; any other, the nodes' (none without communication).
+        layout, sent = exp.layout, numbers["bytes"]
+        by_axis = {str(layout.mesh_axis): sent}
+        if config.hierarchical:
+            by_axis = {str(layout.local_axis): 0.9 * sent, str(layout.mesh_axis): 0.1 * sent}
         summary = {
             "final": final,
             "steps": steps,
             "total_steps": steps,
             "diverged": False,
-            "wire_bytes_by_axis": {},
+            "wire_bytes_by_axis": by_axis,
             "collectives_per_step": numbers["collectives"],
         }
         return summary, history
