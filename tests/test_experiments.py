@@ -1,5 +1,13 @@
-"""The experiments runner: its quick mode runs every study end to end (so it cannot rot),
-its tables come from docs/experiments.json alone, and its cache follows the code."""
+"""The experiments runner: every study runs end to end in quick mode (so it cannot rot),
+its tables come from docs/experiments.json alone, and its cache follows the code.
+
+Every study runs as a dry run (`--dry-run`: each config checked as train.py checks it
+before its first step, placeholder numbers instead of training's), which exercises each
+study's grid, tables, plots and experiments.json in seconds; two studies also train for
+real in quick mode, which covers what a dry run leaves out (Runner._train's training
+and metrics.csv: mx; the AD-PSGD simulator's runs: ad_psgd) and shows that a dry run checks the very
+runs a real one trains, with the same fields.
+"""
 
 import json
 import os
@@ -26,7 +34,7 @@ STUDIES = (
 )
 
 
-def run_experiments(tmp_path, *args):
+def run_experiments(tmp_path, *args, check=True):
     env = dict(os.environ)
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     proc = subprocess.run(
@@ -37,27 +45,43 @@ def run_experiments(tmp_path, *args):
         text=True,
         timeout=1500,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc.stdout
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
-def sections(text):
+def sections(text, studies=STUDIES):
     found = {}
-    for study in STUDIES:
+    for study in studies:
         start, end = f"<!-- study:{study}:start -->", f"<!-- study:{study}:end -->"
         assert start in text and end in text, study
         found[study] = text.split(start)[1].split(end)[0]
     return found
 
 
-def test_quick_mode_writes_every_study_plot_and_run_and_renders_from_the_json(tmp_path):
+def check_quick_runs(data):
+    """What every run of a quick experiments.json holds, trained or dry."""
+    for r in data["runs"]:
+        for field in ("method", "seed", "config", "steps", "schedule", "final_test_accuracy"):
+            assert field in r, field
+        assert r["steps"] == 20 and r["config"]["num_steps"] == 20
+        assert 0.0 <= r["final_test_accuracy"] <= 1.0
+        assert r["bytes_per_node_total"] == r["bytes_per_node_per_step"] * r["steps"]
+        assert r["code"] == data["code"]
+
+
+def test_dry_run_writes_every_study_plot_and_run_and_renders_from_the_json(tmp_path):
     output = tmp_path / "EXPERIMENTS.md"
-    run_experiments(tmp_path, "all", "--quick", f"--output={output}")
-    found = sections(output.read_text())
+    run_experiments(tmp_path, "all", "--quick", "--dry-run", f"--output={output}")
+    text = output.read_text()
+    found = sections(text)
     for study, section in found.items():
-        # Every study reports a table of results and states its command and time.
+        # Every study reports a table of results and states its command and time, and
+        # that its numbers are placeholders.
         assert "| --- |" in section.replace("|---|", "| --- |"), study
-        assert f"python -m bench.experiments {study} --quick" in section, study
+        assert f"python -m bench.experiments {study} --quick --dry-run`" in section, study
+        assert "DRY RUN, nothing trained" in section, study
+    assert "DRY RUN: no run was trained" in text.split("<!-- runtime:start -->")[1]
     docs = tmp_path / "docs"
     plots = sorted(p for p in os.listdir(docs) if p.endswith(".png"))
     assert plots == sorted(
@@ -75,13 +99,14 @@ def test_quick_mode_writes_every_study_plot_and_run_and_renders_from_the_json(tm
     data = json.loads((docs / "experiments.json").read_text())
     runs = data["runs"]
     assert {r["study"] for r in runs} == set(STUDIES) - {"theorem1"}
-    for r in runs:
-        for field in ("method", "seed", "config", "steps", "schedule", "final_test_accuracy"):
-            assert field in r, field
-        assert r["steps"] == 20 and r["config"]["num_steps"] == 20
-        assert 0.0 <= r["final_test_accuracy"] <= 1.0
-        assert r["bytes_per_node_total"] == r["bytes_per_node_per_step"] * r["steps"]
-        assert r["code"] == data["code"]
+    check_quick_runs(data)
+    # Marked as a dry run, under a code no trained run has, and nothing cached.
+    assert data["dry_run"] is True and data["code"].startswith("dry run (")
+    assert all(r["dry_run"] is True for r in runs)
+    assert not (tmp_path / "runs_quick").exists()
+    # Each run's placeholders are its own (derived from its key).
+    by_key = {r["key"]: r["final_test_accuracy"] for r in runs}
+    assert len(set(by_key.values())) == len(by_key)
     # The local-step methods sit in the tradeoff study, with bytes.
     diloco = [r for r in runs if r["study"] == "tradeoff" and r["method"].startswith("DiLoCo")]
     assert diloco and all(r["bytes_per_node_per_step"] > 0 for r in diloco)
@@ -97,10 +122,9 @@ def test_quick_mode_writes_every_study_plot_and_run_and_renders_from_the_json(tm
     assert one_bit and one_bit[0]["config"]["rounding"] == "stochastic"
     assert one_bit[0]["config"]["theta"] == 2.0 and one_bit[0]["config"]["slack"] == 5e-3
 
-    # The tables and plots come from experiments.json alone: with an empty cache,
-    # --render writes the same tables (only the timing line may differ).
+    # The tables and plots come from experiments.json alone: --render writes the same
+    # tables (only the timing line may differ), and says they are a dry run's.
     rendered = tmp_path / "rendered.md"
-    (tmp_path / "runs_quick" / "results.json").unlink()
     run_experiments(tmp_path, "all", "--quick", "--render", f"--output={rendered}")
     again = sections(rendered.read_text())
     for study in STUDIES:
@@ -108,6 +132,7 @@ def test_quick_mode_writes_every_study_plot_and_run_and_renders_from_the_json(tm
         def strip(text):
             return re.sub(r"_Command: .*?_\n", "", text)
 
+        assert f"{study} --quick --dry-run`; DRY RUN, nothing trained" in again[study], study
         assert strip(again[study]) == strip(found[study]), study
     # A number changed in the json shows up in the rendered table.
     first = next(r for r in runs if r["study"] == "centralized")
@@ -118,6 +143,70 @@ def test_quick_mode_writes_every_study_plot_and_run_and_renders_from_the_json(tm
     (docs / "experiments.json").write_text(json.dumps(data))
     run_experiments(tmp_path, "centralized", "--quick", "--render", f"--output={rendered}")
     assert "| 12.3 |" in sections(rendered.read_text())["centralized"]  # one seed: no std
+
+
+def train_quick_and_dry(tmp_path, study):
+    """`study --quick` trained, then its dry run; returns the trained runs and the
+    trained output's path.
+
+    The dry run lists the same runs under the same methods as the trained one, each
+    record with the same fields.
+    """
+    output = tmp_path / "trained" / "EXPERIMENTS.md"
+    run_experiments(tmp_path, study, "--quick", f"--output={output}")
+    published = tmp_path / "trained" / "docs" / "experiments.json"
+    trained = json.loads(published.read_text())
+    section = sections(output.read_text(), (study,))[study]
+    assert f"python -m bench.experiments {study} --quick`" in section
+    assert "DRY RUN" not in section and "dry_run" not in trained
+    check_quick_runs(trained)
+    assert all("dry_run" not in r for r in trained["runs"])
+    # Every run is cached under the code that trained it.
+    cached = json.loads((tmp_path / "runs_quick" / "results.json").read_text())
+    assert set(cached) == {r["key"] for r in trained["runs"]}
+    assert {r["code"] for r in cached.values()} == {trained["code"]}
+
+    dry_output = tmp_path / "dry" / "EXPERIMENTS.md"
+    run_experiments(tmp_path, study, "--quick", "--dry-run", f"--output={dry_output}")
+    dry = json.loads((tmp_path / "dry" / "docs" / "experiments.json").read_text())
+    listing = [(r["study"], r["method"], r["seed"], r["key"]) for r in trained["runs"]]
+    assert [(r["study"], r["method"], r["seed"], r["key"]) for r in dry["runs"]] == listing
+    for real, placeholder in zip(trained["runs"], dry["runs"], strict=True):
+        assert set(placeholder) == set(real) | {"dry_run"}, real["method"]
+        assert placeholder["config"] == real["config"] and len(placeholder["curve"]) == len(
+            real["curve"]
+        )
+    return trained["runs"], output
+
+
+def test_quick_mode_trains_the_mx_study_as_its_dry_run_checks_it(tmp_path):
+    """Runner._train's real path (train_lib.train_and_evaluate, its summary and its
+    metrics.csv) on 4 runs: CHOCO's gossip and DiLoCo's compressed mean."""
+    runs, output = train_quick_and_dry(tmp_path, "mx")
+    # The local-step methods report the bytes they send.
+    diloco = [r for r in runs if r["method"].startswith("DiLoCo")]
+    assert diloco and all(r["bytes_per_node_per_step"] > 0 for r in diloco)
+    for r in runs:  # metrics.csv's rows: every 2 steps, the last one the final accuracy
+        assert [row[0] for row in r["curve"]] == list(range(2, 21, 2)), r["method"]
+        assert r["curve"][-1][1] == r["final_test_accuracy"], r["method"]
+    # A dry run refuses to write over trained runs, and leaves them as they are.
+    published = output.parent / "docs" / "experiments.json"
+    before = published.read_text()
+    refused = run_experiments(
+        tmp_path, "mx", "--quick", "--dry-run", f"--output={output}", check=False
+    )
+    assert refused.returncode != 0 and "holds trained runs" in refused.stderr, refused.stderr
+    assert published.read_text() == before
+
+
+def test_quick_mode_trains_the_ad_psgd_study_as_its_dry_run_checks_it(tmp_path):
+    """The runs bench/experiments/async_train.py trains through lpdec.async_sim."""
+    runs, _ = train_quick_and_dry(tmp_path, "ad_psgd")
+    for r in runs:  # evaluated 5 times; the last one the final accuracy
+        assert [row[0] for row in r["curve"]] == [4, 8, 12, 16, 20], r["method"]
+        assert r["curve"][-1][1] == r["final_test_accuracy"], r["method"]
+    asynchronous = [r for r in runs if r["config"]["async_sim"]["algorithm"] == "ad_psgd"]
+    assert asynchronous and all(r["mean_delay"] > 0 for r in asynchronous)
 
 
 def test_code_fingerprint_follows_code_not_comments(tmp_path):
@@ -148,7 +237,11 @@ def fake_training(monkeypatch) -> list:
 
     def fake_train(self, config):
         trained.append(config.learning_rate)
-        return {"wall_clock_s": 1.0, "final_test_accuracy": config.learning_rate}
+        return {
+            "seed": config.seed,
+            "wall_clock_s": 1.0,
+            "final_test_accuracy": config.learning_rate,
+        }
 
     monkeypatch.setattr(experiments.Runner, "_train", fake_train)
     return trained
@@ -201,6 +294,47 @@ def test_published_runs_of_the_same_code_count_as_cached(tmp_path, monkeypatch):
         quick=True, seeds=1, workdir=str(tmp_path / "c"), published=str(published)
     ).repeat("s", "m", experiments.seed002_config)
     assert trained == [0.1, 0.1]
+
+
+def test_a_dry_run_checks_each_config_and_its_records_never_count_as_trained(tmp_path, monkeypatch):
+    import train_lib
+    from bench import experiments
+    from bench.experiments import cache
+
+    monkeypatch.setattr(cache, "code_fingerprint", lambda root=None: "v1")
+    dry = experiments.Runner(quick=True, seeds=1, workdir=str(tmp_path / "dry"), dry_run=True)
+    (placeholder,) = dry.repeat("table2", "m", experiments.seed002_config)
+    assert placeholder["dry_run"] is True and placeholder["code"] == "dry run (v1)"
+    assert not (tmp_path / "dry").exists()  # no cache written, no workdir
+    # A config train.py refuses fails its dry run the same way, before any step.
+    with pytest.raises(train_lib.ConfigError, match="learning_rate"):
+        dry.repeat("table2", "m", experiments.seed002_config, learning_rate=-1.0)
+
+    # A dry run's record is no cached run, in results.json or in experiments.json, even
+    # under the code of the trained runs (as an older bench/ would have written it).
+    trained = fake_training(monkeypatch)
+    marked = dict(placeholder, code="v1")
+    (tmp_path / "w").mkdir()
+    (tmp_path / "w" / "results.json").write_text(json.dumps({marked["key"]: marked}))
+    published = tmp_path / "published.json"
+    published.write_text(json.dumps({"runs": [marked]}))
+    runner = experiments.Runner(
+        quick=True, seeds=1, workdir=str(tmp_path / "w"), published=str(published)
+    )
+    runner.repeat("gamma", "m", experiments.seed002_config)
+    assert trained == [0.1]
+
+    # Dry runs never share an experiments.json with trained runs: a file of trained
+    # runs refuses them, and trained runs published over a dry run's file drop it.
+    real_file, dry_file = str(tmp_path / "real.json"), str(tmp_path / "dry.json")
+    cache.publish(real_file, "v1", runner.entries, ("gamma",))
+    with pytest.raises(SystemExit, match="holds trained runs"):
+        cache.publish(real_file, dry.code, dry.entries, ("table2",), dry_run=True)
+    cache.publish(dry_file, dry.code, dry.entries, ("table2",), dry_run=True)
+    assert json.loads(open(dry_file).read())["dry_run"] is True
+    cache.publish(dry_file, "v1", runner.entries, ("gamma",))
+    data = json.loads(open(dry_file).read())
+    assert "dry_run" not in data and [r["study"] for r in data["runs"]] == ["gamma"]
 
 
 def test_collapsed_runs_are_named_and_traced_to_the_norm_layer():

@@ -6,6 +6,7 @@ Writes EXPERIMENTS.md, docs/experiments.json and the plots docs/*.png:
     python -m bench.experiments gamma table2   # some studies
     python -m bench.experiments all --quick    # a few steps, one seed (the test's mode)
     python -m bench.experiments all --render   # tables and plots from docs/experiments.json
+    python -m bench.experiments all --dry-run  # every config checked, nothing trained
 
 Studies (each rewrites its own section of EXPERIMENTS.md and its runs in
 docs/experiments.json):
@@ -39,6 +40,14 @@ Everything runs on MNIST-1D (10,000 sequences generated locally, 8,000 for
 training) with the 1-D CNN, 8 simulated CPU devices, through
 `train_lib.train_and_evaluate`, for STEPS steps with the papers' step decay.
 Results are mean +- std over seeds (3 unless --seeds).
+
+Dry run: `--dry-run` trains nothing. Each run's config is checked as train.py checks
+it before its first step (`train_lib.build`; the AD-PSGD runs: everything up to the
+simulator's first iteration), and its record holds placeholder numbers derived from
+its key, so a study's whole grid, tables and plots are checked in seconds before a
+run of hours. It writes to runs/experiments_dry_run/ unless --output says otherwise,
+says DRY RUN in every section, and its records are never cached, never read as
+cached, and never written into an experiments.json of trained runs.
 
 Caching: every run is stored in `runs/experiments/results.json` under a key made of
 its whole config and a fingerprint of the code that trains it (`code_fingerprint`:

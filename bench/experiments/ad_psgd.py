@@ -14,12 +14,12 @@ import numpy as np
 
 import lpdec
 from bench.experiments import async_train
-from bench.experiments import cache
 from bench.experiments.render import accuracy
 from bench.experiments.render import fmt
 from bench.experiments.runner import QUICK_STEPS
 from bench.experiments.runner import Runner
 from bench.experiments.runner import describe_schedule
+from bench.experiments.runner import placeholder
 from bench.experiments.runner import seed003_config
 from configs import default
 from lpdec import async_sim
@@ -46,7 +46,8 @@ def _config(runner: Runner, seed: int, **fields):
 
 
 def _run(runner: Runner, tasks: dict, method: str, config, train) -> dict:
-    """Runner.run for a run trained by `train(task)` here instead of by train.py."""
+    """Runner.run for a run trained by `train(task, numbers)` here instead of by train.py
+    (`numbers`: None, or a dry run's placeholder numbers, see async_train.train_async)."""
     key = runner.key(config)
     if runner.replay is not None:
         if key not in runner.replay:
@@ -57,7 +58,8 @@ def _run(runner: Runner, tasks: dict, method: str, config, train) -> dict:
     else:
         if config.seed not in tasks:
             tasks[config.seed] = async_train.Task(config)
-        record = train(tasks[config.seed])
+        numbers = placeholder(key) if runner.dry_run else None
+        record = train(tasks[config.seed], numbers)
         defaults = default.get_config().to_dict()
         fields = {k: v for k, v in config.to_dict().items() if defaults.get(k) != v or k == "seed"}
         payload = config.async_sim.get("bytes_per_message", 0)
@@ -74,12 +76,7 @@ def _run(runner: Runner, tasks: dict, method: str, config, train) -> dict:
         )
         record["bytes_per_node_total"] = record["bytes_per_node_per_step"] * record["steps"]
         runner.cache[key] = record
-        cache.save_results(runner.cache_path, runner.cache)
-        print(
-            f"  ad_psgd | {method} seed {config.seed}: acc {record['final_test_accuracy']:.3f} "
-            f"({record['wall_clock_s']:.1f} s)",
-            flush=True,
-        )
+        runner.save("ad_psgd", method, config.seed, record)
     if key not in runner.study_keys:
         runner.study_keys.add(key)
         runner.trained_seconds += record["wall_clock_s"]
@@ -140,7 +137,9 @@ def ad_psgd(runner: Runner, docs: str) -> str:
                     messages_per_step=degree,
                     bytes_per_message=4 * d,
                 ),
-                lambda task, topo=topo: async_train.train_sync(task, topo, task_steps(runner)),
+                lambda task, numbers, topo=topo: async_train.train_sync(
+                    task, topo, task_steps(runner), placeholder=numbers
+                ),
             )
             for seed in seeds
         ]
@@ -170,14 +169,17 @@ def ad_psgd(runner: Runner, docs: str) -> str:
                             messages_per_step=2,
                             bytes_per_message=payload,
                         ),
-                        lambda task, topo=topo, s=s, comp=comp, seed=seed: async_train.train_async(
-                            task,
-                            topo,
-                            task_steps(runner),
-                            speeds=s,
-                            compressor=comp,
-                            max_delay=MAX_DELAY,
-                            seed=seed,
+                        lambda task, numbers, topo=topo, s=s, comp=comp, seed=seed: (
+                            async_train.train_async(
+                                task,
+                                topo,
+                                task_steps(runner),
+                                speeds=s,
+                                compressor=comp,
+                                max_delay=MAX_DELAY,
+                                seed=seed,
+                                placeholder=numbers,
+                            )
                         ),
                     )
                     for seed in seeds

@@ -21,6 +21,7 @@ import numpy as np
 import optax
 
 import lpdec
+from bench.experiments.runner import placeholder_curve
 from lpdec import async_sim
 from train_lib import setup
 
@@ -118,9 +119,41 @@ def _record(task, stacked, topology, curve, started, steps):
     }
 
 
-def train_async(task: Task, topology, steps: int, *, speeds, compressor, max_delay, seed, chunks=5):
+def _placeholder_record(numbers: dict, started: float, steps: int, chunks: int) -> dict:
+    """A dry run's record: `_record`'s fields, with `numbers` (`runner.placeholder`)."""
+    points = [int(b) for b in np.linspace(0, steps, chunks + 1).astype(int)[1:]]
+    curve = placeholder_curve(numbers, points)
+    return {
+        "final_test_accuracy": curve[-1][1],
+        "final_test_loss": curve[-1][2],
+        "final_train_loss": numbers["loss"],
+        "final_consensus_distance": numbers["consensus"],
+        "max_neighbour_gap": numbers["consensus"],
+        "diverged": False,
+        "steps": steps,
+        "total_steps": steps,
+        "wall_clock_s": time.time() - started,
+        "curve": curve,
+        "dry_run": True,
+    }
+
+
+def train_async(
+    task: Task,
+    topology,
+    steps: int,
+    *,
+    speeds,
+    compressor,
+    max_delay,
+    seed,
+    chunks=5,
+    placeholder=None,
+):
     """AD-PSGD (compressor None) or Moniqua on AD-PSGD for steps x n iterations
-    (gradients), evaluated `chunks` times; the schedule's delays come from the speeds."""
+    (gradients), evaluated `chunks` times; the schedule's delays come from the speeds.
+    With `placeholder` (a dry run's numbers), everything up to the first iteration is
+    built, and the record holds those numbers instead of training's."""
     started = time.time()
     total = steps * task.n
     schedule = async_sim.ad_psgd_schedule(
@@ -129,6 +162,12 @@ def train_async(task: Task, topology, steps: int, *, speeds, compressor, max_del
     lr = lr_schedule(task.recipe, total)
     x = task.stacked()
     state = async_sim.init(x, max_delay=max_delay, local_transform=task.local, seed=seed)
+    delays = {
+        "mean_delay": float(schedule.delay.mean()),
+        "max_delay_seen": int(schedule.delay.max()),
+    }
+    if placeholder is not None:
+        return _placeholder_record(placeholder, started, steps, chunks) | delays
     curve = []
     bounds = np.linspace(0, total, chunks + 1).astype(int)
     for a, b in zip(bounds[:-1], bounds[1:], strict=True):
@@ -143,10 +182,7 @@ def train_async(task: Task, topology, steps: int, *, speeds, compressor, max_del
         )
         acc, test_loss = task.test_accuracy(x)
         curve.append([int(b) // task.n, float(acc), float(test_loss)])
-    record = _record(task, x, topology, curve, started, steps)
-    record["mean_delay"] = float(schedule.delay.mean())
-    record["max_delay_seen"] = int(schedule.delay.max())
-    return record
+    return _record(task, x, topology, curve, started, steps) | delays
 
 
 @functools.cache
@@ -157,16 +193,18 @@ def lr_schedule(recipe: tuple, total: int) -> optax.Schedule:
     return optax.piecewise_constant_schedule(lr, {int(f * total): decay for f in boundaries})
 
 
-def train_sync(task: Task, topology, steps: int, *, chunks=5):
+def train_sync(task: Task, topology, steps: int, *, chunks=5, placeholder=None):
     """Synchronous D-PSGD, x+ = W x - alpha d (combine-then-adapt, as lpdec.dpsgd), for
     `steps` steps of n gradients each; the minibatch of worker i at step t is drawn from
-    k = t n + i."""
+    k = t n + i. With `placeholder`, as in `train_async`."""
     started = time.time()
     w = jnp.asarray(topology.mixing_matrix(), jnp.float32)
     lr = lr_schedule(task.recipe, steps)
     x = task.stacked()
     opt = jax.vmap(task.local.init)(x)
     workers = jnp.arange(task.n, dtype=jnp.int32)
+    if placeholder is not None:
+        return _placeholder_record(placeholder, started, steps, chunks)
 
     @jax.jit
     def chunk(x, opt, ts):

@@ -4,6 +4,9 @@ A record is stored under `config_key(config)` with the `code_fingerprint()` of t
 code that trained it. The workdir's `results.json` holds every record trained
 there; docs/experiments.json publishes the records behind EXPERIMENTS.md, each
 with its study and method. Records of other code are stale and never reused.
+
+A dry run's records (`dry_run: True`, placeholder numbers, code "dry run (...)") are
+never reused either, and never share an experiments.json with trained runs.
 """
 
 from __future__ import annotations
@@ -29,6 +32,12 @@ STUDIES = (
     "tradeoff",
     "mx",
     "ad_psgd",
+)
+
+
+DRY_RUN_NOTE = (
+    "DRY RUN: no run was trained; every config was checked as train.py checks it "
+    "before its first step, and every number is a placeholder derived from its key."
 )
 
 
@@ -75,8 +84,8 @@ def load_results(path: str, code: str) -> dict[str, dict]:
         return {}
     with open(path) as f:
         cached = json.load(f)
-    # Runs of other code are stale: drop them.
-    return {k: r for k, r in cached.items() if r.get("code") == code}
+    # Runs of other code are stale: drop them; a dry run's placeholders are no runs.
+    return {k: r for k, r in cached.items() if r.get("code") == code and not r.get("dry_run")}
 
 
 def save_results(path: str, records: dict[str, dict]) -> None:
@@ -94,7 +103,11 @@ def published_results(path: str, code: str) -> dict[str, dict]:
     records: dict[str, dict] = {}
     with open(path) as f:
         for entry in json.load(f)["runs"]:
-            if entry.get("code") == code and entry.get("key") not in records:
+            if (
+                entry.get("code") == code
+                and not entry.get("dry_run")
+                and entry.get("key") not in records
+            ):
                 records[entry["key"]] = {
                     k: v for k, v in entry.items() if k not in ("study", "method")
                 }
@@ -107,23 +120,45 @@ def load_published(path: str) -> dict[str, dict]:
         return {e["key"]: e for e in json.load(f)["runs"]}
 
 
-def publish(path: str, code: str, entries: list[dict], studies) -> None:
-    """Replaces the runs of `studies` in docs/experiments.json with `entries` of theirs."""
+def refuse_trained(path: str) -> None:
+    """Exits if the experiments.json at `path` holds trained runs (a dry run's target)."""
+    if os.path.exists(path):
+        with open(path) as f:
+            runs = json.load(f).get("runs", [])
+        if any(not e.get("dry_run") for e in runs):
+            raise SystemExit(
+                f"error: {path} holds trained runs; a dry run writes its placeholders "
+                "elsewhere (--output; by default runs/experiments_dry_run/)."
+            )
+
+
+def publish(path: str, code: str, entries: list[dict], studies, dry_run: bool = False) -> None:
+    """Replaces the runs of `studies` in docs/experiments.json with `entries` of theirs.
+
+    A dry run's entries (`dry_run`) go only into a file of dry runs: a file holding
+    trained runs is an error, and trained runs published over a dry run's file drop
+    its placeholders.
+    """
     data = {"runs": []}
     if os.path.exists(path):
         with open(path) as f:
             data = json.load(f)
-    kept = [e for e in data.get("runs", []) if e["study"] not in studies]
+    runs = data.get("runs", [])
+    if dry_run:
+        refuse_trained(path)
+    kept = [e for e in runs if e["study"] not in studies and bool(e.get("dry_run")) == dry_run]
     runs = kept + [e for e in entries if e["study"] in studies]
     data = {
         "description": (
-            "Every training run behind EXPERIMENTS.md: study, method, the config fields "
+            (DRY_RUN_NOTE + " " if dry_run else "")
+            + "Every training run behind EXPERIMENTS.md: study, method, the config fields "
             "that differ from configs/default.py (plus the seed), steps, schedule, final "
             "test accuracy of the node-averaged model, bytes per node, wall-clock seconds "
             "on this machine, the accuracy curve [step, accuracy, train loss], and the "
             "fingerprint of the code that trained it (bench.experiments.code_fingerprint)."
         ),
         "code": code,
+        **({"dry_run": True} if dry_run else {}),
         "runs": sorted(runs, key=lambda e: (STUDIES.index(e["study"]), e["method"], e["seed"])),
     }
     with open(path, "w") as f:

@@ -1,4 +1,4 @@
-"""The command line: `python -m bench.experiments STUDY... [--quick] [--render]`."""
+"""The command line: `python -m bench.experiments STUDY... [--quick] [--render] [--dry-run]`."""
 
 from __future__ import annotations
 
@@ -27,6 +27,8 @@ DESCRIPTION = (
     "Reproduce the seeds' claims at training length; "
     "writes EXPERIMENTS.md, docs/experiments.json, docs/*.png."
 )
+# Where --dry-run writes by default: never over EXPERIMENTS.md and docs/.
+DRY_RUN_OUTPUT = os.path.join(cache.ROOT, "runs", "experiments_dry_run", "EXPERIMENTS.md")
 # Each study takes the runner and the plot directory and returns its section's markdown.
 STUDY_FUNCTIONS = {
     "gamma": gamma.gamma,
@@ -48,7 +50,12 @@ def main(argv=None) -> None:
     parser.add_argument("studies", nargs="+", choices=cache.STUDIES + ("all",))
     parser.add_argument("--quick", action="store_true", help="few steps, one seed (smoke test)")
     parser.add_argument("--seeds", type=int, default=3)
-    parser.add_argument("--output", default=os.path.join(cache.ROOT, "EXPERIMENTS.md"))
+    parser.add_argument(
+        "--output",
+        default=None,
+        help="default: EXPERIMENTS.md; with --dry-run, "
+        + os.path.relpath(DRY_RUN_OUTPUT, cache.ROOT),
+    )
     parser.add_argument(
         "--docs", default=None, help="plot and experiments.json directory (default: docs/)"
     )
@@ -56,24 +63,43 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--render", action="store_true", help="tables and plots from experiments.json only"
     )
+    parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="train nothing: check every run's config as train.py does before its first "
+        "step and fill the tables with placeholder numbers (a study's whole grid in "
+        "seconds); never cached, never written over trained runs",
+    )
     args = parser.parse_args(argv)
+    output = args.output or (
+        DRY_RUN_OUTPUT if args.dry_run else os.path.join(cache.ROOT, "EXPERIMENTS.md")
+    )
 
     jax.config.update("jax_compilation_cache_dir", os.path.join(cache.ROOT, "runs", "jax_cache"))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     from absl import logging
 
     logging.set_verbosity(logging.WARNING)
-    docs = args.docs or os.path.join(os.path.dirname(os.path.abspath(args.output)), "docs")
+    docs = args.docs or os.path.join(os.path.dirname(os.path.abspath(output)), "docs")
     os.makedirs(docs, exist_ok=True)
     json_path = os.path.join(docs, "experiments.json")
-    replay = None
+    replay, dry_run = None, args.dry_run
     if args.render:
         if not os.path.exists(json_path):
             raise SystemExit(f"error: --render needs {json_path}; run the studies first.")
         replay = cache.load_published(json_path)
+        # What the file holds decides: a dry run's placeholders render as a dry run.
+        dry_run = any(r.get("dry_run") for r in replay.values())
+    elif dry_run:
+        cache.refuse_trained(json_path)
     workdir = args.workdir + ("_quick" if args.quick else "")
     runner = Runner(
-        args.quick, args.seeds, workdir, replay=replay, published=None if args.quick else json_path
+        args.quick,
+        args.seeds,
+        workdir,
+        replay=replay,
+        published=None if args.quick else json_path,
+        dry_run=dry_run,
     )
     studies = cache.STUDIES if "all" in args.studies else tuple(args.studies)
     for name in studies:
@@ -83,12 +109,13 @@ def main(argv=None) -> None:
         body = STUDY_FUNCTIONS[name](runner, docs)
         minutes = (time.time() - started) / 60
         command = f"python -m bench.experiments {name}" + (" --quick" if args.quick else "")
+        command += " --dry-run" if dry_run else ""
         body = render.with_command(body, command, render.timing(runner, minutes, args.render))
         if not args.render:
-            cache.publish(json_path, runner.code, runner.entries, (name,))
-        _sections.replace_section(args.output, f"study:{name}", body, header=render.HEADER)
+            cache.publish(json_path, runner.code, runner.entries, (name,), dry_run=dry_run)
+        _sections.replace_section(output, f"study:{name}", body, header=render.HEADER)
         print(f"study {name} done in {minutes:.1f} min", flush=True)
     if os.path.exists(json_path):
         _sections.replace_section(
-            args.output, "runtime", render.runtime(json_path), header=render.HEADER
+            output, "runtime", render.runtime(json_path), header=render.HEADER
         )

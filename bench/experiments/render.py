@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from bench.experiments.cache import DRY_RUN_NOTE
 from bench.experiments.cache import STUDIES
 from bench.experiments.runner import STEPS
 
@@ -142,6 +143,13 @@ def timing(runner, minutes: float, rendered: bool) -> str:
     """How long a study took: this invocation's wall time and its runs' training time."""
     # Cached runs report their own (first) training time, summed, besides this
     # invocation's wall time; a render reports only the former.
+    if runner.dry_run:
+        where = (
+            "rendered from docs/experiments.json"
+            if rendered
+            else f"{len(runner.study_keys)} configs checked in {minutes:.1f} min"
+        )
+        return f"DRY RUN, nothing trained: every number is a placeholder; {where}"
     runs = (
         f"its {len(runner.study_keys)} training runs took {runner.trained_seconds / 60:.1f} min"
         if runner.study_keys
@@ -166,7 +174,9 @@ def with_command(body: str, command: str, timing: str) -> str:
 def runtime(json_path: str) -> str:
     """The training time of each study's runs, from docs/experiments.json."""
     with open(json_path) as f:
-        runs = json.load(f)["runs"]
+        data = json.load(f)
+    runs = data["runs"]
+    note = f"{DRY_RUN_NOTE} The times are the checks'.\n\n" if data.get("dry_run") else ""
     seconds = {e["key"]: e["wall_clock_s"] for e in runs}
     steps = {e["key"]: e["steps"] for e in runs}
     # Many runs shared the machine with other jobs; a run alone takes about the
@@ -182,7 +192,7 @@ def runtime(json_path: str) -> str:
             rows.append(f"| {study} | {len(keys)} | {minutes:.0f} | {alone:.0f} |")
     total = sum(seconds.values()) / 60
     total_alone = sum(steps.values()) * per_step / 60
-    return f"""Training time on this machine (2 CPU cores, 8 simulated devices), from
+    return f"""{note}Training time on this machine (2 CPU cores, 8 simulated devices), from
 docs/experiments.json; a run two studies share (the tradeoff study reuses the
 moniqua and centralized runs at skew 0) is counted in both rows but once in
 the total. theorem1 is not a training run (seconds). Most runs shared the

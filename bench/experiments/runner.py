@@ -43,6 +43,37 @@ def seed003_config(quick: bool):
     return _recipe(mnist1d_seed003, quick)
 
 
+def placeholder(key: str) -> dict[str, float]:
+    """The numbers a dry run (`Runner(dry_run=True)`) puts where a run's results go.
+
+    Derived from the run's key (16 hex digits): the same every time, different from run
+    to run, so a dry run's tables show which cell holds which run. They are never
+    results: a dry run's records say `dry_run` and are never cached or published as
+    trained (see `cache`).
+    """
+    # Eight hex digits for the accuracy (no two runs of a study share one), four each
+    # for the rest.
+    u = [int(key[:8], 16) / 0xFFFFFFFF] + [int(key[i : i + 4], 16) / 0xFFFF for i in (8, 12)]
+    return {
+        "accuracy": 0.1 + 0.8 * u[0],
+        "loss": 0.1 + 2.0 * u[1],
+        "consensus": u[2],
+        "bytes": float(1000 + round(1e5 * u[1])),
+        "step_time_s": 1e-3 * (1.0 + u[2]),
+        "collectives": float(1 + round(4 * u[2])),
+    }
+
+
+def placeholder_curve(numbers: dict[str, float], points) -> list[list[float]]:
+    """[step, accuracy, loss] at `points` (steps): rising to the placeholder accuracy,
+    the loss falling to the placeholder loss (so no dry run looks collapsed)."""
+    last = points[-1]
+    return [
+        [step, numbers["accuracy"] * step / last, numbers["loss"] * (2 - step / last)]
+        for step in points
+    ]
+
+
 def describe_schedule(config) -> str:
     """The config's learning-rate schedule in words, as the tables state it."""
     lr = config.learning_rate
@@ -63,6 +94,12 @@ class Runner:
     record used by a study goes into its entries of docs/experiments.json. With
     `replay`, records come from that file instead of training (a missing run is an
     error), so tables and plots can be regenerated from it alone.
+
+    With `dry_run`, nothing trains: each config is checked as train_and_evaluate checks
+    it before its first step (`train_lib.build`), and its record holds `placeholder`
+    numbers and `dry_run: True`. A dry run reads no cache and writes none, and its
+    code is "dry run (<fingerprint>)", which no cached or published run of real code
+    can match.
     """
 
     def __init__(
@@ -72,18 +109,25 @@ class Runner:
         workdir: str,
         replay: dict[str, dict] | None = None,
         published: str | None = None,
+        dry_run: bool = False,
     ):
         self.quick = quick
         self.seeds = 1 if quick else seeds
         self.workdir = workdir
         self.replay = replay
+        self.dry_run = dry_run
         self.code = cache.code_fingerprint()
+        if dry_run:
+            self.code = f"dry run ({self.code})"
+        # In a dry run: the configs checked so far (a config two studies share, once).
         self.cache: dict[str, dict] = {}
         self.entries: list[dict] = []
         self.trained_seconds = 0.0
         self.study_keys: set[str] = set()
-        os.makedirs(workdir, exist_ok=True)
         self.cache_path = os.path.join(workdir, "results.json")
+        if dry_run:
+            return
+        os.makedirs(workdir, exist_ok=True)
         if replay is None:
             self.cache = cache.load_results(self.cache_path, self.code)
         if replay is None and published and os.path.exists(published):
@@ -120,12 +164,7 @@ class Runner:
             record = self._train(config)
             record["key"], record["code"] = key, self.code
             self.cache[key] = record
-            cache.save_results(self.cache_path, self.cache)
-            print(
-                f"  {study} | {method} seed {config.seed}: acc "
-                f"{record['final_test_accuracy']:.3f} ({record['wall_clock_s']:.1f} s)",
-                flush=True,
-            )
+            self.save(study, method, config.seed, record)
         if key not in self.study_keys:  # a run two methods share counts once
             self.study_keys.add(key)
             self.trained_seconds += record["wall_clock_s"]
@@ -133,16 +172,32 @@ class Runner:
         self.entries.append(entry)
         return entry
 
+    def save(self, study: str, method: str, seed: int, record: dict) -> None:
+        """Writes the new `record` to the workdir's results.json (a dry run's: nowhere)."""
+        if self.dry_run:
+            print(f"  {study} | {method} seed {seed}: config checked", flush=True)
+            return
+        cache.save_results(self.cache_path, self.cache)
+        print(
+            f"  {study} | {method} seed {seed}: acc "
+            f"{record['final_test_accuracy']:.3f} ({record['wall_clock_s']:.1f} s)",
+            flush=True,
+        )
+
     def _train(self, config) -> dict:
-        run_dir = os.path.join(self.workdir, "tmp_run")
-        shutil.rmtree(run_dir, ignore_errors=True)
+        """The record of `config` trained now (in a dry run: checked, with placeholders)."""
         started = time.time()
-        summary = train_lib.train_and_evaluate(config, run_dir)
+        if self.dry_run:
+            summary, history = self._check(config)
+        else:
+            run_dir = os.path.join(self.workdir, "tmp_run")
+            shutil.rmtree(run_dir, ignore_errors=True)
+            summary = train_lib.train_and_evaluate(config, run_dir)
+            with open(os.path.join(run_dir, "metrics.csv")) as f:
+                header, *rows = [line.strip().split(",") for line in f if line.strip()]
+            history = [dict(zip(header, map(float, row), strict=True)) for row in rows]
+            shutil.rmtree(run_dir, ignore_errors=True)
         seconds = time.time() - started
-        with open(os.path.join(run_dir, "metrics.csv")) as f:
-            header, *rows = [line.strip().split(",") for line in f if line.strip()]
-        history = [dict(zip(header, map(float, row), strict=True)) for row in rows]
-        shutil.rmtree(run_dir, ignore_errors=True)
         defaults = default.get_config().to_dict()
         fields = {k: v for k, v in config.to_dict().items() if defaults.get(k) != v or k == "seed"}
         final = summary["final"]
@@ -169,7 +224,50 @@ class Runner:
             "curve": [
                 [row["step"], row["test_accuracy_avg_model"], row["train_loss"]] for row in history
             ],
+            **({"dry_run": True} if self.dry_run else {}),
         }
+
+    def _check(self, config) -> tuple[dict, list[dict]]:
+        """A dry run of `config`: the checks train_and_evaluate makes before its first step
+        (`train_lib.build`: names and ranges, the model on the data, the memory), then
+        the summary and metrics.csv rows a run would write, with `placeholder` numbers."""
+        exp = train_lib.build(config)
+        numbers = placeholder(self.key(config))
+        steps = exp.total_steps
+        logged = list(range(exp.loop.log_every, steps, exp.loop.log_every)) + [steps]
+        history = [
+            {
+                "step": step,
+                "epoch": step / exp.steps_per_epoch,
+                "test_accuracy_avg_model": accuracy,
+                "train_loss": loss,
+            }
+            for step, accuracy, loss in placeholder_curve(numbers, logged)
+        ]
+        final = {
+            "test_accuracy_avg_model": numbers["accuracy"],
+            "test_accuracy_local_mean": numbers["accuracy"],
+            "train_loss": numbers["loss"],
+            "consensus_distance": numbers["consensus"],
+            "theta_warnings": 0,
+            "wire_bytes_per_step": numbers["bytes"],
+            "step_time_s": numbers["step_time_s"],
+        }
+        # Split over the axes a run reports: a hierarchical one, the workers' inside each
+        # machine and the machines'; any other, the nodes' (none without communication).
+        layout, sent = exp.layout, numbers["bytes"]
+        by_axis = {str(layout.mesh_axis): sent}
+        if config.hierarchical:
+            by_axis = {str(layout.local_axis): 0.9 * sent, str(layout.mesh_axis): 0.1 * sent}
+        summary = {
+            "final": final,
+            "steps": steps,
+            "total_steps": steps,
+            "diverged": False,
+            "wire_bytes_by_axis": by_axis,
+            "collectives_per_step": numbers["collectives"],
+        }
+        return summary, history
 
     def repeat(self, study: str, method: str, base, seeds: int | None = None, **overrides):
         """The config over `seeds` seeds (default: the runner's)."""
