@@ -77,16 +77,40 @@ def assert_state_types_stable(state0, states):
     chex.assert_trees_all_equal_shapes_and_dtypes(state0, after)
 
 
-@pytest.mark.parametrize("optimizer", list(LOCAL_OPTIMIZERS))
+def side_by_side(txs):
+    """One transform running each of `txs` on its own entry of a dict of models, as if
+    alone: {key: init(params[key])} and {key: update(grads[key], state[key], params[key])}.
+
+    One program for several chains compiles in 2/3 of the time they take one by one."""
+
+    def init(params):
+        return {key: tx.init(params[key]) for key, tx in txs.items()}
+
+    def update(grads, state, params):
+        out = {key: tx.update(grads[key], state[key], params[key]) for key, tx in txs.items()}
+        return {key: u for key, (u, _) in out.items()}, {key: s for key, (_, s) in out.items()}
+
+    return optax.GradientTransformation(init, update)
+
+
 @pytest.mark.parametrize("name", ALL)
-def test_composes_with_local_optimizers_under_scan_in_shard_map(rng, name, optimizer):
-    """optax.chain + lax.scan inside shard_map with the default check_vma=True."""
+def test_composes_with_local_optimizers_under_scan_in_shard_map(rng, name):
+    """optax.chain + lax.scan inside shard_map with the default check_vma=True, with each
+    local optimizer (the chains side by side in one program, each on its own model)."""
     _, grad_fn = quadratic(rng)
     x0 = {"w": rng.standard_normal((N, 24)).astype(np.float32), "b": np.zeros((N, 3), np.float32)}
-    tx = chain(name, LOCAL_OPTIMIZERS[optimizer]())
-    params, states, state0 = harness.run(tx, x0, 3, grad_fn=grad_fn, mode="shard_map")
-    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(params))
-    assert_state_types_stable(state0, states)
+    txs = {optimizer: chain(name, make()) for optimizer, make in LOCAL_OPTIMIZERS.items()}
+    params, states, state0 = harness.run(
+        side_by_side(txs),
+        {optimizer: x0 for optimizer in txs},
+        3,
+        grad_fn=lambda p, node, step: {k: grad_fn(v, node, step) for k, v in p.items()},
+        mode="shard_map",
+    )
+    for optimizer in txs:
+        leaves = jax.tree.leaves(params[optimizer])
+        assert all(np.isfinite(np.asarray(x)).all() for x in leaves), optimizer
+        assert_state_types_stable(state0[optimizer], states[optimizer])
 
 
 @pytest.mark.parametrize("name", ALL)

@@ -35,12 +35,47 @@ def _rows(workdir):
         return [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
 
 
+def _counting_averages(monkeypatch):
+    """The calls of train.py's `average` program on the parameters, from now on: a list
+    that grows by one per averaging of the models."""
+    from train_lib import steps
+
+    calls = []
+    make_programs = steps.make_programs
+
+    def counting(*args, **kwargs):
+        programs = make_programs(*args, **kwargs)
+        average = programs["average"]
+
+        def counted(tree):
+            if jax.tree.leaves(tree):  # the parameters (the transformer has no model state)
+                calls.append(1)
+            return average(tree)
+
+        return dict(programs, average=counted)
+
+    monkeypatch.setattr(steps, "make_programs", counting)
+    return calls
+
+
+def lm_tiny_run(shared_run):
+    """configs/lm_tiny.py as CI runs it, trained once per test run: (workdir, summary,
+    how many times the evaluation averaged the models)."""
+
+    def make(directory):
+        with pytest.MonkeyPatch.context() as monkeypatch:
+            calls = _counting_averages(monkeypatch)
+            summary = train_lib.train_and_evaluate(config(), str(directory))
+        return summary, len(calls)
+
+    workdir, (summary, averages) = shared_run("lm_tiny", make)
+    return workdir, summary, averages
+
+
 def test_lm_tiny_learns_the_bytes_of_the_standard_library(shared_run):
     """The config as CI runs it: the machines' model ends far below a uniform guess (8
     bits per byte) and below where it started, with the metrics a user reads."""
-    workdir, summary = shared_run(
-        "lm_tiny", lambda d: train_lib.train_and_evaluate(config(), str(d))
-    )
+    workdir, summary, _ = lm_tiny_run(shared_run)
     rows = _rows(workdir)
     assert [int(r["step"]) for r in rows] == [20, 40, 60, 80, 100]
     bpb = [r["val_bits_per_byte_avg_model"] for r in rows]
@@ -56,14 +91,17 @@ def test_lm_tiny_learns_the_bytes_of_the_standard_library(shared_run):
 
 
 def test_the_sharded_language_model_lands_where_the_replicated_one_lands(tmp_path):
-    """lm_tiny's transformer with DiLoCo and a full-precision mean, 20 steps: the machines'
-    models split over their workers equal the replicated run's to float32 rounding.
+    """lm_tiny's transformer with DiLoCo and a full-precision mean, 2 rounds of 2 local
+    steps: the machines' models split over their workers equal the replicated run's to
+    float32 rounding. (Every step and exchange of the sharded run is the sharded program;
+    lm_tiny's 2 rounds of 10 steps only ran the same programs longer.)
 
     With SGD: the key projection's bias has a gradient of exactly 0 in exact arithmetic
     (it shifts every logit of a query alike), so what it receives is rounding noise,
     which Adam's g / sqrt(v) scales up to full-size steps in either run differently."""
     common = dict(
-        num_steps=20,
+        num_steps=4,
+        local_steps=2,
         exchange="mean",
         error_feedback=False,
         save_final_params=True,
@@ -157,34 +195,27 @@ def test_sharding_holds_a_quarter_of_the_state_and_a_model_too_big_is_refused(mo
     assert "\n" not in str(info.value)
 
 
-@pytest.mark.parametrize("algorithm, averages", [("diloco", 0), ("allreduce", 0), ("choco", 1 + 2)])
+@pytest.mark.parametrize("algorithm, averages", [("diloco", 0), ("allreduce", 0), ("dpsgd", 1 + 2)])
 def test_evaluation_averages_the_models_at_most_once_per_log_interval(
-    tmp_path, monkeypatch, algorithm, averages
+    tmp_path, monkeypatch, shared_run, algorithm, averages
 ):
     """DiLoCo logging at its exchanges evaluates its anchor and the all-reduce each
     node's own model (the same bits everywhere): no model is averaged, nothing crosses
     the link; gossip averages the models once per log interval (and once before the
-    first step, compiling the evaluation), shared by every metric."""
-    from train_lib import steps
+    first step, compiling the evaluation), shared by every metric.
 
-    calls = []
-    make_programs = steps.make_programs
-
-    def counting(*args, **kwargs):
-        programs = make_programs(*args, **kwargs)
-        average = programs["average"]
-
-        def counted(tree):
-            if jax.tree.leaves(tree):  # the parameters (the transformer has no model state)
-                calls.append(1)
-            return average(tree)
-
-        return dict(programs, average=counted)
-
-    monkeypatch.setattr(steps, "make_programs", counting)
-    overrides = dict(num_steps=40, log_every=20, checkpoint_every=40, algorithm=algorithm)
-    if algorithm != "diloco":
-        overrides.update(local_steps=1, error_feedback=False)
+    DiLoCo is lm_tiny as CI runs it (5 log intervals of 2 rounds each), counted in the
+    run test_lm_tiny_learns_the_bytes_of_the_standard_library reads; the others run 2 log
+    intervals of 2 steps each (the count depends on the intervals, not their length).
+    Gossip is D-PSGD: the evaluation sees only that the algorithm is neither DiLoCo nor
+    a mean (setup.LoopPlan), so every gossip method takes this path; CHOCO's sharded
+    LM programs, which cost twice D-PSGD's to compile, are test_train_sharded's."""
+    if algorithm == "diloco":
+        assert lm_tiny_run(shared_run)[2] == averages
+        return
+    calls = _counting_averages(monkeypatch)
+    overrides = dict(num_steps=4, log_every=2, checkpoint_every=4, algorithm=algorithm)
+    overrides.update(local_steps=1, error_feedback=False)
     train_lib.train_and_evaluate(config(**overrides), str(tmp_path))
     assert len(calls) == averages
 

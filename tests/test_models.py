@@ -211,12 +211,19 @@ def test_resnet20_int8_runs_forward():
 def initial_norm_scales(model, shape=(BATCH, 8, 8, 3)):
     """{"module/path": its norm's initial scale (gamma)}, the model initialised on a small input.
 
-    Eagerly: after the first model, cheaper than compiling each model's `init`.
+    `init` jitted with the scales its only outputs: XLA drops the forward pass and the
+    random kernels (nothing returned needs them), so this compiles a handful of
+    constants, not the model (eagerly, `init` dispatches every op of it: seconds each).
     """
-    params = model.init(jax.random.key(0), jnp.zeros(shape))["params"]
-    flat = flax.traverse_util.flatten_dict(params, sep="/")
     suffix = "/scale"
-    return {k[: -len(suffix)]: np.asarray(v) for k, v in flat.items() if k.endswith(suffix)}
+
+    @jax.jit
+    def scales():
+        params = model.init(jax.random.key(0), jnp.zeros(shape))["params"]
+        flat = flax.traverse_util.flatten_dict(params, sep="/")
+        return {k[: -len(suffix)]: v for k, v in flat.items() if k.endswith(suffix)}
+
+    return {k: np.asarray(v) for k, v in scales().items()}
 
 
 @pytest.mark.parametrize(
