@@ -278,7 +278,9 @@ def test_resnet20_int8_does_not_diverge_at_seed_002s_learning_rate():
     xs = jnp.asarray((pixels - CIFAR10_MEAN) / CIFAR10_STD, jnp.float32)
     ys = jnp.asarray(rng.integers(0, 10, (steps, batch)), jnp.int32)
     tx = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9, nesterov=True))
-    params = model.init(jax.random.key(0), xs[0, :2])["params"]
+    # The model's own init, jitted: eagerly it dispatches (and compiles) every op of
+    # the forward pass one by one, seconds more than compiling it once on a cold process.
+    params = jax.jit(lambda x: model.init(jax.random.key(0), x)["params"])(xs[0, :2])
 
     @jax.jit
     def train(params):
