@@ -53,23 +53,29 @@ import jax.numpy as jnp
 from lpdec.kernels_pallas import minmax_jnp
 from lpdec.kernels_pallas import numerics
 
-try:  # Mosaic GPU ships with jax, but keep this module importable without it.
-    from jax.experimental.pallas import mosaic_gpu as plgpu
-except ImportError:  # pragma: no cover
-    plgpu = None
 
-# GPU interpret mode (runs a Mosaic GPU kernel on CPU, simulating its threads and
-# memories): public from jax 0.11 as plgpu.InterpretGPUParams; jax 0.10.2 ships it
-# only under jax._src.
-InterpretGPUParams = getattr(plgpu, "InterpretGPUParams", None)
-if plgpu is not None and InterpretGPUParams is None:
-    try:
-        from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+@functools.cache
+def _api():
+    """(plgpu, InterpretGPUParams, whether the interpreter runs `plgpu.layout_cast`), each
+    None/False where this jax lacks it. Imported on first use: Mosaic GPU's modules take
+    half a second to import, a third of `import lpdec`, and only a GPU without Pallas
+    Triton or its interpreter runs these kernels."""
+    try:  # Mosaic GPU ships with jax, but keep this module importable without it.
+        from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
     except ImportError:  # pragma: no cover
-        InterpretGPUParams = None
+        return None, None, False
+    # GPU interpret mode (runs a Mosaic GPU kernel on CPU, simulating its threads and
+    # memories): public from jax 0.11 as plgpu.InterpretGPUParams; jax 0.10.2 ships it
+    # only under jax._src.
+    params = getattr(plgpu, "InterpretGPUParams", None)
+    if params is None:
+        try:
+            from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams as params  # noqa: PLC0415
+        except ImportError:  # pragma: no cover
+            params = None
+    # The interpreter runs `plgpu.layout_cast` from jax 0.11 (the public interpreter).
+    return plgpu, params, hasattr(plgpu, "InterpretGPUParams")
 
-# Whether the interpreter runs `plgpu.layout_cast` (the jax 0.11+ one, public).
-_INTERPRETER_CASTS_LAYOUTS = hasattr(plgpu, "InterpretGPUParams")
 
 # The custom call every Mosaic GPU kernel lowers to on jax 0.10.2 - 0.12.
 CUSTOM_CALL_TARGET = "mosaic_gpu_v2"
@@ -80,12 +86,13 @@ _ROW = "row"
 
 def available() -> bool:
     """Whether this jax has the Mosaic GPU kernel API these kernels use."""
+    plgpu = _api()[0]
     return plgpu is not None and hasattr(plgpu, "kernel")
 
 
 def interpret_available() -> bool:
     """Whether this jax can interpret a Mosaic GPU kernel on CPU."""
-    return available() and InterpretGPUParams is not None
+    return available() and _api()[1] is not None
 
 
 def padded_length(chunk: int) -> int:
@@ -101,9 +108,10 @@ def lowers(chunk: int) -> bool:
 def _interpret_params(interpret: bool):
     if not interpret:
         return None
-    if InterpretGPUParams is None:
+    params = _api()[1]
+    if params is None:
         raise NotImplementedError(f"jax {jax.__version__} has no Mosaic GPU interpret mode.")
-    return InterpretGPUParams()
+    return params()
 
 
 def _strided_vector(size: int, dtype) -> int:
@@ -158,6 +166,7 @@ def _quantize_body(
         cols = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0)
         if cast_layout:
             vec = _strided_vector(x.size, x_gmem.dtype)
+            plgpu = _api()[0]
             cols = plgpu.layout_cast(cols, plgpu.Layout.WG_STRIDED(x.shape, vec_size=vec))
         index = row.astype(jnp.uint32) * jnp.uint32(length) + cols
         u = numerics.hash_uniform(seeds_gmem[0, 0], seeds_gmem[0, 1], index)
@@ -193,9 +202,9 @@ def quantize_kernel(x2d, seeds, *, bits: int, stochastic: bool, length=None, int
         bits=bits,
         stochastic=stochastic,
         length=length or chunk,
-        cast_layout=not interpret or _INTERPRETER_CASTS_LAYOUTS,
+        cast_layout=not interpret or _api()[2],
     )
-    return plgpu.kernel(
+    return _api()[0].kernel(
         body,
         out_type=(
             jax.ShapeDtypeStruct((rows, chunk), jnp.uint8),
@@ -213,7 +222,7 @@ def dequantize_kernel(codes, lo, unit, *, dtype=jnp.float32, interpret=False):
     rows, chunk = codes.shape
     if not lowers(chunk):
         raise ValueError(f"the row length must be a multiple of {LANES}; got {chunk}.")
-    return plgpu.kernel(
+    return _api()[0].kernel(
         _dequantize_body,
         out_type=jax.ShapeDtypeStruct((rows, chunk), dtype),
         grid=(rows,),
