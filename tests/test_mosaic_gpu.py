@@ -12,6 +12,9 @@ Two checks, both on this CPU-only machine:
   not the GPU's own rounding of each operation.
 """
 
+import subprocess
+import sys
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -205,3 +208,14 @@ def test_without_triton_the_compiled_compressor_encodes_with_mosaic_gpu(monkeypa
     )
     for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
         assert_bits_equal(g, w)
+
+
+def test_import_lpdec_leaves_mosaic_gpu_unimported():
+    """Mosaic GPU's modules load on first use (half a second of every process's start on
+    jax 0.12): a fresh `import lpdec` does not load them."""
+    heavy = ["jax.experimental.pallas.mosaic_gpu", "jax._src.pallas.mosaic_gpu.lowering"]
+    code = f"import sys, lpdec; print([m for m in {heavy} if m in sys.modules])"
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, timeout=120
+    )
+    assert out.stdout.strip() == "[]", out.stdout
