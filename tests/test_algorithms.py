@@ -138,23 +138,34 @@ def test_vmap_and_nested_layouts_agree_with_shard_map(rng, name):
 
 # Moniqua's modulo code step B / 2**8 for theta = 0.5 (B = 2 theta / (1 - 2 delta), delta = 2**-9).
 _MODULO_STEP = 2 * 0.5 / (1 - 2 * 2.0**-9) / 2**8
+# M8's code step on what these runs quantize (models, their differences and gradients of
+# standard normal starts, 24 entries a node): (max - min) / 255, the range under 8 even
+# for the first step's models (the largest of 8 x 24 standard normals is under 4 with
+# probability 1 - 1e-5).
+_MINMAX8_STEP = 8 / 255
+# The transforms that send exact values: their layouts agree to float32 rounding.
+_EXACT = ("dpsgd", "d2", "local_mean")
 
 
 def assert_layouts_agree(name, a, b):
     """Two layouts of one run give the same parameters to float32 rounding.
 
     The layouts fuse the same math differently, so a value can differ in its last
-    bit; where a modulo code (nearest rounding) sits on a rounding tie that bit
-    moves it by one code step, seen for d2_modulo at seed 3910086333 (7 of 192
-    entries off by 0.0019 after 5 steps). For the modulo methods a few entries
-    may therefore differ by up to one code step; a wrong layout moves most entries.
+    bit; where a quantizer's rounding (stochastic or nearest) sits on that bit's
+    boundary, the bit moves one code by one code step, and the step travels on to the
+    neighbours in the next rounds: seen for d2_modulo at seed 3910086333 (7 of 192
+    entries off by 0.0019 after 5 steps) and for CHOCO with M8 at seed 3912854179 on jax
+    0.12 (3 of 960 entries, one coordinate of three neighbours, off by 0.0004). For the
+    quantizing methods a few entries may therefore differ by up to one code step; a wrong
+    layout moves most entries.
     """
-    diff = np.abs(a - b)
-    if name not in ("moniqua", "d2_modulo"):
+    if name in _EXACT:
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
         return
+    diff = np.abs(a - b)
+    step = _MODULO_STEP if name in ("moniqua", "d2_modulo") else _MINMAX8_STEP
     off = diff > 1e-5
-    assert off.mean() <= 0.1 and diff.max() <= _MODULO_STEP, (off.sum(), diff.max())
+    assert off.mean() <= 0.1 and diff.max() <= step, (off.sum(), diff.max())
 
 
 def _on_topology(name, topology, axis):
