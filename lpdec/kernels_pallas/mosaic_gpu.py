@@ -46,6 +46,8 @@ Shape constraints (what Mosaic GPU needs, not a power of two as Triton does):
 from __future__ import annotations
 
 import functools
+from typing import Any
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -54,16 +56,23 @@ from lpdec.kernels_pallas import minmax_jnp
 from lpdec.kernels_pallas import numerics
 
 
+class _Api(NamedTuple):
+    """What this jax offers of Mosaic GPU (None/False where it lacks it)."""
+
+    plgpu: Any  # jax.experimental.pallas.mosaic_gpu
+    interpret_params: Any  # InterpretGPUParams: runs a kernel on CPU
+    interpreter_casts_layouts: bool  # whether the interpreter runs `plgpu.layout_cast`
+
+
 @functools.cache
-def _api():
-    """(plgpu, InterpretGPUParams, whether the interpreter runs `plgpu.layout_cast`), each
-    None/False where this jax lacks it. Imported on first use: Mosaic GPU's modules take
-    half a second to import, a third of `import lpdec`, and only a GPU without Pallas
-    Triton or its interpreter runs these kernels."""
+def _api() -> _Api:
+    """Mosaic GPU's API, imported on first use: its modules take half a second to import,
+    a third of `import lpdec`, and only a GPU without Pallas Triton or its interpreter
+    runs these kernels."""
     try:  # Mosaic GPU ships with jax, but keep this module importable without it.
         from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: PLC0415
     except ImportError:  # pragma: no cover
-        return None, None, False
+        return _Api(None, None, False)
     # GPU interpret mode (runs a Mosaic GPU kernel on CPU, simulating its threads and
     # memories): public from jax 0.11 as plgpu.InterpretGPUParams; jax 0.10.2 ships it
     # only under jax._src.
@@ -74,7 +83,7 @@ def _api():
         except ImportError:  # pragma: no cover
             params = None
     # The interpreter runs `plgpu.layout_cast` from jax 0.11 (the public interpreter).
-    return plgpu, params, hasattr(plgpu, "InterpretGPUParams")
+    return _Api(plgpu, params, hasattr(plgpu, "InterpretGPUParams"))
 
 
 # The custom call every Mosaic GPU kernel lowers to on jax 0.10.2 - 0.12.
@@ -86,13 +95,13 @@ _ROW = "row"
 
 def available() -> bool:
     """Whether this jax has the Mosaic GPU kernel API these kernels use."""
-    plgpu = _api()[0]
+    plgpu = _api().plgpu
     return plgpu is not None and hasattr(plgpu, "kernel")
 
 
 def interpret_available() -> bool:
     """Whether this jax can interpret a Mosaic GPU kernel on CPU."""
-    return available() and _api()[1] is not None
+    return available() and _api().interpret_params is not None
 
 
 def padded_length(chunk: int) -> int:
@@ -108,7 +117,7 @@ def lowers(chunk: int) -> bool:
 def _interpret_params(interpret: bool):
     if not interpret:
         return None
-    params = _api()[1]
+    params = _api().interpret_params
     if params is None:
         raise NotImplementedError(f"jax {jax.__version__} has no Mosaic GPU interpret mode.")
     return params()
@@ -166,7 +175,7 @@ def _quantize_body(
         cols = jax.lax.broadcasted_iota(jnp.uint32, x.shape, 0)
         if cast_layout:
             vec = _strided_vector(x.size, x_gmem.dtype)
-            plgpu = _api()[0]
+            plgpu = _api().plgpu
             cols = plgpu.layout_cast(cols, plgpu.Layout.WG_STRIDED(x.shape, vec_size=vec))
         index = row.astype(jnp.uint32) * jnp.uint32(length) + cols
         u = numerics.hash_uniform(seeds_gmem[0, 0], seeds_gmem[0, 1], index)
@@ -202,9 +211,9 @@ def quantize_kernel(x2d, seeds, *, bits: int, stochastic: bool, length=None, int
         bits=bits,
         stochastic=stochastic,
         length=length or chunk,
-        cast_layout=not interpret or _api()[2],
+        cast_layout=not interpret or _api().interpreter_casts_layouts,
     )
-    return _api()[0].kernel(
+    return _api().plgpu.kernel(
         body,
         out_type=(
             jax.ShapeDtypeStruct((rows, chunk), jnp.uint8),
@@ -222,7 +231,7 @@ def dequantize_kernel(codes, lo, unit, *, dtype=jnp.float32, interpret=False):
     rows, chunk = codes.shape
     if not lowers(chunk):
         raise ValueError(f"the row length must be a multiple of {LANES}; got {chunk}.")
-    return _api()[0].kernel(
+    return _api().plgpu.kernel(
         _dequantize_body,
         out_type=jax.ShapeDtypeStruct((rows, chunk), dtype),
         grid=(rows,),
