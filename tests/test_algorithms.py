@@ -138,6 +138,7 @@ def test_vmap_and_nested_layouts_agree_with_shard_map(rng, name):
 
 # Moniqua's modulo code step B / 2**8 for theta = 0.5 (B = 2 theta / (1 - 2 delta), delta = 2**-9).
 _MODULO_STEP = 2 * 0.5 / (1 - 2 * 2.0**-9) / 2**8
+_MODULO = ("moniqua", "d2_modulo")  # the methods that send modulo codes
 # M8's code step on what these runs quantize (models, their differences and gradients of
 # standard normal starts, 24 entries a node): (max - min) / 255, the range under 8 even
 # for the first step's models (the largest of 8 x 24 standard normals is under 4 with
@@ -163,7 +164,7 @@ def assert_layouts_agree(name, a, b):
         np.testing.assert_allclose(a, b, atol=1e-5, rtol=0)
         return
     diff = np.abs(a - b)
-    step = _MODULO_STEP if name in ("moniqua", "d2_modulo") else _MINMAX8_STEP
+    step = _MODULO_STEP if name in _MODULO else _MINMAX8_STEP
     off = diff > 1e-5
     assert off.mean() <= 0.1 and diff.max() <= step, (off.sum(), diff.max())
 
