@@ -30,13 +30,23 @@ from train_lib import watchdog
 from train_lib.cli import EXIT_BAD_INPUT
 from train_lib.cli import EXIT_DIVERGED
 from train_lib.cli import EXIT_PEER_LOST
-from train_lib.loop import train_and_evaluate
-from train_lib.registry import RunError
+from train_lib.errors import RunError
 
 # What tests and scripts use of this file besides the command line.
 __all__ = ["EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_PEER_LOST", "main", "train_and_evaluate"]
 
 FLAGS = flags.FLAGS
+
+
+def train_and_evaluate(config, workdir, **kwargs):
+    """`train_lib.loop.train_and_evaluate`, imported at the first call: the flags, the
+    multi-process handshake and an elastic machine's supervisor run without jax, so a
+    refused start or a bad flag costs no jax import (seconds)."""
+    from train_lib import loop  # noqa: PLC0415 - the docstring says why
+
+    return loop.train_and_evaluate(config, workdir, **kwargs)
+
+
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summary.json.")
 config_flags.DEFINE_config_file("config", None, "Training configuration file.", lock_config=True)
 flags.DEFINE_string("coordinator_address", None, "Multi-host: address:port of process 0.")

@@ -442,7 +442,7 @@ def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
     sys.path.insert(0, str(ROOT))
     from configs import elastic_mlp  # noqa: PLC0415
     from train_lib import elastic as elastic_lib  # noqa: PLC0415
-    from train_lib.registry import ConfigError  # noqa: PLC0415
+    from train_lib.errors import ConfigError  # noqa: PLC0415
 
     options = elastic_lib.ElasticOptions(service="127.0.0.1:1", machine=0, machines=3, token=b"t")
     cases = [

@@ -25,7 +25,7 @@ import train  # noqa: E402
 from train_lib import checkpoint  # noqa: E402
 from train_lib import metrics  # noqa: E402
 from train_lib import workdir as workdir_lib  # noqa: E402
-from train_lib.registry import ConfigError  # noqa: E402
+from train_lib.errors import ConfigError  # noqa: E402
 
 
 def _array_files(step_dir: pathlib.Path) -> list[pathlib.Path]:

@@ -12,21 +12,30 @@
   and the divergence check.
 - `workdir`: the workdir's checks and its lock (one run per workdir).
 - `processes`: a multi-process start: argument checks, the handshake, the shared workdir.
+- `errors`: `RunError` and `ConfigError`, the one-line errors; `flatten_config`.
 - `watchdog`: the end of a run that cannot end by itself: a lost process (over the
   handshake's connections, kept open) and SIGTERM/SIGINT (a stop at a step boundary that
   every process agrees on, bounded by a timeout).
 
-`train.py` and the tests import it from the repository root.
+`train.py` and the tests import it from the repository root. The names below are
+imported on first use, so `from train_lib import cli` (the command line's checks, the
+handshake, the elastic supervisor) does not import jax (see `errors`).
 """
 
-from train_lib.loop import train_and_evaluate
-from train_lib.registry import ConfigError
-from train_lib.setup import Experiment
-from train_lib.setup import build
+import importlib
 
-__all__ = [
-    "ConfigError",
-    "Experiment",
-    "build",
-    "train_and_evaluate",
-]
+_EXPORTS = {
+    "ConfigError": "train_lib.errors",
+    "Experiment": "train_lib.setup",
+    "build": "train_lib.setup",
+    "train_and_evaluate": "train_lib.loop",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    """`train_lib.<name>` for the names in `__all__`, imported when first asked for."""
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'train_lib' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

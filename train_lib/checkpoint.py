@@ -36,8 +36,9 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 import lpdec
-from train_lib.registry import ConfigError
-from train_lib.registry import RunError
+from train_lib.errors import ConfigError
+from train_lib.errors import RunError
+from train_lib.errors import flatten_config
 
 PyTree = Any
 
@@ -71,27 +72,10 @@ def manager(workdir: str) -> ocp.CheckpointManager:
     )
 
 
-def flatten_config(config) -> dict[str, Any]:
-    """Every field of `config` as {"a.b": value}, tuples as lists (as JSON gives them back)."""
-    return _flatten(config.to_dict() if hasattr(config, "to_dict") else dict(config))
-
-
 def fingerprint(config) -> dict[str, Any]:
     """The config's fields that a resumed run must keep (all but `RESUMABLE_FIELDS`)."""
     flat = flatten_config(config)
     return {k: v for k, v in sorted(flat.items()) if k.split(".")[0] not in RESUMABLE_FIELDS}
-
-
-def _flatten(tree: dict, prefix: str = "") -> dict[str, Any]:
-    out = {}
-    for key, value in tree.items():
-        name = f"{prefix}{key}"
-        if isinstance(value, dict):
-            out.update(_flatten(value, name + "."))
-        else:
-            # JSON has no tuples: compare what a round trip through the meta file gives.
-            out[name] = list(value) if isinstance(value, tuple) else value
-    return out
 
 
 def _words(x: jax.Array) -> jax.Array:

@@ -20,15 +20,15 @@ import sys
 from typing import Any
 from typing import NoReturn
 
-import jax
 from absl import flags
 from absl import logging
 
-from train_lib import checkpoint
+from train_lib import errors
 from train_lib import processes
 from train_lib import watchdog
-from train_lib.registry import ConfigError
-from train_lib.registry import RunError
+from train_lib import workdir
+from train_lib.errors import ConfigError
+from train_lib.errors import RunError
 
 EXIT_BAD_INPUT = 2
 EXIT_DIVERGED = 3
@@ -78,7 +78,7 @@ def start_processes(flag_values: flags.FlagValues) -> watchdog.PeerWatch | None:
             f.coordinator_address,
             f.num_processes,
             f.process_id,
-            {f"config.{k}": v for k, v in checkpoint.flatten_config(f.config).items()},
+            {f"config.{k}": v for k, v in errors.flatten_config(f.config).items()},
             bind=f.coordinator_bind_address,
             timeout_s=f.peer_timeout,
             heartbeat_timeout_s=f.heartbeat_timeout,
@@ -91,6 +91,8 @@ def start_processes(flag_values: flags.FlagValues) -> watchdog.PeerWatch | None:
 
 def log_devices() -> None:
     """One line: this process among the others, and the devices it sees."""
+    import jax  # noqa: PLC0415 - this module's checks run before jax is imported
+
     logging.info(
         "process %d of %d; %d local / %d global devices: %s",
         jax.process_index(),
@@ -172,10 +174,8 @@ def _supervise(flag_values: flags.FlagValues) -> NoReturn:
     import subprocess  # noqa: PLC0415
     import time  # noqa: PLC0415
 
-    from train_lib.elastic import CONNECTED  # noqa: PLC0415
-
     restarts, machine = flag_values.elastic_restarts, flag_values.elastic_machine
-    marker = os.path.join(os.path.abspath(flag_values.workdir or "."), CONNECTED)
+    marker = os.path.join(os.path.abspath(flag_values.workdir or "."), workdir.ELASTIC_CONNECTED)
 
     command = [sys.executable, *sys.argv, "--elastic_child"]
     child: list[subprocess.Popen] = []
@@ -306,7 +306,7 @@ def _print_config_fields(argv: list[str]) -> None:
     if config is None:
         return
     print(f"\n  --config.FIELD=VALUE overrides (defaults from {_config_path(argv)}):")
-    for name, value in checkpoint.flatten_config(config).items():
+    for name, value in errors.flatten_config(config).items():
         print(f"    --config.{name}: {value!r}")
 
 

@@ -68,8 +68,8 @@ from train_lib import metrics as metrics_lib
 from train_lib import setup
 from train_lib import steps
 from train_lib import workdir as workdir_lib
-from train_lib.registry import ConfigError
-from train_lib.registry import RunError
+from train_lib.errors import ConfigError
+from train_lib.errors import RunError
 
 EXCHANGE_FIELDS = (
     "round",
@@ -85,10 +85,6 @@ EXCHANGE_FIELDS = (
     "local_steps",
     "machine_steps",
 )
-
-
-# Written into the workdir once the machine is registered with the service.
-CONNECTED = ".elastic-connected"
 
 
 class ElasticLost(RunError):
@@ -357,7 +353,7 @@ class _Machine:
         self.group.connect()
         # For train.py's supervisor: this process took part, so a later abnormal end
         # (jaxlib ending a client the service declared lost) is worth a restart.
-        with open(os.path.join(self.workdir, CONNECTED), "w") as f:
+        with open(os.path.join(self.workdir, workdir_lib.ELASTIC_CONNECTED), "w") as f:
             f.write(f"{self.group.incarnation}\n")
         latest = self.group.latest_round()
         if latest is None:

@@ -12,6 +12,9 @@ gives up after `--peer_timeout`; the handshake's connections then stay open
 for `watchdog.PeerWatch`, which ends the run when a process is lost.
 `check_shared_workdir` refuses per-machine workdirs, on which orbax's
 multi-process checkpoints would wait for ever.
+
+jax is imported where it is first needed, after the handshake: a process refused
+there exits before paying jax's import (seconds).
 """
 
 from __future__ import annotations
@@ -23,13 +26,11 @@ import socket
 import struct
 import time
 
-import jax
-import jax.experimental.multihost_utils
 import numpy as np
 from absl import logging
 
 from train_lib import watchdog
-from train_lib.registry import RunError
+from train_lib.errors import RunError
 
 
 class ProcessError(RunError):
@@ -274,6 +275,8 @@ def start(
         exit_status=peer_lost_status,
         silence_s=heartbeat_timeout_s,
     )
+    import jax  # noqa: PLC0415 - after the handshake (the module's docstring)
+
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(
         coordinator_address=coordinator_address,
@@ -290,6 +293,8 @@ def start(
 
 def _gather_strings(text: str) -> list[str]:
     """Every process's `text`, in process order (all processes must call it)."""
+    import jax.experimental.multihost_utils  # noqa: PLC0415 - the module's docstring
+
     data = np.frombuffer(text.encode(), np.uint8)
     lengths = jax.experimental.multihost_utils.process_allgather(np.int32(data.size))
     padded = np.zeros(int(np.max(lengths)), np.uint8)
@@ -302,6 +307,8 @@ def check_shared_workdir(workdir: str) -> None:
     """Refuses per-machine workdirs: orbax's multi-process checkpoints need one shared
     directory (process 0 finishes a checkpoint once every process's files are in it;
     on separate disks it would wait for ever)."""
+    import jax.experimental.multihost_utils  # noqa: PLC0415 - the module's docstring
+
     if jax.process_count() == 1:
         return
     token = os.path.join(workdir, ".shared-check")

@@ -28,17 +28,7 @@ import ml_collections
 import optax
 
 import lpdec
-
-
-class RunError(Exception):
-    """A problem the user must fix before the run can go on; its message is one line.
-
-    `train.py` prints it as `error: <message>` and exits with status 2.
-    """
-
-
-class ConfigError(RunError, ValueError):
-    """A config value that cannot work, with a message naming the field."""
+from train_lib.errors import ConfigError
 
 
 def fields_view(config, fields: tuple[str, ...]) -> types.SimpleNamespace:

@@ -25,7 +25,7 @@ import lpdec
 from lpdec.layout import NodeLayout
 from lpdec.layout import make_layout
 from train_lib import registry
-from train_lib.registry import ConfigError
+from train_lib.errors import ConfigError
 
 PRECISIONS = ("fp32", "int8")
 

@@ -28,6 +28,9 @@ boundary, in order.
   complete checkpoint stays, one being written is abandoned (orbax writes into
   a temporary directory and renames it only when complete). A second signal
   exits at once.
+
+The module imports jax only where a stop is agreed on (in the training loop): the
+handshake's watch starts before jax is imported (`train_lib.processes`).
 """
 
 from __future__ import annotations
@@ -41,8 +44,6 @@ import threading
 import time
 from typing import NamedTuple
 
-import jax
-import jax.experimental.multihost_utils
 import numpy as np
 
 _BEAT_S = 1.0  # how often a heartbeat is sent
@@ -281,6 +282,8 @@ class StopSignals:
         Every process must call it at the same boundaries (in a multi-process
         run it is a collective): a signal to any one process stops them all.
         """
+        import jax.experimental.multihost_utils  # noqa: PLC0415 - the module's docstring
+
         local = self._signum or 0
         if jax.process_count() == 1:
             signums = np.array([local])

@@ -21,7 +21,11 @@ import time
 
 from absl import logging
 
-from train_lib.registry import RunError
+from train_lib.errors import RunError
+
+#: An elastic machine's marker in its workdir: it registered with the service (written
+#: by `train_lib.elastic`, read by the supervisor in `train_lib.cli`).
+ELASTIC_CONNECTED = ".elastic-connected"
 
 
 class WorkdirError(RunError):
