@@ -372,6 +372,28 @@ def test_command_line_reports_a_bad_config_in_one_line(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_the_command_line_imports_no_jax_before_training_starts():
+    """The flags, the multi-process handshake and an elastic machine's supervisor run
+    before jax is imported (a refused start costs no jax import): importing train.py,
+    its command line and the handshake's modules leaves jax, flax, orbax and lpdec out."""
+    heavy = ("jax", "flax", "optax", "orbax", "lpdec")
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys, train; from train_lib import cli, processes, watchdog, workdir\n"
+            f"print(sorted(m for m in {heavy!r} if m in sys.modules))",
+        ],
+        env=_env(8),
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "[]", proc.stdout
+
+
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
