@@ -38,15 +38,6 @@ __all__ = ["EXIT_BAD_INPUT", "EXIT_DIVERGED", "EXIT_PEER_LOST", "main", "train_a
 FLAGS = flags.FLAGS
 
 
-def train_and_evaluate(config, workdir, **kwargs):
-    """`train_lib.loop.train_and_evaluate`, imported at the first call: the flags, the
-    multi-process handshake and an elastic machine's supervisor run without jax, so a
-    refused start or a bad flag costs no jax import (seconds)."""
-    from train_lib import loop  # noqa: PLC0415 - the docstring says why
-
-    return loop.train_and_evaluate(config, workdir, **kwargs)
-
-
 flags.DEFINE_string("workdir", None, "Directory for checkpoints, metrics and summary.json.")
 config_flags.DEFINE_config_file("config", None, "Training configuration file.", lock_config=True)
 flags.DEFINE_string("coordinator_address", None, "Multi-host: address:port of process 0.")
@@ -118,6 +109,15 @@ flags.DEFINE_float(
     "Seconds after SIGTERM/SIGINT by which the run exits even if it has not reached a step "
     "boundary (a checkpoint still being written is then abandoned).",
 )
+
+
+def train_and_evaluate(config, workdir, **kwargs):
+    """`train_lib.loop.train_and_evaluate`, imported at the first call: the flags, the
+    multi-process handshake and an elastic machine's supervisor run without jax, so a
+    refused start or a bad flag costs no jax import (seconds)."""
+    from train_lib import loop  # noqa: PLC0415 - the docstring says why
+
+    return loop.train_and_evaluate(config, workdir, **kwargs)
 
 
 def main(argv):

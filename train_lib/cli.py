@@ -26,7 +26,7 @@ from absl import logging
 from train_lib import errors
 from train_lib import processes
 from train_lib import watchdog
-from train_lib import workdir
+from train_lib import workdir as workdir_lib
 from train_lib.errors import ConfigError
 from train_lib.errors import RunError
 
@@ -175,7 +175,8 @@ def _supervise(flag_values: flags.FlagValues) -> NoReturn:
     import time  # noqa: PLC0415
 
     restarts, machine = flag_values.elastic_restarts, flag_values.elastic_machine
-    marker = os.path.join(os.path.abspath(flag_values.workdir or "."), workdir.ELASTIC_CONNECTED)
+    directory = os.path.abspath(flag_values.workdir or ".")
+    marker = os.path.join(directory, workdir_lib.ELASTIC_CONNECTED)
 
     command = [sys.executable, *sys.argv, "--elastic_child"]
     child: list[subprocess.Popen] = []
