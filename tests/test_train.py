@@ -351,20 +351,19 @@ def _env(devices):
     return env
 
 
+def _python(*args) -> subprocess.CompletedProcess:
+    """`python *args` in the repository root on 8 devices, its output captured as text."""
+    return subprocess.run(
+        [sys.executable, *args], env=_env(8), capture_output=True, text=True, cwd=ROOT, timeout=300
+    )
+
+
 def test_command_line_reports_a_bad_config_in_one_line(tmp_path):
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "train.py"),
-            f"--config={ROOT / 'configs' / 'quickstart.py'}",
-            f"--workdir={tmp_path}",
-            "--config.algorithm=gossip",
-        ],
-        env=_env(8),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
+    proc = _python(
+        str(ROOT / "train.py"),
+        f"--config={ROOT / 'configs' / 'quickstart.py'}",
+        f"--workdir={tmp_path}",
+        "--config.algorithm=gossip",
     )
     assert proc.returncode == 2, proc.stderr[-2000:]
     last = proc.stderr.strip().splitlines()[-1]
@@ -377,18 +376,10 @@ def test_the_command_line_imports_no_jax_before_training_starts():
     before jax is imported (a refused start costs no jax import): importing train.py,
     its command line and the handshake's modules leaves jax, flax, orbax and lpdec out."""
     heavy = ("jax", "flax", "optax", "orbax", "lpdec")
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-c",
-            "import sys, train; from train_lib import cli, processes, watchdog, workdir\n"
-            f"print(sorted(m for m in {heavy!r} if m in sys.modules))",
-        ],
-        env=_env(8),
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        timeout=300,
+    proc = _python(
+        "-c",
+        "import sys, train; from train_lib import cli, processes, watchdog, workdir\n"
+        f"print(sorted(m for m in {heavy!r} if m in sys.modules))",
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert proc.stdout.strip() == "[]", proc.stdout
