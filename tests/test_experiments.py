@@ -31,6 +31,7 @@ STUDIES = (
     "tradeoff",
     "mx",
     "ad_psgd",
+    "lm",
 )
 
 

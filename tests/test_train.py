@@ -263,7 +263,7 @@ BAD_CONFIGS = [
     ({"bits": 12}, "bits must be an integer in 1..8"),
     ({"checkpoint_every": 15}, "multiple of config.log_every"),
     ({"machines": 2}, "config.machines=2 needs config.hierarchical=True"),
-    ({"hierarchical": True, "machines": 1}, "config.machines=1 must be an integer >= 2"),
+    ({"hierarchical": True, "machines": -1}, "config.machines=-1 must be an integer >= 1"),
     ({"hierarchical": True, "machines": 2, "num_nodes": 7}, "num_nodes=7 .* not a multiple"),
     ({"hierarchical": True, "machines": 3, "num_nodes": 6}, "machines=3 does not divide the 8"),
     ({"hierarchical": True, "machines": 2, "num_nodes": 16}, "8 workers on each machine's 4"),

@@ -417,8 +417,8 @@ def machine_count(config: ml_collections.ConfigDict) -> int | None:
     if not config.hierarchical:
         return None
     processes = jax.process_count()
-    if config.machines and not (isinstance(config.machines, int) and config.machines >= 2):
-        _fail(f"config.machines={config.machines!r} must be an integer >= 2 (0 = processes).")
+    if config.machines and not (isinstance(config.machines, int) and config.machines >= 1):
+        _fail(f"config.machines={config.machines!r} must be an integer >= 1 (0 = processes).")
     if processes > 1:
         if config.devices:
             _fail(

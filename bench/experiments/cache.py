@@ -12,6 +12,7 @@ never reused either, and never share an experiments.json with trained runs.
 from __future__ import annotations
 
 import ast
+import fcntl
 import hashlib
 import json
 import os
@@ -32,6 +33,7 @@ STUDIES = (
     "tradeoff",
     "mx",
     "ad_psgd",
+    "lm",
 )
 
 
@@ -89,9 +91,21 @@ def load_results(path: str, code: str) -> dict[str, dict]:
 
 
 def save_results(path: str, records: dict[str, dict]) -> None:
-    """Writes the records to a workdir's results.json."""
-    with open(path, "w") as f:
-        json.dump(records, f)
+    """Adds the records to a workdir's results.json, keeping what other invocations wrote.
+
+    Invocations that train in one workdir at once (`--train-only`) each add their runs:
+    the file is read and written under a lock and replaced whole, never half written.
+    """
+    with open(path + ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        merged = {}
+        if os.path.exists(path):
+            with open(path) as f:
+                merged = json.load(f)
+        merged.update(records)
+        with open(path + ".tmp", "w") as f:
+            json.dump(merged, f)
+        os.replace(path + ".tmp", path)
 
 
 def published_results(path: str, code: str) -> dict[str, dict]:

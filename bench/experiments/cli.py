@@ -13,6 +13,7 @@ from bench.experiments import ad_psgd
 from bench.experiments import cache
 from bench.experiments import centralized
 from bench.experiments import gamma
+from bench.experiments import lm
 from bench.experiments import moniqua
 from bench.experiments import mx
 from bench.experiments import precision
@@ -41,6 +42,7 @@ STUDY_FUNCTIONS = {
     "tradeoff": tradeoff.tradeoff,
     "mx": mx.mx,
     "ad_psgd": ad_psgd.ad_psgd,
+    "lm": lm.lm,
 }
 
 
@@ -69,6 +71,13 @@ def main(argv=None) -> None:
         help="train nothing: check every run's config as train.py does before its first "
         "step and fill the tables with placeholder numbers (a study's whole grid in "
         "seconds); never cached, never written over trained runs",
+    )
+    parser.add_argument(
+        "--train-only",
+        default=None,
+        help="comma-separated parts of method labels: train only those methods' runs "
+        "(others come from the workdir's cache or wait), write no report; lets several "
+        "invocations share one study's runs",
     )
     args = parser.parse_args(argv)
     output = args.output or (
@@ -101,12 +110,17 @@ def main(argv=None) -> None:
         published=None if args.quick else json_path,
         dry_run=dry_run,
     )
+    if args.train_only:
+        runner.train_only = tuple(args.train_only.split(","))
     studies = cache.STUDIES if "all" in args.studies else tuple(args.studies)
     for name in studies:
         started = time.time()
         runner.study_keys, runner.trained_seconds = set(), 0.0
         print(f"study {name}", flush=True)
         body = STUDY_FUNCTIONS[name](runner, docs)
+        if runner.train_only is not None:
+            print(f"study {name}: trained what --train-only names; no report", flush=True)
+            continue
         minutes = (time.time() - started) / 60
         command = f"python -m bench.experiments {name}" + (" --quick" if args.quick else "")
         command += " --dry-run" if dry_run else ""

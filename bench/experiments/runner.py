@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import shutil
 import sys
@@ -17,6 +18,8 @@ from configs import default  # noqa: E402
 from configs import mnist1d_seed002  # noqa: E402
 from configs import mnist1d_seed003  # noqa: E402
 
+# A language model's quality column of metrics.csv (the synchronised model's).
+LM_METRIC = "val_bits_per_byte_avg_model"
 STEPS = 2000  # per run (about 64 epochs of 8,000 sequences on 8 nodes of batch 32)
 QUICK_STEPS = 20
 
@@ -119,6 +122,9 @@ class Runner:
         self.code = cache.code_fingerprint()
         if dry_run:
             self.code = f"dry run ({self.code})"
+        # Set by --train-only: train only methods whose label holds one of these strings;
+        # `run` returns None for the others' runs that are not cached yet.
+        self.train_only: tuple[str, ...] | None = None
         # In a dry run: the configs checked so far (a config two studies share, once).
         self.cache: dict[str, dict] = {}
         self.entries: list[dict] = []
@@ -158,8 +164,10 @@ class Runner:
                     f"{config.seed} with this config; run the study instead of --render."
                 )
             record = self.replay[key]
-        elif key in self.cache:
+        elif key in self.cache or key in self._reload():
             record = self.cache[key]
+        elif self.train_only is not None and not any(part in method for part in self.train_only):
+            return None  # another invocation's run, not trained yet
         else:
             record = self._train(config)
             record["key"], record["code"] = key, self.code
@@ -172,15 +180,25 @@ class Runner:
         self.entries.append(entry)
         return entry
 
+    def _reload(self) -> dict[str, dict]:
+        """The cache with the runs other invocations saved to the workdir meanwhile."""
+        if not (self.dry_run or self.replay is not None):
+            for key, record in cache.load_results(self.cache_path, self.code).items():
+                self.cache.setdefault(key, record)
+        return self.cache
+
     def save(self, study: str, method: str, seed: int, record: dict) -> None:
         """Writes the new `record` to the workdir's results.json (a dry run's: nowhere)."""
         if self.dry_run:
             print(f"  {study} | {method} seed {seed}: config checked", flush=True)
             return
         cache.save_results(self.cache_path, self.cache)
+        if "final_val_bits_per_byte" in record:
+            result = f"val bits/byte {record['final_val_bits_per_byte']:.4f}"
+        else:
+            result = f"acc {record['final_test_accuracy']:.3f}"
         print(
-            f"  {study} | {method} seed {seed}: acc "
-            f"{record['final_test_accuracy']:.3f} ({record['wall_clock_s']:.1f} s)",
+            f"  {study} | {method} seed {seed}: {result} ({record['wall_clock_s']:.1f} s)",
             flush=True,
         )
 
@@ -195,13 +213,32 @@ class Runner:
             summary = train_lib.train_and_evaluate(config, run_dir)
             with open(os.path.join(run_dir, "metrics.csv")) as f:
                 header, *rows = [line.strip().split(",") for line in f if line.strip()]
-            history = [dict(zip(header, map(float, row), strict=True)) for row in rows]
+            # An empty cell (a metric the run does not measure, e.g. local models'
+            # with eval_local_examples=0) reads as NaN.
+            history = [
+                {k: float(v) if v else math.nan for k, v in zip(header, row, strict=True)}
+                for row in rows
+            ]
             shutil.rmtree(run_dir, ignore_errors=True)
         seconds = time.time() - started
         defaults = default.get_config().to_dict()
         fields = {k: v for k, v in config.to_dict().items() if defaults.get(k) != v or k == "seed"}
         final = summary["final"]
         wire = float(final.get("wire_bytes_per_step", 0.0))
+        if LM_METRIC in final:  # a language model: its validation bits per byte
+            quality = {
+                "final_val_bits_per_byte": final[LM_METRIC],
+                "final_local_bits_per_byte": final.get("val_bits_per_byte_local_mean"),
+                # Every node's windows predict sequence_length next bytes each.
+                "tokens_per_step": config.num_nodes * config.batch_size * config.sequence_length,
+            }
+            metric = LM_METRIC
+        else:
+            quality = {
+                "final_test_accuracy": final["test_accuracy_avg_model"],
+                "final_local_accuracy": final["test_accuracy_local_mean"],
+            }
+            metric = "test_accuracy_avg_model"
         return {
             "seed": config.seed,
             "config": json.loads(json.dumps(fields, default=str)),
@@ -210,8 +247,7 @@ class Runner:
             "epochs": history[-1]["epoch"],
             "schedule": describe_schedule(config),
             "diverged": summary["diverged"],
-            "final_test_accuracy": final["test_accuracy_avg_model"],
-            "final_local_accuracy": final["test_accuracy_local_mean"],
+            **quality,
             "final_train_loss": final["train_loss"],
             "final_consensus_distance": final["consensus_distance"],
             "theta_warnings": final.get("theta_warnings", 0),
@@ -221,9 +257,7 @@ class Runner:
             "collectives_per_step": summary.get("collectives_per_step") or 0.0,
             "step_time_s": final["step_time_s"],
             "wall_clock_s": seconds,
-            "curve": [
-                [row["step"], row["test_accuracy_avg_model"], row["train_loss"]] for row in history
-            ],
+            "curve": [[row["step"], row[metric], row["train_loss"]] for row in history],
             **({"dry_run": True} if self.dry_run else {}),
         }
 
@@ -244,7 +278,11 @@ class Runner:
             }
             for step, accuracy, loss in placeholder_curve(numbers, logged)
         ]
+        if exp.dataset.task == "next_token":  # bits per byte: 1 to 5, falling
+            for row in history:
+                row[LM_METRIC] = 5.0 - 4.0 * row.pop("test_accuracy_avg_model")
         final = {
+            **({LM_METRIC: history[-1][LM_METRIC]} if LM_METRIC in history[-1] else {}),
             "test_accuracy_avg_model": numbers["accuracy"],
             "test_accuracy_local_mean": numbers["accuracy"],
             "train_loss": numbers["loss"],

@@ -1,0 +1,289 @@
+"""Study "lm": the DiLoCo family against a tuned all-reduce on a byte-level language model.
+
+Issue 41's protocol, on the small model (configs/lm_tiny.py's transformer, 120,576
+parameters, on 8 MB of this Python's standard library sources), 2 machines x 4 workers
+simulated in one process, each machine's model split over its workers (FSDP), 2,048
+tokens per machine and step, 2,000 steps (8.2M tokens, 68 per parameter; DiLoCo at
+H=20: 100 rounds), Adam with 100 warm-up steps and a cosine schedule:
+
+1. Every method is tuned on its own: each hyperparameter swept over at least 3 values
+   (seed 0, final validation bits per byte at the study's budget), a sweep whose
+   winner lies on its edge extended past it (`tune`). The fp32 all-reduce: its learning
+   rate. DiLoCo (fp32 mean, H=20): the outer learning rate x outer momentum grid at a
+   first inner learning rate, then the inner learning rate at the best outer setting,
+   then the outer grid again if the inner rate moved.
+2. The winners run over 3 seeds (mean and spread); the target of every comparison is
+   the tuned all-reduce's final validation bits per byte.
+3. The literature's sanity checks: DiLoCo with one machine (M=1), and with H=1, an
+   exact mean and a plain outer step of 1 (data-parallel training up to the inner
+   Adam's per-machine state).
+4. Ablations at DiLoCo's tuned setting: the exchange (fp32, 4-bit and 2-bit min-max
+   with error feedback, SparseLoCo's chunked top-k, its one-round mean with decayed
+   error feedback), H, and 4 machines x 2 workers.
+
+Long: about 3.5 min a run alone on 2 cores, ~60 runs. `--train-only` lets two
+invocations train disjoint methods at once into one workdir; a final plain invocation
+then writes the section from the cache.
+"""
+
+# Markdown table rows are long lines by nature.
+
+from __future__ import annotations
+
+import math
+import os
+
+import numpy as np
+
+from bench.experiments.render import pyplot
+from bench.experiments.runner import Runner
+from configs import lm_tiny
+
+STUDY = "lm"
+STEPS = 2000
+QUICK_STEPS = 20
+SEEDS = 3
+
+ALLREDUCE = dict(algorithm="allreduce", local_steps=1, error_feedback=False)
+DILOCO = dict(algorithm="diloco", local_steps=20, exchange="mean", error_feedback=False)
+EF4 = dict(exchange="compressed_mean", compressor="minmax", bits=4, error_feedback=True)
+EF2 = dict(EF4, bits=2)
+# SparseLoCo's compressor: the top 64 of every 4,096 values, 2-bit codes.
+TOPK = dict(EF4, compressor="chunked_top_k", chunk_size=4096, bits=2, ratio=64 / 4096)
+# SparseLoCo as its paper runs it: the payloads all-gathered and averaged once, the
+# residual decayed by 0.95.
+SPARSELOCO = dict(TOPK, mean_rounds=1, error_decay=0.95)
+
+# The sweeps' grids (seed 0), each extended past a winning edge (`tune`).
+LR_GRID = (2e-3, 4e-3, 8e-3)
+OUTER_LR_GRID = (0.5, 0.7, 1.0)
+OUTER_MOMENTUM_GRID = (0.0, 0.6, 0.9)
+FIRST_INNER_LR = 4e-3
+H_GRID = (5, 10, 50, 100)
+
+
+def lm_config(quick: bool):
+    """The study's recipe: lm_tiny's model on 8 MB, 2,000 steps (quick: 20)."""
+    config = lm_tiny.get_config()
+    config.text_bytes = 8_000_000
+    config.validation_windows = 1024
+    config.num_steps = QUICK_STEPS if quick else STEPS
+    config.log_every = config.num_steps // 20
+    config.warmup_steps = config.num_steps // 20
+    config.checkpoint_every = 0
+    config.eval_local_examples = 0
+    return config
+
+
+def score(record) -> float:
+    """Final validation bits per byte; a diverged or non-finite run ranks last."""
+    if record is None:
+        return math.nan
+    value = record["final_val_bits_per_byte"]
+    return math.inf if record["diverged"] or not math.isfinite(value) else value
+
+
+def label(name: str, fields: dict) -> str:
+    """A run's method label: the method and the fields that set it apart."""
+    return name + "".join(f", {k}={v:g}" for k, v in fields.items())
+
+
+def tune(runner: Runner, name: str, fixed: dict, grids: dict, extend: dict) -> tuple:
+    """Sweeps the product of `grids` at seed 0 from `fixed`; returns (best fields, records).
+
+    A field of `extend` (field -> factor) whose winner lies on its grid's edge gets one
+    more value past that edge (times or over the factor), at most twice. Runs not
+    trained yet (another invocation's, with --train-only) are None and rank nowhere.
+    """
+    grids = {k: sorted(v) for k, v in grids.items()}
+    records: dict[tuple, dict | None] = {}
+    for _ in range(3):
+        for values in _product(grids):
+            fields = dict(zip(grids, values, strict=True))
+            if values not in records:
+                config = runner.config(lm_config, seed=0, **fixed, **fields)
+                records[values] = runner.run(STUDY, label(name, fields), config)
+        done = {v: r for v, r in records.items() if r is not None}
+        if len(done) < len(records):
+            return None, records
+        best = min(done, key=lambda v: score(done[v]))
+        grew = False
+        for i, (field, grid) in enumerate(grids.items()):
+            factor = extend.get(field) if len(grid) >= 3 else None
+            if factor and best[i] == grid[0]:
+                grid.insert(0, grid[0] / factor)
+                grew = True
+            elif factor and best[i] == grid[-1]:
+                grid.append(grid[-1] * factor)
+                grew = True
+        if not grew:
+            break
+    done = {v: r for v, r in records.items() if r is not None}
+    best = min(done, key=lambda v: score(done[v]))
+    return dict(zip(grids, best, strict=True)), records
+
+
+def _product(grids: dict) -> list[tuple]:
+    values = [()]
+    for grid in grids.values():
+        values = [v + (x,) for v in values for x in grid]
+    return values
+
+
+def seeds(runner: Runner, name: str, fields: dict, count: int = SEEDS) -> list | None:
+    """The run of `fields` over `count` seeds; None while any is not trained."""
+    count = 1 if runner.quick else count
+    records = [
+        runner.run(STUDY, name, runner.config(lm_config, seed=seed, **fields))
+        for seed in range(count)
+    ]
+    return None if any(r is None for r in records) else records
+
+
+def across(record) -> float:
+    """Bytes one worker sends per step between machines (the slow link's traffic)."""
+    by_axis = record.get("bytes_by_axis") or {}
+    return float(by_axis.get("machines", record["bytes_per_node_per_step"]))
+
+
+def cell(records, target: float | None = None) -> str:
+    """Mean ± spread (max - min over seeds) of final bits per byte, and the gap to `target`."""
+    if not records:
+        return "(not run yet)"
+    values = np.array([score(r) for r in records])
+    text = f"{values.mean():.4f}"
+    if len(values) > 1:
+        text += f" ± {(values.max() - values.min()) / 2:.4f}"
+    if target is not None:
+        text += f" ({100 * (values.mean() / target - 1):+.2f}%)"
+    return text
+
+
+def plan(runner: Runner) -> dict:
+    """Every run of the study, in order of importance; pieces not trained yet are None."""
+    quick = runner.quick
+    grid = (lambda g: g[:1]) if quick else (lambda g: g)
+    out: dict = {}
+    # 1. The all-reduce's learning rate.
+    best, out["allreduce sweep"] = tune(
+        runner, "all-reduce fp32", ALLREDUCE, {"learning_rate": grid(LR_GRID)}, {"learning_rate": 2.0}
+    )
+    out["allreduce best"] = best
+    # 2. DiLoCo fp32 H=20: outer grid at a first inner rate, the inner rate, outer again.
+    inner = {"learning_rate": FIRST_INNER_LR}
+    outer_grids = {"outer_lr": grid(OUTER_LR_GRID), "outer_momentum": grid(OUTER_MOMENTUM_GRID)}
+    outer, out["diloco outer sweep"] = tune(
+        runner, "DiLoCo H=20 fp32", DILOCO | inner, outer_grids, {"outer_lr": 1.4}
+    )
+    out["diloco best"] = None
+    if outer is not None:
+        inner, out["diloco inner sweep"] = tune(
+            runner, "DiLoCo H=20 fp32", DILOCO | outer,
+            {"learning_rate": grid((FIRST_INNER_LR / 2, FIRST_INNER_LR, FIRST_INNER_LR * 2))},
+            {"learning_rate": 2.0},
+        )  # fmt: skip
+        if inner is not None and inner["learning_rate"] != FIRST_INNER_LR:
+            outer, out["diloco outer sweep 2"] = tune(
+                runner, "DiLoCo H=20 fp32", DILOCO | inner, outer_grids, {"outer_lr": 1.4}
+            )
+        if inner is not None and outer is not None:
+            out["diloco best"] = inner | outer
+    # 3. Three seeds of each winner; DiLoCo's 4-bit exchange at the fp32 setting.
+    ar, dl = out["allreduce best"], out["diloco best"]
+    out["allreduce"] = seeds(runner, label("all-reduce fp32", ar), ALLREDUCE | ar) if ar else None
+    if dl is not None:
+        out["diloco fp32"] = seeds(runner, label("DiLoCo H=20 fp32", dl), DILOCO | dl)
+        out["diloco 4-bit"] = seeds(runner, label("DiLoCo H=20 4-bit EF", dl), DILOCO | dl | EF4)
+        # 4. Sanity checks and ablations (seed 0).
+        one = lambda name, **f: seeds(runner, label(name, dl), DILOCO | dl | f, count=1)  # noqa: E731
+        out["M=1"] = one("DiLoCo H=20 fp32, one machine of 8", machines=1)
+        plain = dict(dl, outer_lr=1.0, outer_momentum=0.0)
+        out["H=1 plain"] = seeds(
+            runner, label("DiLoCo H=1 fp32", plain), DILOCO | plain | {"local_steps": 1}, count=1
+        )
+        out["2-bit"] = one("DiLoCo H=20 2-bit EF", **EF2)
+        out["top-k"] = one("DiLoCo H=20 top-64/4096 2-bit EF", **TOPK)
+        out["sparseloco"] = one("DiLoCo H=20 SparseLoCo exchange", **SPARSELOCO)
+        for h in (H_GRID[:1] if quick else H_GRID):
+            out[f"H={h}"] = one(f"DiLoCo H={h} 4-bit EF", **EF4, local_steps=h)
+        out["4x2 fp32"] = one("DiLoCo H=20 fp32, 4 machines x 2", machines=4)
+        out["4x2 4-bit"] = one("DiLoCo H=20 4-bit EF, 4 machines x 2", machines=4, **EF4)
+    return out
+
+
+def lm(runner: Runner, docs: str) -> str:
+    """The study's section: the sweeps, the tuned table, the sanity checks, the ablations."""
+    out = plan(runner)
+    config = lm_config(runner.quick)
+    base = out.get("allreduce")
+    target = float(np.mean([score(r) for r in base])) if base else None
+    lines = [
+        "## Language model: the DiLoCo family's claims at small scale",
+        "",
+        f"The small model of issue 41's protocol: configs/lm_tiny.py's transformer "
+        f"(120,576 parameters) on {config.text_bytes / 1e6:g} MB of this Python's "
+        f"standard library sources, 2 machines x 4 workers (FSDP inside a machine), "
+        f"{config.batch_size} windows of {config.sequence_length} bytes per worker and "
+        f"step, {config.num_steps} steps, Adam with a cosine schedule after "
+        f"{config.warmup_steps} warm-up steps. Quality: "
+        "the synchronised model's validation bits per byte over "
+        f"{config.validation_windows} held-out windows (lower is better). Every method "
+        "is tuned on its own (seed 0, final bits per byte; sweeps below), its winner "
+        "run over 3 seeds; ± is half the spread over the seeds; the gap is to the tuned "
+        "all-reduce's mean.",
+        "",
+    ]
+    lines += _sweep_tables(out)
+    lines += ["", "### Tuned, 3 seeds", "", "| method | setting | bytes / worker / step between machines | final validation bits per byte (gap) |", "|---|---|---|---|"]
+    for key, name in (("allreduce", "fp32 all-reduce"), ("diloco fp32", "DiLoCo H=20, fp32 mean"), ("diloco 4-bit", "DiLoCo H=20, 4-bit EF mean")):
+        records = out.get(key)
+        setting = out["allreduce best"] if key == "allreduce" else out["diloco best"]
+        text = ", ".join(f"{k} {v:g}" for k, v in (setting or {}).items())
+        sent = f"{across(records[0]):,.0f}" if records else ""
+        lines.append(f"| {name} | {text} | {sent} | {cell(records, target)} |")
+    lines += ["", "### Sanity checks and ablations (seed 0, at DiLoCo's tuned setting)", "", "| run | bytes / worker / step between machines | final validation bits per byte (gap) |", "|---|---|---|"]
+    for key in ("M=1", "H=1 plain", "2-bit", "top-k", "sparseloco", *(f"H={h}" for h in H_GRID), "4x2 fp32", "4x2 4-bit"):
+        if key in out:
+            records = out[key]
+            name = records[0]["method"] if records else key
+            sent = f"{across(records[0]):,.0f}" if records else ""
+            lines.append(f"| {name} | {sent} | {cell(records, target)} |")
+    curves = {k: out.get(k) for k in ("allreduce", "diloco fp32", "diloco 4-bit")}
+    if all(curves.values()):
+        _plots(curves, docs)
+        lines += ["", "![validation bits per byte against tokens](docs/lm_loss_vs_tokens.png)", "![validation bits per byte against bytes](docs/lm_loss_vs_bytes.png)"]
+    return "\n".join(lines)
+
+
+def _sweep_tables(out: dict) -> list[str]:
+    lines = ["### Sweeps (seed 0)", ""]
+    for key in ("allreduce sweep", "diloco outer sweep", "diloco inner sweep", "diloco outer sweep 2"):
+        records = out.get(key)
+        if not records:
+            continue
+        ranked = [(score(r), r["method"]) for r in records.values() if r is not None]
+        pending = sum(r is None for r in records.values())
+        lines.append(f"- {key}: " + "; ".join(f"{m.split(', ', 1)[1]}: {s:.4f}" for s, m in sorted(ranked)) + (f"; {pending} not run yet" if pending else ""))
+    return lines
+
+
+def _plots(curves: dict, docs: str) -> None:
+    plt = pyplot()
+    names = {"allreduce": "fp32 all-reduce", "diloco fp32": "DiLoCo H=20 fp32", "diloco 4-bit": "DiLoCo H=20 4-bit EF"}
+    for what, path in (("tokens", "lm_loss_vs_tokens.png"), ("bytes", "lm_loss_vs_bytes.png")):
+        fig, ax = plt.subplots(figsize=(6.5, 4.2))
+        for key, records in curves.items():
+            length = min(len(r["curve"]) for r in records)
+            steps = np.array([row[0] for row in records[0]["curve"][:length]])
+            bpb = np.mean([[row[1] for row in r["curve"][:length]] for r in records], axis=0)
+            scale = records[0]["tokens_per_step"] if what == "tokens" else across(records[0]) / 1e6
+            ax.plot(steps * scale, bpb, marker=".", label=names[key])
+        ax.set_xlabel("training tokens" if what == "tokens" else "MB sent per worker between machines")
+        if what == "bytes":
+            ax.set_xscale("log")
+        ax.set_ylabel("validation bits per byte")
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(os.path.join(docs, path), dpi=100)
+        plt.close(fig)
