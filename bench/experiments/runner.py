@@ -7,6 +7,7 @@ import math
 import os
 import shutil
 import sys
+import tempfile
 import time
 
 from bench.experiments import cache
@@ -208,8 +209,8 @@ class Runner:
         if self.dry_run:
             summary, history = self._check(config)
         else:
-            run_dir = os.path.join(self.workdir, "tmp_run")
-            shutil.rmtree(run_dir, ignore_errors=True)
+            # A directory of this run's own: invocations may share the workdir.
+            run_dir = tempfile.mkdtemp(prefix="run_", dir=self.workdir)
             summary = train_lib.train_and_evaluate(config, run_dir)
             with open(os.path.join(run_dir, "metrics.csv")) as f:
                 header, *rows = [line.strip().split(",") for line in f if line.strip()]
