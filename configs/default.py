@@ -15,7 +15,8 @@ def get_config() -> ml_collections.ConfigDict:
     config = ml_collections.ConfigDict()
 
     # Data: "mnist1d" (generated locally), "digits" (scikit-learn), "synthetic",
-    # "cifar10" (binary files in data_dir, supplied by the user) or "stdlib_text".
+    # "cifar10" (binary files in data_dir, supplied by the user), or for the language
+    # model "stdlib_text", "text_files" or "token_file" (below).
     config.dataset = "mnist1d"
     config.data_dir = ""
     config.num_samples = 5000  # mnist1d / synthetic size (train + test)
@@ -43,6 +44,12 @@ def get_config() -> ml_collections.ConfigDict:
     config.sequence_length = 128
     config.text_bytes = 0
     config.validation_windows = 0
+    # Your own data for the language model: "text_files", every file under data_dir
+    # (any extension) as bytes, each split by position (its last 5% is validation);
+    # "token_file", data_dir/train.bin and val.bin, flat arrays of token ids of
+    # token_dtype ("uint16" or "uint32", as nanoGPT writes them), read through
+    # np.memmap; the vocabulary is model_kwargs.vocab_size.
+    config.token_dtype = "uint16"
 
     # Model: "cnn1d", "mlp", "resnet20", "resnet54", "vgg11", "transformer".
     config.model = "cnn1d"

@@ -31,6 +31,8 @@ def get_config():
     config.model_kwargs.d_model = 64
     config.model_kwargs.num_layers = 2
     config.model_kwargs.num_heads = 4
+    # Bytes; a token file's tokenizer sets its own (--config.model_kwargs.vocab_size=50257).
+    config.model_kwargs.vocab_size = 256
 
     config.num_nodes = 8
     config.hierarchical = True

@@ -37,6 +37,20 @@ ALGORITHMS = {
 }
 
 
+def test_diloco_on_one_machine_with_h1_and_a_plain_outer_step_is_the_all_reduce(shared_run):
+    """DiLoCo's sanity check (issue 41): one machine of all 8 workers (config.machines=1),
+    H=1, the exact mean and outer SGD 1 without momentum take the all-reduce's steps: the
+    inner optimizer sees the 8 workers' mean gradient, and the outer step lands on its
+    result. The reference is the all-reduce over 2 machines of 4 (the same mean)."""
+    ar_dir, ar = hierarchical_run(shared_run, **ALGORITHMS["allreduce"])
+    plain = dict(local_steps=1, exchange="mean", outer_lr=1.0, outer_momentum=0.0)
+    dl_dir, dl = hierarchical_run(shared_run, algorithm="diloco", machines=1, **plain)
+    reference, diloco = final_params(ar_dir), final_params(dl_dir)
+    for name, whole in reference.items():
+        np.testing.assert_allclose(diloco[name], whole, rtol=0, atol=1e-5, err_msg=name)
+    assert dl["final"]["train_loss"] == pytest.approx(ar["final"]["train_loss"], abs=1e-5)
+
+
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_a_sharded_run_lands_where_the_replicated_run_lands(shared_run, algorithm):
     rep_dir, rep = hierarchical_run(shared_run, **ALGORITHMS[algorithm])

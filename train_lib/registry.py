@@ -33,7 +33,17 @@ from train_lib.errors import ConfigError
 
 def fields_view(config, fields: tuple[str, ...]) -> types.SimpleNamespace:
     """The named fields of `config` (a ConfigDict or a dict) as attributes, and no others."""
-    return types.SimpleNamespace(**{field: config[field] for field in fields})
+    return types.SimpleNamespace(**{field: field_value(config, field) for field in fields})
+
+
+def field_value(config, field: str):
+    """`config[field]`; a dotted field ("model_kwargs.vocab_size") it lacks is None."""
+    try:
+        return config[field]
+    except KeyError:
+        if "." in field:
+            return None
+        raise
 
 
 @dataclasses.dataclass(frozen=True)
@@ -127,7 +137,7 @@ def check(
     entry = choose(config, field, table)
     if entry.check is not None:
         names = entry.fields + entry.check_fields
-        values = {f: config[f] for f in names} | dict(overrides or {})
+        values = {f: field_value(config, f) for f in names} | dict(overrides or {})
         entry.check(fields_view(values, names))
     return entry
 
@@ -145,7 +155,7 @@ def build(
     topology to its machines: ``overrides={"num_nodes": machines}``).
     """
     entry = check(config, field, table, overrides)
-    values = {f: config[f] for f in entry.fields} | dict(overrides or {})
+    values = {f: field_value(config, f) for f in entry.fields} | dict(overrides or {})
     try:
         return entry.build(fields_view(values, entry.fields), *args)
     except ConfigError:
@@ -187,6 +197,44 @@ def _check_stdlib_text(c) -> None:
         )
 
 
+def _check_text_files(c) -> None:
+    if not c.data_dir:
+        raise ConfigError(
+            "config.dataset='text_files' needs config.data_dir: a directory of your text files."
+        )
+    if not os.path.isdir(c.data_dir):
+        raise ConfigError(
+            f"config.data_dir={c.data_dir!r} is not a directory; for dataset 'text_files' it "
+            "holds your text files (any extension)."
+        )
+    _check_stdlib_text(c)
+
+
+# The vocabulary of a token file is the model's: the config field it is read from.
+VOCAB = "model_kwargs.vocab_size"
+
+
+def _check_token_file(c) -> None:
+    if not c.data_dir or not os.path.isdir(c.data_dir):
+        raise ConfigError(
+            f"config.data_dir={c.data_dir!r}: config.dataset='token_file' needs a directory "
+            "holding train.bin and val.bin (flat arrays of token ids)."
+        )
+    if c.token_dtype not in lpdec.data.text.TOKEN_DTYPES:
+        raise ConfigError(
+            f"config.token_dtype={c.token_dtype!r} is not one of: "
+            f"{', '.join(lpdec.data.text.TOKEN_DTYPES)}."
+        )
+    vocab = getattr(c, VOCAB)
+    if isinstance(vocab, bool) or not isinstance(vocab, int) or vocab < 1:
+        raise ConfigError(
+            f"config.{VOCAB}={vocab!r}: config.dataset='token_file' needs the tokenizer's "
+            "vocabulary size there (a positive integer; configs/lm_tiny.py and the configs "
+            "built on it have the field)."
+        )
+    _check_stdlib_text(c)
+
+
 DATASETS = {
     "cifar10": Entry(lambda c: lpdec.data.cifar10(c.data_dir), ("data_dir",), check=_check_cifar10),
     "digits": Entry(lambda c: lpdec.data.digits()),
@@ -206,7 +254,34 @@ DATASETS = {
     "synthetic": Entry(
         lambda c: lpdec.data.synthetic(c.num_samples, 16, 4, c.seed), ("num_samples", "seed")
     ),
+    # Your own text: every file under data_dir, any extension, bytes as tokens.
+    "text_files": Entry(
+        check=_check_text_files,
+        build=lambda c: lpdec.data.text_directory(
+            c.data_dir,
+            context=c.sequence_length,
+            max_bytes=c.text_bytes or None,
+            validation_windows=c.validation_windows or None,
+        ),
+        fields=("sequence_length", "text_bytes", "validation_windows", "data_dir"),
+    ),
+    # A pre-tokenized corpus: data_dir/train.bin and val.bin (nanoGPT's), read by memmap.
+    "token_file": Entry(
+        check=_check_token_file,
+        build=lambda c: lpdec.data.token_file(
+            c.data_dir,
+            vocab_size=getattr(c, VOCAB),
+            context=c.sequence_length,
+            dtype=c.token_dtype,
+            max_bytes=c.text_bytes or None,
+            validation_windows=c.validation_windows or None,
+        ),
+        fields=("sequence_length", "text_bytes", "validation_windows", "data_dir", "token_dtype")
+        + (VOCAB,),
+    ),
 }
+#: The data sets a language model ("transformer") trains on, and only it.
+TEXT_DATASETS = ("stdlib_text", "text_files", "token_file")
 
 
 # ----------------------------------------------------------------------------

@@ -279,11 +279,11 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             f"config.model={config.model!r} is not one of: "
             f"{', '.join(sorted(lpdec.models.MODELS))}."
         )
-    if (config.dataset == "stdlib_text") != (config.model == "transformer"):
+    if (config.dataset in registry.TEXT_DATASETS) != (config.model == "transformer"):
         _fail(
             f"config.model={config.model!r} with config.dataset={config.dataset!r}: the "
-            "language model ('transformer') trains on text ('stdlib_text'), the other models "
-            "on the classification data sets."
+            f"language model ('transformer') trains on text ({', '.join(registry.TEXT_DATASETS)})"
+            ", the other models on the classification data sets."
         )
     if config.precision not in PRECISIONS:
         _fail(f"config.precision={config.precision!r} is not one of: {', '.join(PRECISIONS)}.")
@@ -439,9 +439,9 @@ def load_dataset(config: ml_collections.ConfigDict) -> lpdec.data.Dataset:
     """`config.dataset`, loaded once per process for the same fields."""
     fields = registry.DATASETS[config.dataset].fields
     try:
-        return _load_dataset(config.dataset, tuple(config[f] for f in fields))
+        return _load_dataset(config.dataset, tuple(registry.field_value(config, f) for f in fields))
     except (FileNotFoundError, ValueError) as error:
-        if config.dataset in ("cifar10", "stdlib_text") and config.data_dir:
+        if config.dataset in ("cifar10", "stdlib_text", "text_files") and config.data_dir:
             _fail(f"config.data_dir={config.data_dir!r}: {error}")
         _fail(f"config.dataset={config.dataset!r}: {error}")
 

@@ -1,7 +1,9 @@
 """Offline data sets, the degree-of-skew partitioner of seed 002, per-node batching.
 
-The byte-level text corpus of the language-model workload (Python's standard
-library sources) is in `lpdec.data.text`, re-exported here.
+The language model's data is in `lpdec.data.text`, re-exported here: the byte-level
+corpus that is on every machine (Python's standard library sources), a directory of
+your own text files (`text_directory`, bytes as tokens), and a pre-tokenized corpus
+(`token_file`: nanoGPT's train.bin / val.bin, read through np.memmap).
 """
 
 from lpdec.data.batching import NodeBatcher
@@ -18,10 +20,15 @@ from lpdec.data.datasets import synthetic
 from lpdec.data.partition import class_histogram
 from lpdec.data.partition import skew_partition
 from lpdec.data.text import FILE_SEPARATOR
+from lpdec.data.text import TOKEN_FILES
 from lpdec.data.text import TextCorpus
 from lpdec.data.text import load_stdlib_corpus
 from lpdec.data.text import python_stdlib_files
+from lpdec.data.text import load_text_directory
 from lpdec.data.text import stdlib_text
+from lpdec.data.text import text_directory
+from lpdec.data.text import text_files
+from lpdec.data.text import token_file
 from lpdec.data.text import window_groups
 from lpdec.data.text import windows
 
@@ -30,6 +37,7 @@ __all__ = [
     "CIFAR10_STD",
     "Dataset",
     "FILE_SEPARATOR",
+    "TOKEN_FILES",
     "NodeBatcher",
     "TextCorpus",
     "cifar10",
@@ -37,6 +45,7 @@ __all__ = [
     "digits",
     "load",
     "load_stdlib_corpus",
+    "load_text_directory",
     "mnist1d",
     "mnist1d_templates",
     "python_stdlib_files",
@@ -44,6 +53,9 @@ __all__ = [
     "skew_partition",
     "stdlib_text",
     "synthetic",
+    "text_directory",
+    "text_files",
+    "token_file",
     "window_groups",
     "windows",
 ]

@@ -63,11 +63,28 @@ def python_stdlib_files(root: str | os.PathLike | None = None) -> list[pathlib.P
       >>> any(f.name == "os.py" for f in files)
       True
     """
-    base = _resolve_root(root)
+    return _walk(_resolve_root(root), lambda name: name.endswith(".py"))
+
+
+def text_files(root: str | os.PathLike) -> list[pathlib.Path]:
+    """Every regular file under `root`, whatever its extension, sorted by relative path.
+
+    Hidden files and directories (names starting with "."), site-packages,
+    dist-packages and __pycache__ are skipped; symbolic links to directories
+    are not followed.
+    """
+    return _walk(_resolve_root(root), lambda name: not name.startswith("."))
+
+
+def _walk(base: pathlib.Path, keep) -> list[pathlib.Path]:
     found = []
     for directory, subdirs, names in os.walk(base):
-        subdirs[:] = [d for d in subdirs if d not in _EXCLUDED_DIRS]
-        found.extend(pathlib.Path(directory, n) for n in names if n.endswith(".py"))
+        subdirs[:] = [d for d in subdirs if d not in _EXCLUDED_DIRS and not d.startswith(".")]
+        found.extend(
+            pathlib.Path(directory, n)
+            for n in names
+            if keep(n) and os.path.isfile(os.path.join(directory, n))
+        )
     return sorted(found, key=lambda path: path.relative_to(base).parts)
 
 
@@ -312,6 +329,12 @@ def stdlib_text(
         window on a side of the split.
     """
     _check_length(context)
+    _check_validation_windows(validation_windows)
+    corpus = load_stdlib_corpus(root=root, max_bytes=max_bytes, seed=seed)
+    return _text_dataset(corpus, context, validation_windows, "stdlib_text")
+
+
+def _check_validation_windows(validation_windows) -> None:
     if validation_windows is not None and (
         isinstance(validation_windows, bool)
         or not isinstance(validation_windows, int)
@@ -320,28 +343,217 @@ def stdlib_text(
         raise ValueError(
             f"validation_windows must be None or a positive integer; got {validation_windows!r}."
         )
-    corpus = load_stdlib_corpus(root=root, max_bytes=max_bytes, seed=seed)
+
+
+def _text_dataset(
+    corpus: TextCorpus, context: int, validation_windows: int | None, name: str
+) -> datasets.Dataset:
+    """The corpus as windows of context + 1 bytes (see `stdlib_text`)."""
     length = context + 1
     x_train, x_test = windows(corpus.train, length), windows(corpus.validation, length)
-    for name, x, data in (
+    for side, x, data in (
         ("train", x_train, corpus.train),
         ("validation", x_test, corpus.validation),
     ):
         if not len(x):
             raise ValueError(
-                f"the {name} side of the corpus under {corpus.root!r} holds {data.size} bytes, "
+                f"the {side} side of the corpus under {corpus.root!r} holds {data.size} bytes, "
                 f"fewer than one window of context + 1 = {length}: raise max_bytes or "
                 "lower the context."
             )
-    if validation_windows is not None and validation_windows < len(x_test):
-        # Evenly spaced over the validation files, so the subset spans their packages.
-        x_test = x_test[np.linspace(0, len(x_test) - 1, validation_windows).astype(np.int64)]
     return datasets.Dataset(
         x_train=x_train,
         y_train=window_groups(corpus.train_spans, length),
+        x_test=_spaced(x_test, validation_windows),
+        y_test=np.zeros(min(len(x_test), validation_windows or len(x_test)), np.int32),
+        num_classes=256,
+        name=name,
+        task="next_token",
+    )
+
+
+def _spaced(x: np.ndarray, count: int | None) -> np.ndarray:
+    """At most `count` rows of `x`, evenly spaced (so they span its files); None: all."""
+    if count is None or count >= len(x):
+        return x
+    return np.asarray(x[np.linspace(0, len(x) - 1, count).astype(np.int64)])
+
+
+def load_text_directory(
+    root: str | os.PathLike,
+    *,
+    validation_fraction: float = 0.05,
+    max_bytes: int | None = None,
+) -> TextCorpus:
+    """Every file under `root` (`text_files`), any extension, as a byte corpus.
+
+    Unlike `load_stdlib_corpus`'s split by file, each file is split by position, so
+    one file is enough: its first bytes go to train, its last
+    round(validation_fraction x size) bytes to validation (as nanoGPT splits a
+    text). A file's group is its top-level name under `root` (`window_groups`).
+    `max_bytes` caps the train bytes: files are taken in sorted-path order while
+    their train parts (and separators) fit, the first one cut to fit if none does.
+
+    Raises:
+      ValueError: (one line) no files under `root`, or no bytes in them.
+    """
+    if not 0.0 < validation_fraction < 1.0:
+        raise ValueError(f"validation_fraction must be in (0, 1); got {validation_fraction!r}.")
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
+    ):
+        raise ValueError(f"max_bytes must be None or a positive integer; got {max_bytes!r}.")
+    base = _resolve_root(root)
+    files = text_files(base)
+    if not files:
+        raise ValueError(f"no files under {str(base)!r} (hidden ones are skipped).")
+    groups = [_group(f.relative_to(base)) for f in files]
+    group_names = tuple(sorted(set(groups)))
+    sides: dict[str, tuple[list, list]] = {"train": ([], []), "validation": ([], [])}
+    left = max_bytes
+    for path, group in zip(files, groups, strict=True):
+        with open(path, "rb") as f:
+            text = f.read()
+        if not text:
+            continue
+        cut = len(text) - round(validation_fraction * len(text))
+        parts = {"train": text[:cut], "validation": text[cut:]}
+        if left is not None:
+            if left < 2:
+                break
+            parts["train"] = parts["train"][: left - 1]
+            left -= len(parts["train"]) + 1
+        for side, part in parts.items():
+            chunks, spans = sides[side]
+            start = spans[-1][1] + 1 if spans else 0
+            chunks += [part, bytes([FILE_SEPARATOR])]
+            spans.append((start, start + len(part), group_names.index(group)))
+    train, validation = (
+        (np.frombuffer(b"".join(chunks), dtype=np.uint8), np.array(spans, np.int64).reshape(-1, 3))
+        for chunks, spans in sides.values()
+    )
+    if not train[0].size:
+        raise ValueError(f"the files under {str(base)!r} are empty.")
+    return TextCorpus(
+        train=train[0],
+        validation=validation[0],
+        train_spans=train[1],
+        validation_spans=validation[1],
+        group_names=group_names,
+        root=str(base),
+    )
+
+
+def text_directory(
+    root: str | os.PathLike,
+    *,
+    context: int = 128,
+    max_bytes: int | None = None,
+    validation_windows: int | None = None,
+) -> datasets.Dataset:
+    """A directory of your own text files as a next-token `Dataset` of bytes.
+
+    Every file under `root` counts, whatever its extension (`text_files`); each is
+    split by position (`load_text_directory`), then cut into windows of
+    context + 1 bytes as `stdlib_text` does.
+
+    Example:
+      >>> data = text_directory("/path/to/my/texts", context=64)  # doctest: +SKIP
+
+    Raises:
+      ValueError: (one line) a missing or empty directory, or too few bytes for one
+        window on a side of the split.
+    """
+    _check_length(context)
+    _check_validation_windows(validation_windows)
+    corpus = load_text_directory(root, max_bytes=max_bytes)
+    return _text_dataset(corpus, context, validation_windows, "text_files")
+
+
+#: The token files of a pre-tokenized corpus, as nanoGPT's prepare scripts write them.
+TOKEN_FILES = ("train.bin", "val.bin")
+TOKEN_DTYPES = ("uint16", "uint32")
+# Tokens checked against the vocabulary per read: the file is scanned, never loaded whole.
+_SCAN_TOKENS = 1 << 24
+
+
+def token_file(
+    directory: str | os.PathLike,
+    *,
+    vocab_size: int,
+    context: int = 128,
+    dtype: str = "uint16",
+    max_bytes: int | None = None,
+    validation_windows: int | None = None,
+) -> datasets.Dataset:
+    """A pre-tokenized corpus: `directory`/train.bin and val.bin, flat arrays of token ids.
+
+    The files are read through `np.memmap`, never whole: x_train is a view of
+    train.bin cut into windows of context + 1 tokens, and a batch reads only its
+    windows. Every id is checked to lie below `vocab_size` (in chunks of 16M
+    tokens) before training starts. y_train is 0 (one group).
+
+    Args:
+      directory: holds train.bin and val.bin (nanoGPT's layout).
+      vocab_size: the model's vocabulary; the dataset's `num_classes`.
+      context: T, the tokens a model reads per window.
+      dtype: "uint16" (vocabularies up to 65,536, as GPT-2's) or "uint32".
+      max_bytes: None, or read only the first max_bytes // itemsize tokens of
+        train.bin.
+      validation_windows: at most this many evenly spaced windows of val.bin
+        (read into memory); None: all of them.
+
+    Raises:
+      ValueError: (one line) a missing or empty file, a size that is not a whole
+        number of tokens, fewer tokens than one window, or an id >= vocab_size.
+    """
+    _check_length(context)
+    _check_validation_windows(validation_windows)
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"dtype must be one of {TOKEN_DTYPES}; got {dtype!r}.")
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 1:
+        raise ValueError(f"vocab_size must be a positive integer; got {vocab_size!r}.")
+    if max_bytes is not None and (
+        isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 1
+    ):
+        raise ValueError(f"max_bytes must be None or a positive integer; got {max_bytes!r}.")
+    itemsize = np.dtype(dtype).itemsize
+    x = {}
+    for name in TOKEN_FILES:
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            raise ValueError(f"no {path!r}: a token corpus is train.bin and val.bin there.")
+        size = os.path.getsize(path)
+        if size == 0:
+            raise ValueError(f"{path!r} is empty.")
+        if size % itemsize:
+            raise ValueError(
+                f"{path!r} holds {size} bytes, not a whole number of {dtype} tokens "
+                f"({itemsize} bytes each): is dtype right?"
+            )
+        tokens = np.memmap(path, dtype=dtype, mode="r")
+        if name == TOKEN_FILES[0] and max_bytes is not None:
+            tokens = tokens[: max_bytes // itemsize]
+        if tokens.size < context + 1:
+            raise ValueError(
+                f"{path!r} holds {tokens.size} tokens, fewer than one window of "
+                f"context + 1 = {context + 1}: add tokens or lower the context."
+            )
+        for start in range(0, tokens.size, _SCAN_TOKENS):
+            top = int(tokens[start : start + _SCAN_TOKENS].max())
+            if top >= vocab_size:
+                raise ValueError(
+                    f"{path!r} holds token id {top}, not below vocab_size={vocab_size} "
+                    "(config.model_kwargs.vocab_size)."
+                )
+        x[name] = windows(tokens, context + 1)
+    x_train, x_test = x[TOKEN_FILES[0]], _spaced(x[TOKEN_FILES[1]], validation_windows)
+    return datasets.Dataset(
+        x_train=x_train,
+        y_train=np.zeros(len(x_train), np.int32),
         x_test=x_test,
         y_test=np.zeros(len(x_test), np.int32),
-        num_classes=256,
-        name="stdlib_text",
+        num_classes=vocab_size,
+        name="token_file",
         task="next_token",
     )
