@@ -1,8 +1,10 @@
 """The public API comes from the algorithm modules' declarations (docs/DESIGN.md, "Public API")."""
 
+import ast
 import dataclasses
 import importlib
 import inspect
+import pathlib
 import pkgutil
 
 import pytest
@@ -54,6 +56,30 @@ def test_every_algorithm_module_exports_its_factory():
     for module in algorithm_modules():
         name = module.__name__.rsplit(".", 1)[1]
         assert getattr(lpdec, name) is getattr(module, name)
+
+
+def test_the_statically_imported_names_are_the_declared_ones():
+    """lpdec/__init__.py imports every declared factory and state class by name (so mypy
+    and editors see them), and nothing injects names at run time: the file's own
+    `from ... import` names, read from its syntax tree, are __all__, and each algorithm
+    module's are exactly what its declaration exports."""
+    tree = ast.parse(pathlib.Path(lpdec.__file__).read_text())
+    imported = {}
+    for node in tree.body:
+        if isinstance(node, ast.ImportFrom):
+            for alias in node.names:
+                imported[alias.asname or alias.name] = node.module
+    assert sorted(imported) == lpdec.__all__
+    declared = lpdec.algorithms.exports()
+    from_algorithms = {
+        name for name, module in imported.items() if module.startswith("lpdec.algorithms.")
+    }
+    assert from_algorithms - {"chain", "check_chain", "Health"} == set(declared)
+    for name, obj in declared.items():
+        assert getattr(lpdec, name) is obj, name
+    assert not any(
+        isinstance(node, ast.Expr) and "globals" in ast.dump(node) for node in tree.body
+    ), "lpdec/__init__.py must not add names at run time"
 
 
 def test_all_is_sorted_and_complete():

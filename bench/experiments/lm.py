@@ -166,7 +166,11 @@ def plan(runner: Runner) -> dict:
     out: dict = {}
     # 1. The all-reduce's learning rate.
     best, out["allreduce sweep"] = tune(
-        runner, "all-reduce fp32", ALLREDUCE, {"learning_rate": grid(LR_GRID)}, {"learning_rate": 2.0}
+        runner,
+        "all-reduce fp32",
+        ALLREDUCE,
+        {"learning_rate": grid(LR_GRID)},
+        {"learning_rate": 2.0},
     )
     out["allreduce best"] = best
     # 2. DiLoCo fp32 H=20: outer grid at a first inner rate, the inner rate, outer again.
@@ -204,7 +208,7 @@ def plan(runner: Runner) -> dict:
         out["2-bit"] = one("DiLoCo H=20 2-bit EF", **EF2)
         out["top-k"] = one("DiLoCo H=20 top-64/4096 2-bit EF", **TOPK)
         out["sparseloco"] = one("DiLoCo H=20 SparseLoCo exchange", **SPARSELOCO)
-        for h in (H_GRID[:1] if quick else H_GRID):
+        for h in H_GRID[:1] if quick else H_GRID:
             out[f"H={h}"] = one(f"DiLoCo H={h} 4-bit EF", **EF4, local_steps=h)
         out["4x2 fp32"] = one("DiLoCo H=20 fp32, 4 machines x 2", machines=4)
         out["4x2 4-bit"] = one("DiLoCo H=20 4-bit EF, 4 machines x 2", machines=4, **EF4)
@@ -234,15 +238,40 @@ def lm(runner: Runner, docs: str) -> str:
         "",
     ]
     lines += _sweep_tables(out)
-    lines += ["", "### Tuned, 3 seeds", "", "| method | setting | bytes / worker / step between machines | final validation bits per byte (gap) |", "|---|---|---|---|"]
-    for key, name in (("allreduce", "fp32 all-reduce"), ("diloco fp32", "DiLoCo H=20, fp32 mean"), ("diloco 4-bit", "DiLoCo H=20, 4-bit EF mean")):
+    lines += [
+        "",
+        "### Tuned, 3 seeds",
+        "",
+        "| method | setting | bytes / worker / step between machines | final validation bits per byte (gap) |",
+        "|---|---|---|---|",
+    ]
+    for key, name in (
+        ("allreduce", "fp32 all-reduce"),
+        ("diloco fp32", "DiLoCo H=20, fp32 mean"),
+        ("diloco 4-bit", "DiLoCo H=20, 4-bit EF mean"),
+    ):
         records = out.get(key)
         setting = out["allreduce best"] if key == "allreduce" else out["diloco best"]
         text = ", ".join(f"{k} {v:g}" for k, v in (setting or {}).items())
         sent = f"{across(records[0]):,.0f}" if records else ""
         lines.append(f"| {name} | {text} | {sent} | {cell(records, target)} |")
-    lines += ["", "### Sanity checks and ablations (seed 0, at DiLoCo's tuned setting)", "", "| run | bytes / worker / step between machines | final validation bits per byte (gap) |", "|---|---|---|"]
-    for key in ("M=1", "H=1 plain", "2-bit", "top-k", "sparseloco", *(f"H={h}" for h in H_GRID), "4x2 fp32", "4x2 4-bit"):
+    lines += [
+        "",
+        "### Sanity checks and ablations (seed 0, at DiLoCo's tuned setting)",
+        "",
+        "| run | bytes / worker / step between machines | final validation bits per byte (gap) |",
+        "|---|---|---|",
+    ]
+    for key in (
+        "M=1",
+        "H=1 plain",
+        "2-bit",
+        "top-k",
+        "sparseloco",
+        *(f"H={h}" for h in H_GRID),
+        "4x2 fp32",
+        "4x2 4-bit",
+    ):
         if key in out:
             records = out[key]
             name = records[0]["method"] if records else key
@@ -251,25 +280,42 @@ def lm(runner: Runner, docs: str) -> str:
     curves = {k: out.get(k) for k in ("allreduce", "diloco fp32", "diloco 4-bit")}
     if all(curves.values()):
         _plots(curves, docs)
-        lines += ["", "![validation bits per byte against tokens](docs/lm_loss_vs_tokens.png)", "![validation bits per byte against bytes](docs/lm_loss_vs_bytes.png)"]
+        lines += [
+            "",
+            "![validation bits per byte against tokens](docs/lm_loss_vs_tokens.png)",
+            "![validation bits per byte against bytes](docs/lm_loss_vs_bytes.png)",
+        ]
     return "\n".join(lines)
 
 
 def _sweep_tables(out: dict) -> list[str]:
     lines = ["### Sweeps (seed 0)", ""]
-    for key in ("allreduce sweep", "diloco outer sweep", "diloco inner sweep", "diloco outer sweep 2"):
+    for key in (
+        "allreduce sweep",
+        "diloco outer sweep",
+        "diloco inner sweep",
+        "diloco outer sweep 2",
+    ):
         records = out.get(key)
         if not records:
             continue
         ranked = [(score(r), r["method"]) for r in records.values() if r is not None]
         pending = sum(r is None for r in records.values())
-        lines.append(f"- {key}: " + "; ".join(f"{m.split(', ', 1)[1]}: {s:.4f}" for s, m in sorted(ranked)) + (f"; {pending} not run yet" if pending else ""))
+        lines.append(
+            f"- {key}: "
+            + "; ".join(f"{m.split(', ', 1)[1]}: {s:.4f}" for s, m in sorted(ranked))
+            + (f"; {pending} not run yet" if pending else "")
+        )
     return lines
 
 
 def _plots(curves: dict, docs: str) -> None:
     plt = pyplot()
-    names = {"allreduce": "fp32 all-reduce", "diloco fp32": "DiLoCo H=20 fp32", "diloco 4-bit": "DiLoCo H=20 4-bit EF"}
+    names = {
+        "allreduce": "fp32 all-reduce",
+        "diloco fp32": "DiLoCo H=20 fp32",
+        "diloco 4-bit": "DiLoCo H=20 4-bit EF",
+    }
     for what, path in (("tokens", "lm_loss_vs_tokens.png"), ("bytes", "lm_loss_vs_bytes.png")):
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for key, records in curves.items():
@@ -278,7 +324,9 @@ def _plots(curves: dict, docs: str) -> None:
             bpb = np.mean([[row[1] for row in r["curve"][:length]] for r in records], axis=0)
             scale = records[0]["tokens_per_step"] if what == "tokens" else across(records[0]) / 1e6
             ax.plot(steps * scale, bpb, marker=".", label=names[key])
-        ax.set_xlabel("training tokens" if what == "tokens" else "MB sent per worker between machines")
+        ax.set_xlabel(
+            "training tokens" if what == "tokens" else "MB sent per worker between machines"
+        )
         if what == "bytes":
             ax.set_xscale("log")
         ax.set_ylabel("validation bits per byte")

@@ -23,8 +23,8 @@ from lpdec.data.text import FILE_SEPARATOR
 from lpdec.data.text import TOKEN_FILES
 from lpdec.data.text import TextCorpus
 from lpdec.data.text import load_stdlib_corpus
-from lpdec.data.text import python_stdlib_files
 from lpdec.data.text import load_text_directory
+from lpdec.data.text import python_stdlib_files
 from lpdec.data.text import stdlib_text
 from lpdec.data.text import text_directory
 from lpdec.data.text import text_files
