@@ -111,7 +111,7 @@ def main(argv=None) -> None:
         dry_run=dry_run,
     )
     if args.train_only:
-        runner.train_only = tuple(args.train_only.split(","))
+        runner.train_only = tuple(part for part in args.train_only.split(",") if part)
     studies = cache.STUDIES if "all" in args.studies else tuple(args.studies)
     for name in studies:
         started = time.time()
