@@ -59,6 +59,8 @@ LR_GRID = (2e-3, 4e-3, 8e-3)
 OUTER_LR_GRID = (0.5, 0.7, 1.0)
 OUTER_MOMENTUM_GRID = (0.0, 0.6, 0.9)
 FIRST_INNER_LR = 4e-3
+# The tuned fields, named in each run's label.
+TUNED = ("learning_rate", "outer_lr", "outer_momentum")
 H_GRID = (5, 10, 50, 100)
 
 
@@ -102,7 +104,8 @@ def tune(runner: Runner, name: str, fixed: dict, grids: dict, extend: dict) -> t
             fields = dict(zip(grids, values, strict=True))
             if values not in records:
                 config = runner.config(lm_config, seed=0, **fixed, **fields)
-                records[values] = runner.run(STUDY, label(name, fields), config)
+                shown = {k: config[k] for k in TUNED if k in fixed or k in fields}
+                records[values] = runner.run(STUDY, label(name, shown), config)
         done = {v: r for v, r in records.items() if r is not None}
         if len(done) < len(records):
             return None, records
@@ -173,45 +176,59 @@ def plan(runner: Runner) -> dict:
         {"learning_rate": 2.0},
     )
     out["allreduce best"] = best
-    # 2. DiLoCo fp32 H=20: outer grid at a first inner rate, the inner rate, outer again.
+    # 2. DiLoCo fp32 H=20: outer grid at a first inner rate, the inner rate, and if that
+    # moved, the outer learning rate again at the best momentum.
     inner = {"learning_rate": FIRST_INNER_LR}
     outer_grids = {"outer_lr": grid(OUTER_LR_GRID), "outer_momentum": grid(OUTER_MOMENTUM_GRID)}
+    name = "DiLoCo H=20 fp32"
     outer, out["diloco outer sweep"] = tune(
-        runner, "DiLoCo H=20 fp32", DILOCO | inner, outer_grids, {"outer_lr": 1.4}
+        runner, name, DILOCO | inner, outer_grids, {"outer_lr": 1.4}
     )
     out["diloco best"] = None
     if outer is not None:
+        inner_grid = (FIRST_INNER_LR / 2, FIRST_INNER_LR, FIRST_INNER_LR * 2)
         inner, out["diloco inner sweep"] = tune(
-            runner, "DiLoCo H=20 fp32", DILOCO | outer,
-            {"learning_rate": grid((FIRST_INNER_LR / 2, FIRST_INNER_LR, FIRST_INNER_LR * 2))},
+            runner,
+            name,
+            DILOCO | outer,
+            {"learning_rate": grid(inner_grid)},
             {"learning_rate": 2.0},
-        )  # fmt: skip
+        )
         if inner is not None and inner["learning_rate"] != FIRST_INNER_LR:
-            outer, out["diloco outer sweep 2"] = tune(
-                runner, "DiLoCo H=20 fp32", DILOCO | inner, outer_grids, {"outer_lr": 1.4}
+            momentum = {"outer_momentum": outer["outer_momentum"]}
+            again, out["diloco outer sweep 2"] = tune(
+                runner,
+                name,
+                DILOCO | inner | momentum,
+                {"outer_lr": grid(OUTER_LR_GRID)},
+                {"outer_lr": 1.4},
             )
+            outer = None if again is None else again | momentum
         if inner is not None and outer is not None:
             out["diloco best"] = inner | outer
-    # 3. Three seeds of each winner; DiLoCo's 4-bit exchange at the fp32 setting.
     ar, dl = out["allreduce best"], out["diloco best"]
-    out["allreduce"] = seeds(runner, label("all-reduce fp32", ar), ALLREDUCE | ar) if ar else None
     if dl is not None:
-        out["diloco fp32"] = seeds(runner, label("DiLoCo H=20 fp32", dl), DILOCO | dl)
-        out["diloco 4-bit"] = seeds(runner, label("DiLoCo H=20 4-bit EF", dl), DILOCO | dl | EF4)
-        # 4. Sanity checks and ablations (seed 0).
+        # 3. The 4-bit exchange at the fp32 setting, and the literature's sanity checks.
         one = lambda name, **f: seeds(runner, label(name, dl), DILOCO | dl | f, count=1)  # noqa: E731
+        out["diloco 4-bit"] = one("DiLoCo H=20 4-bit EF", **EF4)
         out["M=1"] = one("DiLoCo H=20 fp32, one machine of 8", machines=1)
         plain = dict(dl, outer_lr=1.0, outer_momentum=0.0)
         out["H=1 plain"] = seeds(
             runner, label("DiLoCo H=1 fp32", plain), DILOCO | plain | {"local_steps": 1}, count=1
         )
+    # 4. Three seeds of each winner.
+    out["allreduce"] = seeds(runner, label("all-reduce fp32", ar), ALLREDUCE | ar) if ar else None
+    if dl is not None:
+        out["diloco fp32"] = seeds(runner, label(name, dl), DILOCO | dl)
+        out["diloco 4-bit"] = seeds(runner, label("DiLoCo H=20 4-bit EF", dl), DILOCO | dl | EF4)
+        # 5. Ablations (seed 0).
         out["2-bit"] = one("DiLoCo H=20 2-bit EF", **EF2)
         out["top-k"] = one("DiLoCo H=20 top-64/4096 2-bit EF", **TOPK)
         out["sparseloco"] = one("DiLoCo H=20 SparseLoCo exchange", **SPARSELOCO)
-        for h in H_GRID[:1] if quick else H_GRID:
-            out[f"H={h}"] = one(f"DiLoCo H={h} 4-bit EF", **EF4, local_steps=h)
         out["4x2 fp32"] = one("DiLoCo H=20 fp32, 4 machines x 2", machines=4)
         out["4x2 4-bit"] = one("DiLoCo H=20 4-bit EF, 4 machines x 2", machines=4, **EF4)
+        for h in H_GRID[:1] if quick else H_GRID:
+            out[f"H={h}"] = one(f"DiLoCo H={h} 4-bit EF", **EF4, local_steps=h)
     return out
 
 
