@@ -544,19 +544,30 @@ def table(
     tokens = workload is WORKLOADS["lm"]
     lines = [
         f"| method | s/step | link bytes/step (measured) | compiled bytes/step | utilisation "
-        f"| time to {shown_target} | vs fp32 all-reduce | vs all-reduce at equal "
-        f"{workload.metric_name} | evaluation adds | final {workload.metric_name} |"
-        + (" tokens/s per machine |" if tokens else ""),
-        "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tokens else ""),
+        f"| time to {shown_target} | vs fp32 all-reduce | ceiling | of ceiling "
+        f"| vs all-reduce at equal {workload.metric_name} | evaluation adds "
+        f"| final {workload.metric_name} |" + (" tokens/s per machine |" if tokens else ""),
+        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tokens else ""),
     ]
     for r in results:
         if "error" in r or rate not in r["rates"]:
             why = f"failed: {r['error']}" if "error" in r else "not run at this rate"
-            lines.append(f"| {r['label']} | {why} |" + " |" * (8 + tokens))
+            lines.append(f"| {r['label']} | {why} |" + " |" * (10 + tokens))
             continue
         at = r["rates"][rate]
         ttt = at["time_to_target_s"]
         speedup = f"{base_time / ttt:.2f}x" if base_time and ttt else "—"
+        # The ceiling: the all-reduce's time to target on this link over the method's on
+        # the unshaped link (its steps to target at its compute-only speed), what these
+        # cores allow the method if the link cost it nothing; "of ceiling": the speed-up
+        # over it, i.e. the method's unshaped time over its time on this link.
+        ceiling = of_ceiling = "—"
+        free = r["rates"].get(UNSHAPED, {}).get("curve")
+        free_ttt = time_to_target(free, target, lower) if free else None
+        if base_time and free_ttt:
+            ceiling = f"{base_time / free_ttt:.2f}x"
+            if ttt:
+                of_ceiling = f"{free_ttt / ttt:.0%}"
         final = at["final_accuracy"]
         combined = " (c)" if at.get("combined") else ""
         # The all-reduce's time to this method's own final value, over this method's time.
@@ -573,7 +584,7 @@ def table(
             f"| {megabytes(r['link_bytes_per_step'])} "
             f"| {megabytes(r['compiled_bytes_per_step'])} | {at['utilisation']:.0%} "
             f"| {f'{ttt:.1f} s' if ttt is not None else 'not reached'} | {speedup} "
-            f"| {equal} | {evaluation} | {f'{final:.3f}' if lower else f'{final:.1%}'} |"
+            f"| {ceiling} | {of_ceiling} | {equal} | {evaluation} | {f'{final:.3f}' if lower else f'{final:.1%}'} |"
             + (f" {at.get('tokens_per_s_per_machine', 0):,.0f} |" if tokens else "")
         )
     return "\n".join(lines)
@@ -623,6 +634,9 @@ def section(all_results: dict, args, command: str) -> str:
         f"{workload.metric_name} ({target_text}; compilation not counted); at equal "
         f"{workload.metric_name}: the all-reduce's training time to this method's final value "
         "over this method's whole training time (for methods that end short of the target); "
+        "ceiling: the all-reduce's time to target on this link over the method's on the "
+        "unshaped link (the speed-up these cores allow if the link cost nothing), and of "
+        "ceiling: the speed-up over it; "
         "evaluation adds: the run's evaluations at the config's logging interval over its "
         "training time. "
         "DiLoCo runs are measured over whole rounds (probes, rows and runs are multiples of "

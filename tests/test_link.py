@@ -223,7 +223,7 @@ def test_target_final_is_the_baseline_final_accuracy_per_link():
     fast = result(
         "diloco4",
         {"unshaped": 0.8, "100mbit": 0.8},
-        {"unshaped": [(1.0, 0.74), (2.0, 0.8)], "100mbit": [(1.0, 0.71), (2.0, 0.8)]},
+        {"unshaped": [(0.5, 0.74), (1.0, 0.8)], "100mbit": [(1.0, 0.71), (2.0, 0.8)]},
     )
     assert link.targets([base, fast], ["unshaped", "100mbit"], None) == {
         "unshaped": 0.75,
@@ -231,8 +231,11 @@ def test_target_final_is_the_baseline_final_accuracy_per_link():
     }
     assert link.targets([base, fast], ["100mbit"], 0.6) == {"100mbit": 0.6}
     rows = link.table([base, fast], "100mbit", 0.7).splitlines()
-    # all-reduce reaches 70% at 20 s, DiLoCo at 1 s: 20x.
-    assert "| 20.0 s | 1.00x |" in rows[2] and "| 1.0 s | 20.00x |" in rows[3], rows
+    # all-reduce reaches 70% at 20 s, DiLoCo at 1 s: 20x; unshaped, DiLoCo would at 0.5 s:
+    # its ceiling is 20 / 0.5 = 40x, of which it reaches 0.5 / 1 = 50%. The all-reduce's
+    # own unshaped time to 70% is 2 s: ceiling 10x, reached 2 / 20 = 10%.
+    assert "| 20.0 s | 1.00x | 10.00x | 10% |" in rows[2], rows
+    assert "| 1.0 s | 20.00x | 40.00x | 50% |" in rows[3], rows
     with pytest.raises(ValueError, match="needs the baseline"):
         link.targets([fast], ["100mbit"], None)
 
