@@ -9,6 +9,7 @@ machine killed and restarted, which must end with the others' parameters.
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import os
@@ -361,6 +362,46 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     for key in finals.files:
         np.testing.assert_array_equal(finals[key], rejoined[key])
     assert summaries["m0"]["final"]["train_loss"] < 1.0  # it trained (2.3 at the start)
+
+
+def test_a_diverging_elastic_run_counts_its_nan_steps_and_exits_3_on_every_machine(
+    procs, tmp_path
+):
+    """Learning rate 1e6: each machine's inner steps turn non-finite (skipped and counted
+    in metrics.csv, as a synchronous run counts them), its loss stays NaN for
+    divergence_patience log intervals, and it stops with the synchronous loop's one-line
+    divergence error, exit status 3 and `diverged` in summary.json."""
+    token = tmp_path / "token"
+    token.write_text("run-secret\n")
+    address = procs.service(2, heartbeat=10)  # no machine is meant to be lost here
+    runs = [
+        procs.start(
+            f"d{m}", sys.executable, str(ROOT / "train.py"),
+            f"--config={ROOT / 'configs' / 'elastic_mlp.py'}", f"--workdir={tmp_path / f'm{m}'}",
+            f"--elastic_service={address}", "--elastic_machines=2", f"--elastic_machine={m}",
+            f"--elastic_token_file={token}", "--config.num_nodes=2",
+            "--config.learning_rate=1e6", "--config.num_steps=400", "--config.log_every=20",
+            "--config.model_kwargs.hidden_sizes=(32,)",
+        )  # fmt: skip
+        for m in range(2)
+    ]
+    for m, proc in enumerate(runs):
+        assert proc.wait(timeout=300) == 3, proc.out_path.read_text()[-3000:]
+        errors = [
+            line for line in proc.out_path.read_text().splitlines() if line.startswith("error:")
+        ]
+        assert errors == [
+            "error: diverged: train_loss nan at step 60 (not finite) for 3 log intervals in a "
+            "row (config.divergence_factor, config.divergence_patience)"
+        ], errors
+        summary = json.loads((tmp_path / f"m{m}" / "summary.json").read_text())
+        assert summary["diverged"] and summary["steps"] == 60, summary
+        with open(tmp_path / f"m{m}" / "metrics.csv") as f:
+            rows = list(csv.DictReader(f))
+        assert [int(r["step"]) for r in rows] == [20, 40, 60]
+        # Every inner step of the last interval was skipped: 20 steps on each worker.
+        assert int(rows[-1]["nonfinite_updates"]) >= 20, rows[-1]
+        assert not (tmp_path / f"m{m}" / "final_params.npz").exists()
 
 
 def test_train_py_samples_budget_makes_up_lost_steps_and_hands_over_the_final_state(

@@ -134,8 +134,11 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
             min_round_s=flag_values.elastic_min_round_s,
         )
         log_devices()
-        elastic.train_elastic(flag_values.config, flag_values.workdir, options)
+        summary = elastic.train_elastic(flag_values.config, flag_values.workdir, options)
         status = 0
+        if summary["diverged"]:
+            sys.stderr.write(f"error: {summary['stopped']}\n")
+            status = EXIT_DIVERGED
     except elastic.ElasticLost as error:
         sys.stderr.write(f"error: {error}\n")
         status = EXIT_PEER_LOST

@@ -290,6 +290,14 @@ class _Machine:
             self._encode_fn, self.anchor, self.residual, jax.random.key(0)
         )[0]
         self.compiled: dict[int, Any] = {}
+        # What the synchronous loop watches, watched the same way (train_lib.loop).
+        reference = math.log(exp.dataset.num_classes)
+        self.divergence = metrics_lib.DivergenceMonitor(
+            exp.loop.divergence_factor, exp.loop.divergence_patience, reference=reference
+        )
+        self.jumps = metrics_lib.LossJumpMonitor(reference=reference)
+        # Contributions dropped for holding NaN/Inf (every machine drops the same ones).
+        self.nonfinite_received = 0
 
     # -- helpers -------------------------------------------------------------
 
@@ -425,10 +433,15 @@ class _Machine:
         evaluated = self.evaluator.evaluate(
             self._put(self.anchor), self.opt_state, self.model_state_dev, step
         )
+        updates, _, theta = metrics_lib.health_counts(self.opt_state)
+        train_loss = float(np.mean(losses)) if losses else float("nan")
+        jump = self.jumps.update(step, train_loss) if losses else None
+        if jump:
+            logging.warning("%s", jump)
         metrics = {
             "step": step,
             "epoch": step / exp.steps_per_epoch,
-            "train_loss": float(np.mean(losses)) if losses else float("nan"),
+            "train_loss": train_loss,
             "train_accuracy": float(np.mean(accuracies)) if accuracies else float("nan"),
             **{k: v for k, v in evaluated.items() if "local_mean" not in k},
             "wire_bytes_per_step": (row["bytes_sent"] + row["bytes_received"]) / self.h,
@@ -436,10 +449,10 @@ class _Machine:
             "eval_time_s": time.time() - eval_started,
             "wall_time_s": time.time() - self.started,
             "learning_rate": float(exp.schedule(step - 1)),
-            "nonfinite_updates": 0,
-            "nonfinite_received": 0,
-            "theta_warnings": 0,
-            "loss_jump": 0,
+            "nonfinite_updates": updates,
+            "nonfinite_received": self.nonfinite_received,
+            "theta_warnings": theta,
+            "loss_jump": int(self.jumps.jumping),
             "members": len(row["members"].split()),
         }
         metrics = {k: v for k, v in metrics.items() if k in fields}
@@ -495,6 +508,7 @@ class _Machine:
         losses: list[float] = []
         accuracies: list[float] = []
         train_time = 0.0
+        diverged = None
         log_every = max(exp.loop.log_every, self.H)
         while not self._done(round_):
             try:
@@ -520,13 +534,22 @@ class _Machine:
             step = self._step(round_)
             if step % log_every < self.H or self._done(round_):
                 metrics = self._log(writer, step, row, seconds, losses, accuracies, fields)
+                diverged = self.divergence.update(
+                    step, metrics["train_loss"], last=self._done(round_)
+                )
                 losses, accuracies = [], []
+                if diverged:
+                    # Every machine watches its own loss, as each process of a
+                    # synchronous run does, and stops: nothing is exported.
+                    logging.error("stopping: %s", diverged)
+                    break
         step = self._step(round_)
-        if history and metrics.get("step") != step:
+        if history and metrics.get("step") != step and not diverged:
             # It joined for the run's final state after its last round: evaluate that.
             metrics = self._log(writer, step, history[-1], 0.0, losses, accuracies, fields)
         writer.close()
-        self._finish(round_)
+        if not diverged:
+            self._finish(round_)
         self.group.close()
         summary = {
             "final": metrics,
@@ -546,12 +569,15 @@ class _Machine:
             "final_anchor_digest": elastic.tree_digest(self.anchor),
             "train_time_s": train_time,
             "wall_time_s": time.time() - self.started,
-            "diverged": False,
-            "stopped": None,
+            "diverged": bool(diverged),
+            "stopped": diverged,
+            "loss_jumps": self.jumps.warnings,
             "interrupted": None,
             "config": exp.config_dict,
         }
         metrics_lib.write_summary(self.workdir, summary)
+        if diverged:
+            return summary
         np.savez(
             os.path.join(self.workdir, "final_params.npz"),
             **{
@@ -604,10 +630,20 @@ class _Machine:
             self._decode(elastic.unpack(c.payload, self._payload_like)) for c in ex.contributions
         ]
         deltas = [jax.tree.map(np.asarray, d) for d in deltas]
-        if self.slot_mean:
+        # A contribution holding NaN/Inf is dropped, by every machine alike (they decode
+        # the same ones), and counted: as lpdec's exchanges skip a non-finite payload.
+        finite = [all(np.isfinite(x).all() for x in jax.tree.leaves(d)) for d in deltas]
+        self.nonfinite_received += finite.count(False)
+        kept = [
+            (d, c.steps) for d, c, ok in zip(deltas, ex.contributions, finite, strict=True) if ok
+        ]
+        deltas, counts = [d for d, _ in kept], [n for _, n in kept]
+        if not deltas:
+            mean = jax.tree.map(np.zeros_like, self.anchor)
+        elif self.slot_mean:
             mean = elastic.slot_mean(deltas, self.options.machines)
         else:
-            mean = elastic.step_weighted_mean(deltas, [c.steps for c in ex.contributions])
+            mean = elastic.step_weighted_mean(deltas, counts)
         self.machine_steps += sum(c.steps for c in ex.contributions)
         self.anchor, self.momentum = elastic.nesterov_step(
             self.anchor, self.momentum, mean, self.outer_lr, self.outer_mu
