@@ -65,6 +65,7 @@ import lpdec
 from lpdec import elastic
 from train_lib import evaluation
 from train_lib import metrics as metrics_lib
+from train_lib import registry
 from train_lib import setup
 from train_lib import steps
 from train_lib import workdir as workdir_lib
@@ -126,7 +127,7 @@ class ElasticOptions:
 
 def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
     """One-line errors for what an elastic run cannot do, before anything starts."""
-    if config.algorithm != "diloco":
+    if registry.ALGORITHMS.get(config.algorithm) is None or not _local_steps(config):
         raise ConfigError(
             f"--elastic_service needs config.algorithm='diloco' (machines meet only at "
             f"exchanges); got {config.algorithm!r}."
@@ -148,15 +149,15 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
         raise ConfigError(
             f"--elastic_machine={options.machine} must be in [0, {options.machines})."
         )
-    if config.get("elastic_data", "shard") not in ("shard", "whole"):
+    if config.elastic_data not in ("shard", "whole"):
         raise ConfigError(
             f"config.elastic_data={config.elastic_data!r} must be 'shard' or 'whole'."
         )
-    if config.get("elastic_mean", "contributors") not in ("contributors", "slots"):
+    if config.elastic_mean not in ("contributors", "slots"):
         raise ConfigError(
             f"config.elastic_mean={config.elastic_mean!r} must be 'contributors' or 'slots'."
         )
-    budget = config.get("elastic_budget", "rounds")
+    budget = config.elastic_budget
     if budget not in ("rounds", "samples"):
         raise ConfigError(f"config.elastic_budget={budget!r} must be 'rounds' or 'samples'.")
     if budget == "samples" and config.lr_schedule != "constant":
@@ -171,6 +172,11 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
         raise ConfigError("--elastic_deadline and --elastic_join_timeout must be > 0 s.")
     if not options.slowdown >= 1:
         raise ConfigError(f"--elastic_slowdown={options.slowdown} must be >= 1.")
+
+
+def _local_steps(config: ml_collections.ConfigDict) -> bool:
+    """Whether the config's algorithm takes local steps between exchanges (role "whole")."""
+    return registry.ALGORITHMS[config.algorithm].role == "whole"
 
 
 def fingerprint(config: ml_collections.ConfigDict) -> str:
@@ -198,7 +204,7 @@ def machine_partitions(config, exp: setup.Experiment, machine: int) -> tuple:
     split of the whole training set over the machine's k workers; every machine draws
     from it in its own order (the batcher's seed is the slot's).
     """
-    if config.get("elastic_data", "shard") == "whole":
+    if config.elastic_data == "whole":
         return tuple(exp.partitions)
     workers = len(exp.partitions)
     shards = lpdec.data.skew_partition(
@@ -236,10 +242,10 @@ class _Machine:
         self.rounds = math.ceil(exp.total_steps / self.H)
         # "samples": the run ends once its exchanges took in the uninterrupted run's
         # local steps (every machine's rounds x H); "rounds": after self.rounds rounds.
-        self.by_samples = config.get("elastic_budget", "rounds") == "samples"
+        self.by_samples = config.elastic_budget == "samples"
         self.budget = self.rounds * self.H * options.machines
         self.machine_steps = 0  # local steps the decided exchanges took in, run-wide
-        self.slot_mean = config.get("elastic_mean", "contributors") == "slots"
+        self.slot_mean = config.elastic_mean == "slots"
         self.outer_lr, self.outer_mu = float(config.outer_lr), float(config.outer_momentum)
         self.compressed = config.exchange == "compressed_mean"
         self.feedback = self.compressed and bool(config.error_feedback)

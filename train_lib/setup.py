@@ -188,7 +188,8 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         divergence_factor=config.divergence_factor,
         divergence_patience=config.divergence_patience,
         save_final_params=config.save_final_params,
-        evaluate_anchor=config.algorithm == "diloco" and not config.overlap,
+        evaluate_anchor=registry.ALGORITHMS[config.algorithm].role == "whole"
+        and not config.overlap,
         replicas_identical=registry.choose(config, "algorithm", registry.ALGORITHMS).role == "mean",
     )
     return Experiment(
@@ -389,7 +390,7 @@ def check_values(config: ml_collections.ConfigDict) -> None:
 
 def _check_local_steps(config: ml_collections.ConfigDict) -> None:
     """DiLoCo's fields (H, overlap, error feedback) only with it; with it, its exchange."""
-    if config.algorithm == "diloco":
+    if registry.ALGORITHMS[config.algorithm].role == "whole":
         registry.check(config, "exchange", registry.EXCHANGES)
         return
     for field, off in (
