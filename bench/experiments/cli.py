@@ -79,6 +79,12 @@ def main(argv=None) -> None:
         "(others come from the workdir's cache or wait), write no report; lets several "
         "invocations share one study's runs",
     )
+    parser.add_argument(
+        "--cached-only",
+        action="store_true",
+        help="train nothing: write the report from the runs already in the workdir's "
+        "cache (a study still running elsewhere shows what it has so far)",
+    )
     args = parser.parse_args(argv)
     output = args.output or (
         DRY_RUN_OUTPUT if args.dry_run else os.path.join(cache.ROOT, "EXPERIMENTS.md")
@@ -112,13 +118,16 @@ def main(argv=None) -> None:
     )
     if args.train_only:
         runner.train_only = tuple(part for part in args.train_only.split(",") if part)
+    report = not args.train_only
+    if args.cached_only:
+        runner.train_only = ()
     studies = cache.STUDIES if "all" in args.studies else tuple(args.studies)
     for name in studies:
         started = time.time()
         runner.study_keys, runner.trained_seconds = set(), 0.0
         print(f"study {name}", flush=True)
         body = STUDY_FUNCTIONS[name](runner, docs)
-        if runner.train_only is not None:
+        if not report:
             print(f"study {name}: trained what --train-only names; no report", flush=True)
             continue
         minutes = (time.time() - started) / 60

@@ -134,13 +134,13 @@ def _product(grids: dict) -> list[tuple]:
 
 
 def seeds(runner: Runner, name: str, fields: dict, count: int = SEEDS) -> list | None:
-    """The run of `fields` over `count` seeds; None while any is not trained."""
+    """The run of `fields` over `count` seeds: the trained ones (None: not one yet)."""
     count = 1 if runner.quick else count
     records = [
         runner.run(STUDY, name, runner.config(lm_config, seed=seed, **fields))
         for seed in range(count)
     ]
-    return None if any(r is None for r in records) else records
+    return [r for r in records if r is not None] or None
 
 
 def across(record) -> float:
@@ -160,6 +160,24 @@ def cell(records, target: float | None = None) -> str:
     if target is not None:
         text += f" ({100 * (values.mean() / target - 1):+.2f}%)"
     return text
+
+
+def gap(records, target: float | None) -> float | None:
+    """The records' mean final bits per byte over `target`, minus 1, in percent."""
+    if not records or target is None:
+        return None
+    return 100 * (float(np.mean([score(r) for r in records])) / target - 1)
+
+
+def same_rate(out: dict, records) -> dict | None:
+    """The all-reduce sweep's run at the learning rate of `records`' run (None: not swept)."""
+    if not records:
+        return None
+    rate = records[0]["config"].get("learning_rate")
+    for record in (out.get("allreduce sweep") or {}).values():
+        if record is not None and record["config"].get("learning_rate") == rate:
+            return record
+    return None
 
 
 def plan(runner: Runner) -> dict:
@@ -271,13 +289,18 @@ def lm(runner: Runner, docs: str) -> str:
         setting = out["allreduce best"] if key == "allreduce" else out["diloco best"]
         text = ", ".join(f"{k} {v:g}" for k, v in (setting or {}).items())
         sent = f"{across(records[0]):,.0f}" if records else ""
-        lines.append(f"| {name} | {text} | {sent} | {cell(records, target)} |")
+        count = f" ({len(records)} of {SEEDS} seeds)" if records and len(records) < SEEDS else ""
+        lines.append(f"| {name} | {text} | {sent} | {cell(records, target)}{count} |")
     lines += [
         "",
         "### Sanity checks and ablations (seed 0, at DiLoCo's tuned setting)",
         "",
-        "| run | bytes / worker / step between machines | final validation bits per byte (gap) |",
-        "|---|---|---|",
+        "Gap: to the tuned all-reduce's 3-seed mean; beside it, the all-reduce's seed-0 "
+        "run at the same learning rate (from its sweep), the comparison the sanity "
+        "checks ask for.",
+        "",
+        "| run | bytes / worker / step between machines | final validation bits per byte (gap) | all-reduce at the same learning rate |",
+        "|---|---|---|---|",
     ]
     for key in (
         "M=1",
@@ -293,8 +316,13 @@ def lm(runner: Runner, docs: str) -> str:
             records = out[key]
             name = records[0]["method"] if records else key
             sent = f"{across(records[0]):,.0f}" if records else ""
-            lines.append(f"| {name} | {sent} | {cell(records, target)} |")
+            twin = same_rate(out, records)
+            twin = f"{score(twin):.4f}" if twin else "—"
+            lines.append(f"| {name} | {sent} | {cell(records, target)} | {twin} |")
     curves = {k: out.get(k) for k in ("allreduce", "diloco fp32", "diloco 4-bit")}
+    if all(curves.values()):
+        lines += ["", *_over_training(curves)]
+    lines += ["", *_claims(out, target)]
     if all(curves.values()):
         _plots(curves, docs)
         lines += [
@@ -303,6 +331,85 @@ def lm(runner: Runner, docs: str) -> str:
             "![validation bits per byte against bytes](docs/lm_loss_vs_bytes.png)",
         ]
     return "\n".join(lines)
+
+
+NAMES = {
+    "allreduce": "fp32 all-reduce",
+    "diloco fp32": "DiLoCo H=20 fp32",
+    "diloco 4-bit": "DiLoCo H=20 4-bit EF",
+}
+
+
+def _over_training(curves: dict) -> list[str]:
+    """Validation bits per byte at a quarter, half, three quarters and the end (seed mean)."""
+    means = {}
+    for key, records in curves.items():
+        length = min(len(r["curve"]) for r in records)
+        steps = [row[0] for row in records[0]["curve"][:length]]
+        values = np.mean([[row[1] for row in r["curve"][:length]] for r in records], axis=0)
+        means[key] = dict(zip(steps, values, strict=True))
+    points = sorted(means["allreduce"])
+    shown = [points[len(points) * q // 4 - 1] for q in (1, 2, 3, 4)]
+    base = means["allreduce"]
+    header = " | ".join(f"step {int(s)}" for s in shown)
+    rows = [
+        f"| {NAMES[key]} | "
+        + " | ".join(
+            f"{m[s]:.4f}" + ("" if key == "allreduce" else f" ({100 * (m[s] / base[s] - 1):+.1f}%)")
+            for s in shown
+        )
+        + " |"
+        for key, m in means.items()
+    ]
+    return [
+        "### Over training (seed mean; gap to the all-reduce at the same step)",
+        "",
+        f"| method | {header} |",
+        "|---|" + "---|" * len(shown),
+        *rows,
+    ]
+
+
+def _claims(out: dict, target: float | None) -> list[str]:
+    """The literature's claims beside what this study measured."""
+    g4, g32 = gap(out.get("diloco 4-bit"), target), gap(out.get("diloco fp32"), target)
+    rows = []
+    if g4 is not None:
+        verdict = "agrees" if g4 <= 1.0 else "does not agree"
+        rows.append(
+            "| DiLoCo with a 4-bit error-feedback exchange within 1% of the tuned "
+            "all-reduce at equal tokens, 2 machines (issue 41's goal; the scaling-law "
+            f"study measures +0.7% at 2 replicas, 35M parameters) | {g4:+.2f}%"
+            f"{f' (fp32 exchange: {g32:+.2f}%)' if g32 is not None else ''} | {verdict} |"
+        )
+    one = out.get("M=1")
+    if one and target is not None:
+        twin = same_rate(out, one)
+        g = gap(one, target)
+        vs = (
+            f"; {100 * (score(one[0]) / score(twin) - 1):+.2f}% against the all-reduce at its learning rate"
+            if twin
+            else ""
+        )
+        rows.append(
+            "| DiLoCo with one replica (M=1) matches or beats data-parallel training "
+            f"(scaling-law study, every size) | {g:+.2f}%{vs} | "
+            f"{'agrees' if g <= 0.5 else 'does not agree'} |"
+        )
+    plain = out.get("H=1 plain")
+    if plain:
+        twin = same_rate(out, plain)
+        if twin:
+            d = 100 * (score(plain[0]) / score(twin) - 1)
+            rows.append(
+                "| H=1, an exact mean and a plain outer step of 1 is data-parallel training "
+                "(exactly with SGD; here each machine's Adam sees its own mean gradient) "
+                f"| {d:+.2f}% against the all-reduce at the same learning rate | "
+                f"{'agrees' if abs(d) <= 0.5 else 'does not agree'} |"
+            )
+    if not rows:
+        return []
+    return ["| claim | measured | verdict |", "|---|---|---|", *rows]
 
 
 def _sweep_tables(out: dict) -> list[str]:
@@ -328,11 +435,7 @@ def _sweep_tables(out: dict) -> list[str]:
 
 def _plots(curves: dict, docs: str) -> None:
     plt = pyplot()
-    names = {
-        "allreduce": "fp32 all-reduce",
-        "diloco fp32": "DiLoCo H=20 fp32",
-        "diloco 4-bit": "DiLoCo H=20 4-bit EF",
-    }
+    names = NAMES
     for what, path in (("tokens", "lm_loss_vs_tokens.png"), ("bytes", "lm_loss_vs_bytes.png")):
         fig, ax = plt.subplots(figsize=(6.5, 4.2))
         for key, records in curves.items():
