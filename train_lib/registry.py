@@ -169,16 +169,21 @@ def build(
 # ----------------------------------------------------------------------------
 
 
-def _check_cifar10(c) -> None:
+def _check_data_dir(c, dataset: str, holds: str) -> None:
+    """`config.data_dir` is set, and a directory: the one that holds `holds`."""
     if not c.data_dir:
-        raise ConfigError(
-            "config.dataset='cifar10' needs config.data_dir: the CIFAR-10 binary files."
-        )
+        raise ConfigError(f"config.dataset={dataset!r} needs config.data_dir: {holds}.")
     if not os.path.isdir(c.data_dir):
         raise ConfigError(
-            f"config.data_dir={c.data_dir!r} is not a directory; it must hold the "
-            "CIFAR-10 binary version (data_batch_1.bin ... test_batch.bin)."
+            f"config.data_dir={c.data_dir!r} is not a directory; for config.dataset="
+            f"{dataset!r} it holds {holds}."
         )
+
+
+def _check_cifar10(c) -> None:
+    _check_data_dir(
+        c, "cifar10", "the CIFAR-10 binary version (data_batch_1.bin ... test_batch.bin)"
+    )
 
 
 def _check_stdlib_text(c) -> None:
@@ -198,15 +203,7 @@ def _check_stdlib_text(c) -> None:
 
 
 def _check_text_files(c) -> None:
-    if not c.data_dir:
-        raise ConfigError(
-            "config.dataset='text_files' needs config.data_dir: a directory of your text files."
-        )
-    if not os.path.isdir(c.data_dir):
-        raise ConfigError(
-            f"config.data_dir={c.data_dir!r} is not a directory; for dataset 'text_files' it "
-            "holds your text files (any extension)."
-        )
+    _check_data_dir(c, "text_files", "your text files (any extension)")
     _check_stdlib_text(c)
 
 
@@ -215,11 +212,7 @@ VOCAB = "model_kwargs.vocab_size"
 
 
 def _check_token_file(c) -> None:
-    if not c.data_dir or not os.path.isdir(c.data_dir):
-        raise ConfigError(
-            f"config.data_dir={c.data_dir!r}: config.dataset='token_file' needs a directory "
-            "holding train.bin and val.bin (flat arrays of token ids)."
-        )
+    _check_data_dir(c, "token_file", "train.bin and val.bin (flat arrays of token ids)")
     if c.token_dtype not in lpdec.data.text.TOKEN_DTYPES:
         raise ConfigError(
             f"config.token_dtype={c.token_dtype!r} is not one of: "
