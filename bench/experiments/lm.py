@@ -37,6 +37,7 @@ import numpy as np
 
 from bench.experiments.render import pyplot
 from bench.experiments.runner import Runner
+from configs import lm_small
 from configs import lm_tiny
 
 STUDY = "lm"
@@ -77,6 +78,23 @@ def lm_config(quick: bool):
     return config
 
 
+def headline_config(quick: bool):
+    """The headline's model: configs/lm_small.py (1.29M parameters), as long as lm_config."""
+    config = lm_small.get_config()
+    small = lm_config(quick)
+    for field in (
+        "text_bytes",
+        "validation_windows",
+        "num_steps",
+        "log_every",
+        "warmup_steps",
+        "checkpoint_every",
+        "eval_local_examples",
+    ):
+        config[field] = small[field]
+    return config
+
+
 def score(record) -> float:
     """Final validation bits per byte; a diverged or non-finite run ranks last."""
     if record is None:
@@ -90,7 +108,9 @@ def label(name: str, fields: dict) -> str:
     return name + "".join(f", {k}={v:g}" for k, v in fields.items())
 
 
-def tune(runner: Runner, name: str, fixed: dict, grids: dict, extend: dict) -> tuple:
+def tune(
+    runner: Runner, name: str, fixed: dict, grids: dict, extend: dict, base=lm_config
+) -> tuple:
     """Sweeps the product of `grids` at seed 0 from `fixed`; returns (best fields, records).
 
     A field of `extend` (field -> factor) whose winner lies on its grid's edge gets one
@@ -103,7 +123,7 @@ def tune(runner: Runner, name: str, fixed: dict, grids: dict, extend: dict) -> t
         for values in _product(grids):
             fields = dict(zip(grids, values, strict=True))
             if values not in records:
-                config = runner.config(lm_config, seed=0, **fixed, **fields)
+                config = runner.config(base, seed=0, **fixed, **fields)
                 shown = {k: config[k] for k in TUNED if k in fixed or k in fields}
                 records[values] = runner.run(STUDY, label(name, shown), config)
         done = {v: r for v, r in records.items() if r is not None}
@@ -133,12 +153,13 @@ def _product(grids: dict) -> list[tuple]:
     return values
 
 
-def seeds(runner: Runner, name: str, fields: dict, count: int = SEEDS) -> list | None:
+def seeds(
+    runner: Runner, name: str, fields: dict, count: int = SEEDS, base=lm_config
+) -> list | None:
     """The run of `fields` over `count` seeds: the trained ones (None: not one yet)."""
     count = 1 if runner.quick else count
     records = [
-        runner.run(STUDY, name, runner.config(lm_config, seed=seed, **fields))
-        for seed in range(count)
+        runner.run(STUDY, name, runner.config(base, seed=seed, **fields)) for seed in range(count)
     ]
     return [r for r in records if r is not None] or None
 
@@ -247,6 +268,32 @@ def plan(runner: Runner) -> dict:
         out["4x2 4-bit"] = one("DiLoCo H=20 4-bit EF, 4 machines x 2", machines=4, **EF4)
         for h in H_GRID[:1] if quick else H_GRID:
             out[f"H={h}"] = one(f"DiLoCo H={h} 4-bit EF", **EF4, local_steps=h)
+        # 6. The headline on configs/lm_small.py: each method's learning rate swept again
+        # (DiLoCo's outer setting kept from the small model), then 3 seeds of each.
+        outer = {k: dl[k] for k in ("outer_lr", "outer_momentum")}
+        rates = {"learning_rate": grid(LR_GRID)}
+        big = dict(extend={"learning_rate": 2.0}, base=headline_config)
+        big_ar, out["headline allreduce sweep"] = tune(
+            runner, "lm_small all-reduce fp32", ALLREDUCE, rates, **big
+        )
+        big_dl, out["headline diloco sweep"] = tune(
+            runner, "lm_small DiLoCo H=20 fp32", DILOCO | outer, rates, **big
+        )
+        if big_ar is not None:
+            name = label("lm_small all-reduce fp32", big_ar)
+            out["headline allreduce"] = seeds(
+                runner, name, ALLREDUCE | big_ar, base=headline_config
+            )
+        if big_dl is not None:
+            setting = outer | big_dl
+            out["headline diloco fp32"] = seeds(
+                runner, label("lm_small DiLoCo H=20 fp32", setting), DILOCO | setting,
+                base=headline_config,
+            )  # fmt: skip
+            out["headline diloco 4-bit"] = seeds(
+                runner, label("lm_small DiLoCo H=20 4-bit EF", setting), DILOCO | setting | EF4,
+                base=headline_config,
+            )  # fmt: skip
     return out
 
 
@@ -319,6 +366,7 @@ def lm(runner: Runner, docs: str) -> str:
             twin = same_rate(out, records)
             twin = f"{score(twin):.4f}" if twin else "—"
             lines.append(f"| {name} | {sent} | {cell(records, target)} | {twin} |")
+    lines += ["", *_headline(out)]
     curves = {k: out.get(k) for k in ("allreduce", "diloco fp32", "diloco 4-bit")}
     if all(curves.values()):
         lines += ["", *_over_training(curves)]
@@ -368,6 +416,42 @@ def _over_training(curves: dict) -> list[str]:
         "|---|" + "---|" * len(shown),
         *rows,
     ]
+
+
+def _headline(out: dict) -> list[str]:
+    """The lm_small table: its sweeps, and the winners over 3 seeds against its all-reduce."""
+    base = out.get("headline allreduce")
+    target = float(np.mean([score(r) for r in base])) if base else None
+    lines = [
+        "### Headline: configs/lm_small.py (1.29M parameters), the same budget",
+        "",
+        "Each method's learning rate swept again on this model (DiLoCo keeps the small "
+        "model's outer setting); the winners over 3 seeds. Gap: to this model's tuned "
+        "all-reduce.",
+        "",
+    ]
+    for key in ("headline allreduce sweep", "headline diloco sweep"):
+        records = out.get(key)
+        if records:
+            ranked = sorted((score(r), r["method"]) for r in records.values() if r is not None)
+            pending = sum(r is None for r in records.values())
+            lines.append(
+                f"- {key.removeprefix('headline ')}: "
+                + "; ".join(f"{m.split(', ', 1)[1]}: {v:.4f}" for v, m in ranked)
+                + (f"; {pending} not run yet" if pending else "")
+            )
+    lines += [
+        "",
+        "| method | bytes / worker / step between machines | final validation bits per byte (gap) |",
+        "|---|---|---|",
+    ]
+    for key in ("headline allreduce", "headline diloco fp32", "headline diloco 4-bit"):
+        records = out.get(key)
+        name = records[0]["method"] if records else key.removeprefix("headline ")
+        sent = f"{across(records[0]):,.0f}" if records else ""
+        count = f" ({len(records)} of {SEEDS} seeds)" if records and len(records) < SEEDS else ""
+        lines.append(f"| {name} | {sent} | {cell(records, target)}{count} |")
+    return lines
 
 
 def _claims(out: dict, target: float | None) -> list[str]:
