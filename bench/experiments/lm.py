@@ -143,6 +143,8 @@ def tune(
             break
     done = {v: r for v, r in records.items() if r is not None}
     best = min(done, key=lambda v: score(done[v]))
+    # docs/experiments.json records the winner: its entry says which sweep it won.
+    done[best]["sweep_winner"] = f"{name}: {', '.join(grids)}"
     return dict(zip(grids, best, strict=True)), records
 
 
