@@ -437,11 +437,9 @@ def _headline(out: dict) -> list[str]:
         if records:
             ranked = sorted((score(r), r["method"]) for r in records.values() if r is not None)
             pending = sum(r is None for r in records.values())
-            lines.append(
-                f"- {key.removeprefix('headline ')}: "
-                + "; ".join(f"{m.split(', ', 1)[1]}: {v:.4f}" for v, m in ranked)
-                + (f"; {pending} not run yet" if pending else "")
-            )
+            parts = [f"{m.split(', ', 1)[1]}: {v:.4f}" for v, m in ranked]
+            parts += [f"{pending} not run yet"] if pending else []
+            lines.append(f"- {key.removeprefix('headline ')}: " + "; ".join(parts))
     lines += [
         "",
         "| method | bytes / worker / step between machines | final validation bits per byte (gap) |",
@@ -511,11 +509,9 @@ def _sweep_tables(out: dict) -> list[str]:
             continue
         ranked = [(score(r), r["method"]) for r in records.values() if r is not None]
         pending = sum(r is None for r in records.values())
-        lines.append(
-            f"- {key}: "
-            + "; ".join(f"{m.split(', ', 1)[1]}: {s:.4f}" for s, m in sorted(ranked))
-            + (f"; {pending} not run yet" if pending else "")
-        )
+        parts = [f"{m.split(', ', 1)[1]}: {s:.4f}" for s, m in sorted(ranked)]
+        parts += [f"{pending} not run yet"] if pending else []
+        lines.append(f"- {key}: " + "; ".join(parts))
     return lines
 
 
