@@ -125,7 +125,7 @@ def tune(
             if values not in records:
                 config = runner.config(base, seed=0, **fixed, **fields)
                 shown = {k: config[k] for k in TUNED if k in fixed or k in fields}
-                records[values] = runner.run(STUDY, label(name, shown), config)
+                records[values] = runner.run(STUDY, label(name, shown), config, optional=True)
         done = {v: r for v, r in records.items() if r is not None}
         if len(done) < len(records):
             return None, records
@@ -161,7 +161,8 @@ def seeds(
     """The run of `fields` over `count` seeds: the trained ones (None: not one yet)."""
     count = 1 if runner.quick else count
     records = [
-        runner.run(STUDY, name, runner.config(base, seed=seed, **fields)) for seed in range(count)
+        runner.run(STUDY, name, runner.config(base, seed=seed, **fields), optional=True)
+        for seed in range(count)
     ]
     return [r for r in records if r is not None] or None
 

@@ -155,10 +155,21 @@ class Runner:
         """The key the run of `config` is cached and published under."""
         return cache.config_key(config)
 
-    def run(self, study: str, method: str, config) -> dict:
-        """The record of `config` (cached, replayed or trained now), listed under study/method."""
+    def run(self, study: str, method: str, config, optional: bool = False) -> dict | None:
+        """The record of `config` (cached, replayed or trained now), listed under study/method.
+
+        `optional`: a study that grows over several invocations (lm) renders a run the
+        json does not hold yet as None (its table says "not run yet"), not as an error.
+        """
         key = self.key(config)
         if self.replay is not None:
+            # A config that gained fields since (a new configs/default.py field changes
+            # every key) is still found by what the json lists it as: its study, method
+            # and seed, when those name one run.
+            if key not in self.replay:
+                key = self._listed(study, method, config.seed) or key
+            if key not in self.replay and optional:
+                return None
             if key not in self.replay:
                 raise SystemExit(
                     f"error: docs/experiments.json has no run of {study} / {method} seed "
@@ -180,6 +191,15 @@ class Runner:
         entry = dict(record, study=study, method=method)
         self.entries.append(entry)
         return entry
+
+    def _listed(self, study: str, method: str, seed: int) -> str | None:
+        """The key of the one replayed run listed as `study` / `method` / `seed`, if one."""
+        keys = {
+            k
+            for k, e in (self.replay or {}).items()
+            if (e.get("study"), e.get("method"), e.get("seed")) == (study, method, seed)
+        }
+        return keys.pop() if len(keys) == 1 else None
 
     def _reload(self) -> dict[str, dict]:
         """The cache with the runs other invocations saved to the workdir meanwhile."""
