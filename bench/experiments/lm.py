@@ -324,6 +324,23 @@ def lm(runner: Runner, docs: str) -> str:
         "all-reduce's mean.",
         "",
     ]
+    codes = sorted(
+        {r.get("code", "?") for v in out.values() if isinstance(v, list) for r in v if r}
+        | {
+            r.get("code", "?")
+            for v in out.values()
+            if isinstance(v, dict)
+            for r in v.values()
+            if isinstance(r, dict) and "code" in r
+        }
+    )
+    if codes:
+        lines += [
+            f"Trained by the code of fingerprint {', '.join(codes)} "
+            "(`bench.experiments.code_fingerprint`; the records in docs/experiments.json "
+            "say which).",
+            "",
+        ]
     lines += _sweep_tables(out)
     lines += [
         "",
