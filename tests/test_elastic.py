@@ -364,9 +364,7 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     assert summaries["m0"]["final"]["train_loss"] < 1.0  # it trained (2.3 at the start)
 
 
-def test_a_diverging_elastic_run_counts_its_nan_steps_and_exits_3_on_every_machine(
-    procs, tmp_path
-):
+def test_a_diverging_elastic_run_counts_its_nan_steps_and_exits_3_on_every_machine(procs, tmp_path):
     """Learning rate 1e6: each machine's inner steps turn non-finite (skipped and counted
     in metrics.csv, as a synchronous run counts them), its loss stays NaN for
     divergence_patience log intervals, and it stops with the synchronous loop's one-line
@@ -376,11 +374,19 @@ def test_a_diverging_elastic_run_counts_its_nan_steps_and_exits_3_on_every_machi
     address = procs.service(2, heartbeat=10)  # no machine is meant to be lost here
     runs = [
         procs.start(
-            f"d{m}", sys.executable, str(ROOT / "train.py"),
-            f"--config={ROOT / 'configs' / 'elastic_mlp.py'}", f"--workdir={tmp_path / f'm{m}'}",
-            f"--elastic_service={address}", "--elastic_machines=2", f"--elastic_machine={m}",
-            f"--elastic_token_file={token}", "--config.num_nodes=2",
-            "--config.learning_rate=1e6", "--config.num_steps=400", "--config.log_every=20",
+            f"d{m}",
+            sys.executable,
+            str(ROOT / "train.py"),
+            f"--config={ROOT / 'configs' / 'elastic_mlp.py'}",
+            f"--workdir={tmp_path / f'm{m}'}",
+            f"--elastic_service={address}",
+            "--elastic_machines=2",
+            f"--elastic_machine={m}",
+            f"--elastic_token_file={token}",
+            "--config.num_nodes=2",
+            "--config.learning_rate=1e6",
+            "--config.num_steps=400",
+            "--config.log_every=20",
             "--config.model_kwargs.hidden_sizes=(32,)",
         )  # fmt: skip
         for m in range(2)

@@ -90,7 +90,7 @@ def test_tiny_run_measures_the_link_and_leaves_no_namespace(tmp_path):
     for heading in ("unshaped", "1gbit"):
         table = section.split(f"### 2 processes x 2 devices, {heading} link")[1].split("###")[0]
         (row,) = [line for line in table.splitlines() if line.startswith("| CHOCO 8-bit |")]
-        assert len(row.strip("|").split("|")) == 10, row
+        assert len(row.strip("|").split("|")) == 12, row
     assert (tmp_path / "plot.png").stat().st_size > 0
     assert netns.namespaces(prefix) == []
     assert not [n for n in os.listdir(netns.ETC_NETNS) if n.startswith(prefix)]
@@ -115,7 +115,7 @@ def test_a_failing_method_is_a_table_row_naming_the_error(tmp_path):
     assert len(rows) == 2, section  # the unshaped and the 1gbit table
     for row in rows:
         assert "| failed: process " in row and "exited with 2: error: " in row, row
-        assert "bits must be an integer in 1..8" in row and row.count("|") == 11, row
+        assert "bits must be an integer in 1..8" in row and row.count("|") == 13, row
     assert netns.namespaces(prefix) == []
 
 

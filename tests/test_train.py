@@ -317,9 +317,11 @@ REGISTRY_TABLES = [
     ("algorithm", registry.ALGORITHMS),
     ("exchange", registry.EXCHANGES),
 ]
-# cifar10 needs the user's files (tests/test_data.py reads a fake copy).
+# cifar10, text_files and token_file need the user's files (tests/test_data.py reads a
+# fake CIFAR-10 copy; tests/test_user_data.py builds the other two on files it writes).
+USER_FILES = ("cifar10", "text_files", "token_file")
 REGISTRY_ENTRIES = [
-    (field, name) for field, table in REGISTRY_TABLES for name in table if name != "cifar10"
+    (field, name) for field, table in REGISTRY_TABLES for name in table if name not in USER_FILES
 ]
 
 
