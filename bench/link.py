@@ -584,7 +584,8 @@ def table(
             f"| {megabytes(r['link_bytes_per_step'])} "
             f"| {megabytes(r['compiled_bytes_per_step'])} | {at['utilisation']:.0%} "
             f"| {f'{ttt:.1f} s' if ttt is not None else 'not reached'} | {speedup} "
-            f"| {ceiling} | {of_ceiling} | {equal} | {evaluation} | {f'{final:.3f}' if lower else f'{final:.1%}'} |"
+            f"| {ceiling} | {of_ceiling} | {equal} | {evaluation} "
+            f"| {f'{final:.3f}' if lower else f'{final:.1%}'} |"
             + (f" {at.get('tokens_per_s_per_machine', 0):,.0f} |" if tokens else "")
         )
     return "\n".join(lines)

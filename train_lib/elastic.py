@@ -127,7 +127,7 @@ class ElasticOptions:
 
 def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
     """One-line errors for what an elastic run cannot do, before anything starts."""
-    if registry.ALGORITHMS.get(config.algorithm) is None or not _local_steps(config):
+    if registry.ALGORITHMS.get(config.algorithm) is None or not _takes_local_steps(config):
         raise ConfigError(
             f"--elastic_service needs config.algorithm='diloco' (machines meet only at "
             f"exchanges); got {config.algorithm!r}."
@@ -174,7 +174,7 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
         raise ConfigError(f"--elastic_slowdown={options.slowdown} must be >= 1.")
 
 
-def _local_steps(config: ml_collections.ConfigDict) -> bool:
+def _takes_local_steps(config: ml_collections.ConfigDict) -> bool:
     """Whether the config's algorithm takes local steps between exchanges (role "whole")."""
     return registry.ALGORITHMS[config.algorithm].role == "whole"
 

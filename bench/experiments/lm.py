@@ -324,16 +324,9 @@ def lm(runner: Runner, docs: str) -> str:
         "all-reduce's mean.",
         "",
     ]
-    codes = sorted(
-        {r.get("code", "?") for v in out.values() if isinstance(v, list) for r in v if r}
-        | {
-            r.get("code", "?")
-            for v in out.values()
-            if isinstance(v, dict)
-            for r in v.values()
-            if isinstance(r, dict) and "code" in r
-        }
-    )
+    records = [r for v in out.values() if isinstance(v, list) for r in v]
+    records += [r for v in out.values() if isinstance(v, dict) for r in v.values()]
+    codes = sorted({r["code"] for r in records if isinstance(r, dict) and "code" in r})
     if codes:
         lines += [
             f"Trained by the code of fingerprint {', '.join(codes)} "
