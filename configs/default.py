@@ -90,6 +90,9 @@ def get_config() -> ml_collections.ConfigDict:
     config.local_steps = 1
     config.outer_lr = 0.7
     config.outer_momentum = 0.9
+    # The outer momentum rises linearly from 0 to outer_momentum over this many
+    # rounds (0: from the first round).
+    config.outer_warmup_rounds = 0
     config.exchange = "mean"
     config.error_feedback = False
     # The compressed_mean exchange: 2 rounds (scatter-reduce + all-gather, compressed

@@ -492,11 +492,21 @@ def _clipped_gossip(c, b: Built) -> optax.GradientTransformation:
 
 
 def _outer_optimizer(c) -> optax.GradientTransformation:
-    """DiLoCo's outer step: Nesterov momentum on the averaged pseudo-gradient."""
-    return optax.sgd(c.outer_lr, momentum=c.outer_momentum or None, nesterov=True)
+    """DiLoCo's outer step: Nesterov momentum on the averaged pseudo-gradient.
+
+    With ``outer_warmup_rounds`` K > 0 the momentum rises linearly from 0 at the first
+    round to ``outer_momentum`` at round K + 1, so the first rounds' large and aligned
+    pseudo-gradients are not amplified by 1 / (1 - momentum) at once.
+    """
+    if not c.outer_warmup_rounds or not c.outer_momentum:
+        return optax.sgd(c.outer_lr, momentum=c.outer_momentum or None, nesterov=True)
+    momentum = optax.linear_schedule(0.0, c.outer_momentum, c.outer_warmup_rounds)
+    return optax.inject_hyperparams(optax.sgd)(
+        learning_rate=c.outer_lr, momentum=momentum, nesterov=True
+    )
 
 
-OUTER = ("outer_lr", "outer_momentum")
+OUTER = ("outer_lr", "outer_momentum", "outer_warmup_rounds")
 
 
 def _check_outer(c) -> None:
@@ -504,6 +514,9 @@ def _check_outer(c) -> None:
         raise ConfigError(f"config.outer_lr={c.outer_lr!r} must be > 0.")
     if not 0 <= c.outer_momentum < 1:
         raise ConfigError(f"config.outer_momentum={c.outer_momentum!r} must be in [0, 1).")
+    rounds = c.outer_warmup_rounds
+    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+        raise ConfigError(f"config.outer_warmup_rounds={rounds!r} must be an integer >= 0.")
 
 
 def _check_compressed_mean_fields_unused(c) -> None:

@@ -80,6 +80,13 @@ def main(argv=None) -> None:
         "invocations share one study's runs",
     )
     parser.add_argument(
+        "--keep-published",
+        action="store_true",
+        help="count every run docs/experiments.json holds as cached, whatever code "
+        "trained it (found by config key, else by study, method and seed); the report "
+        "names each record's code fingerprint. Lets a long study grow across code changes",
+    )
+    parser.add_argument(
         "--cached-only",
         action="store_true",
         help="train nothing: write the report from the runs already in the workdir's "
@@ -115,6 +122,7 @@ def main(argv=None) -> None:
         replay=replay,
         published=None if args.quick else json_path,
         dry_run=dry_run,
+        keep_published=args.keep_published,
     )
     if args.train_only:
         runner.train_only = tuple(part for part in args.train_only.split(",") if part)

@@ -114,6 +114,7 @@ class Runner:
         replay: dict[str, dict] | None = None,
         published: str | None = None,
         dry_run: bool = False,
+        keep_published: bool = False,
     ):
         self.quick = quick
         self.seeds = 1 if quick else seeds
@@ -141,6 +142,14 @@ class Runner:
             # The published records of this very code are as good as a local cache.
             for key, record in cache.published_results(published, self.code).items():
                 self.cache.setdefault(key, record)
+        # --keep-published: every published run counts, whatever code trained it (each
+        # record keeps its own code fingerprint, which the report names), found by its
+        # key or, where new config fields changed the key, by its study, method and seed.
+        self.kept: dict[str, dict] = {}
+        if keep_published and replay is None and published and os.path.exists(published):
+            self.kept = {
+                k: e for k, e in cache.load_published(published).items() if not e.get("dry_run")
+            }
 
     def config(self, base, **overrides):
         """The recipe `base` with `overrides`; a field the config lacks is a KeyError."""
@@ -162,6 +171,7 @@ class Runner:
         json does not hold yet as None (its table says "not run yet"), not as an error.
         """
         key = self.key(config)
+        kept = key if key in self.kept else self._listed(study, method, config.seed, self.kept)
         if self.replay is not None:
             # A config that gained fields since (a new configs/default.py field changes
             # every key) is still found by what the json lists it as: its study, method
@@ -178,6 +188,8 @@ class Runner:
             record = self.replay[key]
         elif key in self.cache or key in self._reload():
             record = self.cache[key]
+        elif kept is not None:
+            record = {k: v for k, v in self.kept[kept].items() if k not in ("study", "method")}
         elif self.train_only is not None and not any(part in method for part in self.train_only):
             return None  # another invocation's run, not trained yet
         else:
@@ -192,11 +204,12 @@ class Runner:
         self.entries.append(entry)
         return entry
 
-    def _listed(self, study: str, method: str, seed: int) -> str | None:
-        """The key of the one replayed run listed as `study` / `method` / `seed`, if one."""
+    def _listed(self, study: str, method: str, seed: int, runs=None) -> str | None:
+        """The key of the one run of `runs` (default: the replayed ones) listed as
+        `study` / `method` / `seed`, if one."""
         keys = {
             k
-            for k, e in (self.replay or {}).items()
+            for k, e in ((self.replay if runs is None else runs) or {}).items()
             if (e.get("study"), e.get("method"), e.get("seed")) == (study, method, seed)
         }
         return keys.pop() if len(keys) == 1 else None
