@@ -93,6 +93,10 @@ def get_config() -> ml_collections.ConfigDict:
     # The outer momentum rises linearly from 0 to outer_momentum over this many
     # rounds (0: from the first round).
     config.outer_warmup_rounds = 0
+    # A synchronous warm-up (post-local SGD): the first sync_steps steps (a multiple
+    # of local_steps) each end with the exchange and a plain outer step of 1, every
+    # worker on the exchanged mean; rounds of local_steps begin after them.
+    config.sync_steps = 0
     config.exchange = "mean"
     config.error_feedback = False
     # The compressed_mean exchange: 2 rounds (scatter-reduce + all-gather, compressed

@@ -51,8 +51,11 @@ class _Momentum:
         return -self.lr * direction
 
 
-def _reference(a, b, x0, steps, h, *, exchange="mean", w=None, overlap=False):
+def _reference(a, b, x0, steps, h, *, exchange="mean", w=None, overlap=False, sync=0):
     """Parameters after every step [N, steps, D], float64.
+
+    sync: the first `sync` steps each end with every node on the exact mean of the
+    nodes' parameters (a synchronous warm-up); the rounds of h steps begin after them.
 
     exchange="mean": Δ averaged over the nodes, then one outer Nesterov step on
     the shared anchor. exchange="gossip": each node's outer step with its own
@@ -71,7 +74,10 @@ def _reference(a, b, x0, steps, h, *, exchange="mean", w=None, overlap=False):
     for t in range(steps):
         g = np.einsum("nij,nj->ni", a, x) - b
         x = x + inner(g)
-        if (t + 1) % h == 0:
+        if t < sync:
+            x = np.broadcast_to(x.mean(axis=0), x.shape).copy()
+            anchor, start = x.copy(), x.copy()
+        elif (t + 1 - sync) % h == 0:
             delta = (start if overlap else anchor) - x
             if exchange == "mean":
                 o = outer(np.broadcast_to(delta.mean(axis=0), delta.shape))
@@ -122,6 +128,42 @@ def test_diloco_matches_numpy_simulation(problem, mode, overlap, exchange):
         overlap=overlap,
     )
     np.testing.assert_allclose(np.asarray(ps["w"]), ref, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_synchronous_warm_up_averages_every_step_then_rounds_begin(problem, overlap):
+    a, b, x0 = problem
+    x0 = np.broadcast_to(x0[:1], x0.shape).copy()  # one model, as training starts
+    sync, h, steps = 4, 3, 14  # 4 warm-up steps, 3 rounds, one step into the fourth
+    axis = testing.AXIS
+    outer = optax.chain(
+        lpdec.local_mean(axis_name=axis), optax.sgd(OUTER_LR, momentum=OUTER_MU, nesterov=True)
+    )
+    tx = lpdec.diloco(
+        optax.sgd(INNER_LR, momentum=INNER_MU),
+        outer,
+        local_steps=h,
+        overlap=overlap,
+        sync_steps=sync,
+        sync=optax.chain(lpdec.local_mean(axis_name=axis), optax.sgd(1.0)),
+        axis_name=axis,
+    )
+    ps, _, _ = testing.run(tx, {"w": x0}, steps, grad_fn=_grad_fn(a, b), mode="shard_map")
+    ref = _reference(a, b, x0, steps, h, overlap=overlap, sync=sync)
+    np.testing.assert_allclose(np.asarray(ps["w"]), ref, rtol=2e-4, atol=2e-5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"sync_steps": 3}, "sync .* is needed exactly when sync_steps > 0"),
+        ({"sync": optax.sgd(1.0)}, "sync .* is needed exactly when sync_steps > 0"),
+        ({"sync_steps": -1, "sync": optax.sgd(1.0)}, "sync_steps must be an int >= 0"),
+    ],
+)
+def test_a_warm_up_needs_its_steps_and_its_exchange(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        lpdec.diloco(optax.sgd(0.1), optax.sgd(0.7), local_steps=2, **kwargs)
 
 
 def test_diloco_gossips_with_a_new_random_peer_every_round(problem):

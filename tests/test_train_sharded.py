@@ -51,6 +51,21 @@ def test_diloco_on_one_machine_with_h1_and_a_plain_outer_step_is_the_all_reduce(
     assert dl["final"]["train_loss"] == pytest.approx(ar["final"]["train_loss"], abs=1e-5)
 
 
+def test_a_run_that_is_all_synchronous_warm_up_is_diloco_at_h1_with_a_plain_step(shared_run):
+    """config.sync_steps (post-local SGD's warm-up): its steps end on the exchanged mean
+    with a plain step of 1 whatever the outer setting, and the rounds wait for its end.
+    A run of 20 steps that is all warm-up (H=5, outer Nesterov 0.7 / 0.9 never used) is
+    DiLoCo with H=1 and outer SGD 1 step for step."""
+    plain = dict(local_steps=1, exchange="mean", outer_lr=1.0, outer_momentum=0.0)
+    ref_dir, ref = hierarchical_run(shared_run, algorithm="diloco", **plain)
+    warm = dict(local_steps=5, exchange="mean", outer_lr=0.7, outer_momentum=0.9)
+    sync_dir, sync = hierarchical_run(shared_run, algorithm="diloco", sync_steps=20, **warm)
+    reference, warmed = final_params(ref_dir), final_params(sync_dir)
+    for name, whole in reference.items():
+        np.testing.assert_allclose(warmed[name], whole, rtol=0, atol=1e-6, err_msg=name)
+    assert sync["final"]["train_loss"] == pytest.approx(ref["final"]["train_loss"], abs=1e-6)
+
+
 @pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
 def test_a_sharded_run_lands_where_the_replicated_run_lands(shared_run, algorithm):
     rep_dir, rep = hierarchical_run(shared_run, **ALGORITHMS[algorithm])

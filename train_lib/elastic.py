@@ -138,7 +138,7 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
             "('mean' or 'compressed_mean'), not gossip."
         )
     unsupported = (("overlap", False), ("shard_model", False), ("error_decay", 1.0))
-    for field, off in (*unsupported, ("outer_warmup_rounds", 0)):
+    for field, off in (*unsupported, ("outer_warmup_rounds", 0), ("sync_steps", 0)):
         if config[field] != off:
             raise ConfigError(f"config.{field}={config[field]!r} is not supported elastic.")
     if options.machines < 1 or config.num_nodes % options.machines:

@@ -507,6 +507,8 @@ def _outer_optimizer(c) -> optax.GradientTransformation:
 
 
 OUTER = ("outer_lr", "outer_momentum", "outer_warmup_rounds")
+# The outer step of a synchronous warm-up: every node lands on the exchanged mean.
+PLAIN_STEP = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_warmup_rounds": 0}
 
 
 def _check_outer(c) -> None:
@@ -630,9 +632,17 @@ def _check_diloco(c) -> None:
             "config.overlap=True needs config.local_steps > 1: the exchange overlaps with "
             "the next round's local steps, and with local_steps=1 there are none."
         )
+    steps = c.sync_steps
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+        raise ConfigError(f"config.sync_steps={steps!r} must be an integer >= 0.")
+    if steps % c.local_steps:
+        raise ConfigError(
+            f"config.sync_steps={steps} must be a multiple of config.local_steps="
+            f"{c.local_steps}: rounds end on the same steps as without the warm-up."
+        )
 
 
-def _diloco(c, b: Built, local, outer) -> optax.GradientTransformation:
+def _diloco(c, b: Built, local, outer, sync=None) -> optax.GradientTransformation:
     axes = b.axis_name
     if b.local_axis is not None:
         # Hierarchical: a machine's workers train ONE model in its local steps (their
@@ -640,7 +650,15 @@ def _diloco(c, b: Built, local, outer) -> optax.GradientTransformation:
         # does), so the exchange averages the machines' models.
         axes = (b.axis_name, b.local_axis)
         local = lpdec.chain(local, on_gradients=(lpdec.local_mean(axis_name=b.local_axis),))
-    return lpdec.diloco(local, outer, local_steps=c.local_steps, overlap=c.overlap, axis_name=axes)
+    return lpdec.diloco(
+        local,
+        outer,
+        local_steps=c.local_steps,
+        overlap=c.overlap,
+        sync_steps=c.sync_steps,
+        sync=sync,
+        axis_name=axes,
+    )
 
 
 ALGORITHMS = {
@@ -678,7 +696,10 @@ ALGORITHMS = {
     # H local steps of the local optimizer, then config.exchange (EXCHANGES) and the
     # outer Nesterov step: the whole optimizer, `build(view, built, local, outer)`.
     "diloco": AlgorithmEntry(
-        _diloco, ("local_steps", "overlap"), check=_check_diloco, factory=lpdec.diloco
+        _diloco,
+        ("local_steps", "overlap", "sync_steps"),
+        check=_check_diloco,
+        factory=lpdec.diloco,
     ),
     # Independent nodes: the local optimizer alone.
     "none": AlgorithmEntry(
@@ -701,7 +722,12 @@ def make_chain(
     entry = choose(config, "algorithm", ALGORITHMS)
     if entry.role == "whole":
         outer = build(config, "exchange", EXCHANGES, built)
-        return lpdec.master_weights(build(config, "algorithm", ALGORITHMS, built, local, outer))
+        # The synchronous warm-up: the same exchange, with a plain outer step of 1.
+        sync = None
+        if config.sync_steps:
+            sync = build(config, "exchange", EXCHANGES, built, overrides=PLAIN_STEP)
+        whole = build(config, "algorithm", ALGORITHMS, built, local, outer, sync)
+        return lpdec.master_weights(whole)
     algorithm = build(config, "algorithm", ALGORITHMS, built)
     if algorithm is None:
         return lpdec.chain(local)

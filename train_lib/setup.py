@@ -399,6 +399,8 @@ def _check_local_steps(config: ml_collections.ConfigDict) -> None:
         ("error_feedback", False),
         ("mean_rounds", 2),
         ("error_decay", 1.0),
+        ("outer_warmup_rounds", 0),
+        ("sync_steps", 0),
     ):
         if config[field] != off:
             _fail(

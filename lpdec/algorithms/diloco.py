@@ -96,6 +96,8 @@ class DiLoCoState(NamedTuple):
         otherwise ``()`` (the start is the anchor).
       pending: with `overlap`, the outer update computed at the end of the
         last round, applied at the end of this one; otherwise ``()``.
+      sync: with ``sync_steps > 0``, the state of the `sync` transform;
+        otherwise ``()``.
       health: `lpdec.Health`; ``nonfinite_updates`` counts the inner steps
         this node skipped (a NaN/Inf gradient or resulting parameter).
     """
@@ -106,6 +108,7 @@ class DiLoCoState(NamedTuple):
     anchor: PyTree
     start: PyTree
     pending: PyTree
+    sync: PyTree
     health: health_lib.Health
 
 
@@ -117,6 +120,8 @@ class Hyperparams:
     outer: optax.GradientTransformation
     local_steps: int
     overlap: bool = False
+    sync_steps: int = 0
+    sync: optax.GradientTransformation | None = None
     axis_name: gossip.AxisName = "nodes"
 
     def __post_init__(self):
@@ -131,6 +136,18 @@ class Hyperparams:
             raise ValueError(f"diloco: local_steps must be an int >= 1; got {self.local_steps!r}.")
         if not isinstance(self.overlap, bool):
             raise TypeError(f"diloco: overlap must be a bool; got {self.overlap!r}.")
+        steps = self.sync_steps
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"diloco: sync_steps must be an int >= 0; got {steps!r}.")
+        if (self.sync is None) != (steps == 0):
+            raise ValueError(
+                "diloco: sync (the warm-up's exchange) is needed exactly when sync_steps > 0; "
+                f"got sync_steps={steps!r}, sync={self.sync!r}."
+            )
+        if self.sync is not None:
+            if not (callable(getattr(self.sync, "init", None)) and callable(self.sync.update)):
+                raise TypeError(f"diloco: sync must be an optax transform; got {self.sync!r}.")
+            object.__setattr__(self, "sync", optax.with_extra_args_support(self.sync))
         object.__setattr__(self, "inner", optax.with_extra_args_support(self.inner))
         object.__setattr__(self, "outer", optax.with_extra_args_support(self.outer))
 
@@ -145,6 +162,7 @@ def init(params: optax.Params, hp: Hyperparams) -> DiLoCoState:
         anchor=anchor,
         start=_common.own_f32(params, hp.axis_name) if hp.overlap else (),
         pending=_common.zeros_f32(params, hp.axis_name) if hp.overlap else (),
+        sync=hp.sync.init(anchor) if hp.sync is not None else (),
         health=health_lib.init(hp.axis_name),
     )
     # The exchange branch returns state varying over the nodes; the carry must start so.
@@ -158,7 +176,8 @@ def step(
     hp: Hyperparams,
     **extra_args,
 ) -> tuple[optax.Updates, DiLoCoState]:
-    """One inner step; on every `local_steps`-th, the exchange and the outer step."""
+    """One inner step; then the warm-up's exchange (the first `sync_steps` steps), or on
+    every `local_steps`-th step after them, the exchange and the outer step."""
     inner_updates, inner_state = hp.inner.update(updates, state.inner, params, **extra_args)
     local = jax.tree.map(
         lambda p, u: p.astype(jnp.float32) + u.astype(jnp.float32), params, inner_updates
@@ -176,7 +195,7 @@ def step(
         return gossip.to_varying(carry, hp.axis_name)
 
     def exchange(carry):
-        local, inner_state, outer_state, anchor, start, pending, health = carry
+        local, inner_state, outer_state, anchor, start, pending, sync_state, health = carry
         begun = start if hp.overlap else anchor
         delta = jax.tree.map(jnp.subtract, begun, local)
         # The wire meter averages over steps: this round's bytes are spent once per H steps.
@@ -190,11 +209,34 @@ def step(
         else:
             anchor = jax.tree.map(jnp.add, anchor, out)
             local = anchor
-        carry = (local, inner_state, outer_state, anchor, start, pending, health)
+        carry = (local, inner_state, outer_state, anchor, start, pending, sync_state, health)
         return gossip.to_varying(carry, hp.axis_name)
 
-    carry = (local, inner_state, state.outer, state.anchor, state.start, state.pending, health)
-    local, *rest = jax.lax.cond(count % hp.local_steps == 0, exchange, keep, carry)
+    def synchronise(carry):
+        # The warm-up: every step ends on the anchor `sync` moves (an exact mean and a
+        # plain step of 1 make it data-parallel training), before any round begins.
+        local, inner_state, outer_state, anchor, start, pending, sync_state, health = carry
+        delta = jax.tree.map(jnp.subtract, anchor, local)
+        # Not in the per-step meter: the warm-up's share of a run depends on its length.
+        with wire.share(0.0):
+            out, sync_state = hp.sync.update(delta, sync_state, anchor)
+        anchor = jax.tree.map(jnp.add, anchor, _common.f32(out))
+        local = anchor
+        start = local if hp.overlap else start
+        carry = (local, inner_state, outer_state, anchor, start, pending, sync_state, health)
+        return gossip.to_varying(carry, hp.axis_name)
+
+    carry = (
+        local, inner_state, state.outer, state.anchor, state.start, state.pending,
+        state.sync, health,
+    )  # fmt: skip
+    if hp.sync is None:
+        local, *rest = jax.lax.cond(count % hp.local_steps == 0, exchange, keep, carry)
+    else:
+        # Rounds count from the warm-up's end: steps sync_steps + H, + 2H, ...
+        round_ends = (count - hp.sync_steps) % hp.local_steps == 0
+        branch = jnp.where(count <= hp.sync_steps, 2, jnp.where(round_ends, 1, 0))
+        local, *rest = jax.lax.switch(branch, (keep, exchange, synchronise), carry)
     return _common.as_updates(local, params), DiLoCoState(count, *rest)
 
 
@@ -209,6 +251,8 @@ def diloco(
     *,
     local_steps: int,
     overlap: bool = False,
+    sync_steps: int = 0,
+    sync: optax.GradientTransformation | None = None,
     axis_name: gossip.AxisName = "nodes",
 ) -> optax.GradientTransformationExtraArgs:
     r"""H local steps of `inner`, then an exchange and one step of `outer` (DiLoCo).
@@ -236,6 +280,16 @@ def diloco(
       local_steps: H >= 1, inner steps per round.
       overlap: apply each round's outer update one round late, so its exchange
         can run during the next round's inner steps (module docstring).
+      sync_steps: a synchronous warm-up: the first `sync_steps` steps each end
+        with an exchange through `sync` instead of the outer step, and the rounds
+        of H steps begin after them (post-local SGD, Lin et al. 2020; the DiLoCo
+        paper starts its rounds from a model pretrained data-parallel). The
+        warm-up's bytes are not in `lpdec.wire`'s per-step meter (their share
+        depends on the run's length): count ``sync_steps`` of `sync`'s exchange.
+      sync: with ``sync_steps > 0``, the warm-up's exchange, an optax chain
+        applied to the pseudo-gradient of one step as `outer` is
+        (``optax.chain(lpdec.local_mean(axis_name=...), optax.sgd(1.0))``: every
+        node lands on the exact mean of the nodes' parameters); None otherwise.
       axis_name: the nodes' named axis (the layout's ``axis_name``).
 
     Returns:
@@ -257,7 +311,9 @@ def diloco(
       Douillard et al., DiLoCo: Distributed Low-Communication Training of
       Language Models, 2023, https://arxiv.org/abs/2311.08105;
       Douillard et al., Streaming DiLoCo with overlapping communication, 2025,
-      https://arxiv.org/abs/2501.18512
+      https://arxiv.org/abs/2501.18512;
+      Lin et al., Don't Use Large Mini-Batches, Use Local SGD, ICLR 2020,
+      https://arxiv.org/abs/1808.07217 (post-local SGD: the synchronous warm-up)
     """
     hp = Hyperparams(**locals())
 
