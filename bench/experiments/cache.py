@@ -80,14 +80,19 @@ def config_key(config) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
-def load_results(path: str, code: str) -> dict[str, dict]:
-    """The records in a workdir's results.json that `code` trained (none without the file)."""
+def load_results(path: str, code: str | None) -> dict[str, dict]:
+    """The records in a workdir's results.json that `code` trained (None: any code; none
+    without the file)."""
     if not os.path.exists(path):
         return {}
     with open(path) as f:
         cached = json.load(f)
     # Runs of other code are stale: drop them; a dry run's placeholders are no runs.
-    return {k: r for k, r in cached.items() if r.get("code") == code and not r.get("dry_run")}
+    return {
+        k: r
+        for k, r in cached.items()
+        if code in (None, r.get("code")) and not r.get("dry_run")
+    }
 
 
 def save_results(path: str, records: dict[str, dict]) -> None:

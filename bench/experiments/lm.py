@@ -63,6 +63,8 @@ FIRST_INNER_LR = 4e-3
 # The tuned fields, named in each run's label.
 TUNED = ("learning_rate", "outer_lr", "outer_momentum")
 H_GRID = (5, 10, 50, 100)
+WARMUP_ROUNDS = 10
+WARM_MOMENTA = (0.6, 0.8, 0.9)
 
 
 def gap_fixes(tuned: dict, quick: bool) -> dict[str, dict]:
@@ -77,7 +79,7 @@ def gap_fixes(tuned: dict, quick: bool) -> dict[str, dict]:
       its rounds from a pretrained model): the first 100 steps (the learning rate's
       warm-up) each end on the exchanged mean, the rounds begin after them.
     """
-    warmup = 1 if quick else 10
+    warmup = 1 if quick else WARMUP_ROUNDS
     return {
         "DiLoCo H=20 4-bit EF": {"learning_rate": tuned["learning_rate"] / 2},
         "DiLoCo H=20 4-bit EF, outer momentum warm-up": {"outer_warmup_rounds": warmup},
@@ -305,6 +307,18 @@ def plan(runner: Runner) -> dict:
             # H is in the name; every other field the change sets is in the label.
             shown = dl | {k: v for k, v in fields.items() if k != "local_steps"}
             out[f"fix: {part}"] = seeds(runner, label(part, shown), DILOCO | dl | EF4 | fields)
+        # The outer step tuned again under the momentum warm-up (4-bit, seed 0): the
+        # first sweep ranked momentum 0.9 last, and its runs overshot from the start.
+        name = "DiLoCo H=20 4-bit EF, outer momentum warm-up"
+        warm = {"learning_rate": dl["learning_rate"], "outer_warmup_rounds": WARMUP_ROUNDS}
+        warm_grids = {"outer_lr": grid(OUTER_LR_GRID), "outer_momentum": grid(WARM_MOMENTA)}
+        again, out["warm-up outer sweep"] = tune(
+            runner, name, DILOCO | EF4 | warm, warm_grids, {"outer_lr": 1.4}
+        )
+        out["warm-up best"] = again
+        if again is not None:
+            setting = {"learning_rate": dl["learning_rate"]} | again
+            out["warm-up tuned"] = seeds(runner, label(name, setting), DILOCO | EF4 | warm | again)
         # 7. The headline on configs/lm_small.py: each method's learning rate swept again
         # (DiLoCo's outer setting kept from the small model), then 3 seeds of each.
         outer = {k: dl[k] for k in ("outer_lr", "outer_momentum")}

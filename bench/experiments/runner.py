@@ -133,6 +133,8 @@ class Runner:
         self.trained_seconds = 0.0
         self.study_keys: set[str] = set()
         self.cache_path = os.path.join(workdir, "results.json")
+        # --keep-published: runs of earlier code that count as cached (below).
+        self.kept: dict[str, dict] = {}
         if dry_run:
             return
         os.makedirs(workdir, exist_ok=True)
@@ -145,11 +147,13 @@ class Runner:
         # --keep-published: every published run counts, whatever code trained it (each
         # record keeps its own code fingerprint, which the report names), found by its
         # key or, where new config fields changed the key, by its study, method and seed.
-        self.kept: dict[str, dict] = {}
         if keep_published and replay is None and published and os.path.exists(published):
             self.kept = {
                 k: e for k, e in cache.load_published(published).items() if not e.get("dry_run")
             }
+        if keep_published and replay is None:
+            # This workdir's runs of earlier code too (other invocations', still going).
+            self.kept.update(cache.load_results(self.cache_path, code=None))
 
     def config(self, base, **overrides):
         """The recipe `base` with `overrides`; a field the config lacks is a KeyError."""
@@ -171,7 +175,11 @@ class Runner:
         json does not hold yet as None (its table says "not run yet"), not as an error.
         """
         key = self.key(config)
-        kept = key if key in self.kept else self._listed(study, method, config.seed, self.kept)
+        kept = None
+        if self.kept:
+            self.kept.update(cache.load_results(self.cache_path, code=None))
+            kept = key if key in self.kept else self._same_run(config)
+            kept = kept or self._listed(study, method, config.seed, self.kept)
         if self.replay is not None:
             # A config that gained fields since (a new configs/default.py field changes
             # every key) is still found by what the json lists it as: its study, method
@@ -203,6 +211,20 @@ class Runner:
         entry = dict(record, study=study, method=method)
         self.entries.append(entry)
         return entry
+
+    def _same_run(self, config) -> str | None:
+        """The key of a kept run of `config` from before fields were added to the config:
+        every field it has is `config`'s value, and each of `config`'s fields it lacks is
+        at configs/default.py's value (a new field's default leaves runs as they were)."""
+        # As JSON holds them (tuples as lists), like the records' configs.
+        now = json.loads(json.dumps(config.to_dict(), default=str))
+        defaults = json.loads(json.dumps(default.get_config().to_dict(), default=str))
+        for key, record in self.kept.items():
+            then = record.get("config") or {}
+            if all(then[f] == v if f in then else defaults.get(f, object()) == v
+                   for f, v in now.items()) and set(then) <= set(now):  # fmt: skip
+                return key
+        return None
 
     def _listed(self, study: str, method: str, seed: int, runs=None) -> str | None:
         """The key of the one run of `runs` (default: the replayed ones) listed as
