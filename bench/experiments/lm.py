@@ -85,6 +85,21 @@ def gap_fixes(tuned: dict, quick: bool) -> dict[str, dict]:
         "DiLoCo H=20 4-bit EF, outer momentum warm-up": {"outer_warmup_rounds": warmup},
         "DiLoCo H=10 4-bit EF": {"local_steps": 10},
         "DiLoCo H=20 4-bit EF, synchronous warm-up": {"sync_steps": 20 if quick else 100},
+        # The momentum warm-up (the same 200 steps) with H=10, on 4 machines, and with
+        # the fp32 exchange: what it leaves of the H, machine-count and exchange costs.
+        "DiLoCo H=10 4-bit EF with momentum warm-up": {
+            "local_steps": 10,
+            "outer_warmup_rounds": 2 * warmup,
+        },
+        "DiLoCo H=20 4-bit EF with momentum warm-up on 4 machines x 2": {
+            "machines": 4,
+            "outer_warmup_rounds": warmup,
+        },
+        "DiLoCo H=20 fp32 with momentum warm-up": {
+            "exchange": "mean",
+            "error_feedback": False,
+            "outer_warmup_rounds": warmup,
+        },
     }
 
 
