@@ -2,9 +2,11 @@
 
 - `cli`: `train.py`'s command line: one-line flag errors, `--help`'s config fields, the
   multi-process start and the exit statuses.
-- `loop`: `train_and_evaluate(config, workdir)`, the training loop.
+- `loop`: the training loop, written once (`run(trainer, ...)`), and the synchronous
+  run, `train_and_evaluate(config, workdir)`; `elastic` plugs a machine into it.
 - `setup`: config -> `Experiment`, once; the checks of the config's values.
-- `registry`: what the configs choose by name, one table per kind.
+- `registry`: what the configs choose by name, one table per kind (`tables`: an entry,
+  its fields and checks; `optimizers`: the schedule, local optimizer, outer step).
 - `steps`: the per-node programs (train chunk, init, evaluation).
 - `checkpoint`: orbax checkpoints of the train state and the data position, each with a
   checksum and a config fingerprint checked on restore (damaged steps set aside).

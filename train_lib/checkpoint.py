@@ -236,8 +236,13 @@ def export_params(workdir: str, params: PyTree, shards: lpdec.fsdp.ShardPlan | N
     if shards is not None:
         gathered = shards.unshard(gathered)
     if jax.process_index() == 0:
-        flat = {
-            jax.tree_util.keystr(path): np.asarray(leaf)
-            for path, leaf in jax.tree.leaves_with_path(gathered)
-        }
-        np.savez(os.path.join(workdir, "final_params.npz"), **flat)
+        write_params(workdir, gathered)
+
+
+def write_params(workdir: str, params: PyTree) -> None:
+    """`params` (host arrays) to `workdir/final_params.npz`, keyed by tree path."""
+    flat = {
+        jax.tree_util.keystr(path): np.asarray(leaf)
+        for path, leaf in jax.tree.leaves_with_path(params)
+    }
+    np.savez(os.path.join(workdir, "final_params.npz"), **flat)

@@ -63,7 +63,9 @@ from absl import logging
 
 import lpdec
 from lpdec import elastic
+from train_lib import checkpoint
 from train_lib import evaluation
+from train_lib import loop
 from train_lib import metrics as metrics_lib
 from train_lib import registry
 from train_lib import setup
@@ -224,19 +226,27 @@ def train_elastic(
     exp = setup.build(_machine_config(config, workers))
     exp = dataclasses.replace(exp, partitions=machine_partitions(config, exp, options.machine))
     workdir = workdir_lib.prepare(workdir)
+    # The anchor is the one model: no nodes' own models to evaluate.
+    fields = tuple(f for f in loop.metric_fields(exp) if "local_mean" not in f) + ("members",)
     with workdir_lib.Lock(workdir, 0):
-        machine = _Machine(config, exp, workdir, options, started)
+        machine = ElasticTrainer(config, exp, workdir, options)
         try:
-            return machine.run()
+            return loop.run(machine, workdir, started, fields)
         finally:
             # Leave the service before the interpreter tears its client down (a process
             # that ends with an exception would otherwise abort in jaxlib's destructor).
             machine.group.close()
 
 
-class _Machine:
-    def __init__(self, config, exp: setup.Experiment, workdir: str, options, started):
-        self.exp, self.workdir, self.options, self.started = exp, workdir, options, started
+class ElasticTrainer:
+    """One machine of an elastic run, plugged into `train_lib.loop.run`: it advances by
+    rounds (local steps, then the exchange through the service), evaluates the anchor,
+    keeps nothing on disk (the live machines hold the state) and exports its anchor."""
+
+    exports = True
+
+    def __init__(self, config, exp: setup.Experiment, workdir: str, options):
+        self.exp, self.workdir, self.options = exp, workdir, options
         self.layout = layout = exp.layout
         self.H = int(config.local_steps)
         self.h = int(options.local_steps or self.H)
@@ -253,21 +263,8 @@ class _Machine:
         self.compressor = exp.compressor if self.compressed else lpdec.identity()
         self.next_token = exp.dataset.task == "next_token"
         self.seed = exp.seed * 1_000_003 + options.machine
-        self.batcher = lpdec.data.NodeBatcher(
-            exp.dataset.x_train,
-            exp.dataset.y_train,
-            exp.partitions,
-            exp.batch_size,
-            self.seed,
-            augment=exp.augment,
-        )
-        example = setup.example_input(exp.dataset)
-        variables = jax.jit(lambda x: exp.model.init(jax.random.key(exp.seed), x, train=False))(
-            example
-        )
-        variables = jax.tree.map(np.asarray, variables)
-        self.anchor = variables.pop("params")
-        self.model_state = dict(variables)
+        self.batcher = loop.make_batcher(exp, self.seed)
+        self.anchor, self.model_state = loop.initial_model(exp)
         self.momentum = jax.tree.map(np.zeros_like, self.anchor)
         self.residual = jax.tree.map(np.zeros_like, self.anchor)
         self.programs = steps.make_programs(exp.model, exp.tx, layout, next_token=self.next_token)
@@ -296,21 +293,19 @@ class _Machine:
         self._payload_like = jax.eval_shape(
             self._encode_fn, self.anchor, self.residual, jax.random.key(0)
         )[0]
-        self.compiled: dict[int, Any] = {}
-        # What the synchronous loop watches, watched the same way (train_lib.loop).
-        reference = math.log(exp.dataset.num_classes)
-        self.divergence = metrics_lib.DivergenceMonitor(
-            exp.loop.divergence_factor, exp.loop.divergence_patience, reference=reference
-        )
-        self.jumps = metrics_lib.LossJumpMonitor(reference=reference)
+        self.chunks = loop.Chunks(exp, self.programs)
         # Contributions dropped for holding NaN/Inf (every machine drops the same ones).
         self.nonfinite_received = 0
+        self.round = 0
+        self.joins: list[int] = []
+        self.history: list[dict] = []
+        self.train_time = 0.0
+        self.exchanges_path = os.path.join(workdir, "exchanges.csv")
 
     # -- helpers -------------------------------------------------------------
 
     def _put(self, tree):
-        n = self.layout.num_nodes
-        return self.layout.put(jax.tree.map(lambda x: np.broadcast_to(x, (n,) + x.shape), tree))
+        return self.layout.put(loop.stack(tree, self.layout.num_nodes))
 
     @staticmethod
     def _node0(tree):
@@ -433,39 +428,6 @@ class _Machine:
         step = round_ * self.H
         return step if self.by_samples else min(step, self.exp.total_steps)
 
-    def _log(self, writer, step, row, seconds, losses, accuracies, fields) -> dict:
-        """Evaluates the anchor and writes one metrics row; returns it."""
-        exp = self.exp
-        eval_started = time.time()
-        evaluated = self.evaluator.evaluate(
-            self._put(self.anchor), self.opt_state, self.model_state_dev, step
-        )
-        updates, _, theta = metrics_lib.health_counts(self.opt_state)
-        train_loss = float(np.mean(losses)) if losses else float("nan")
-        jump = self.jumps.update(step, train_loss) if losses else None
-        if jump:
-            logging.warning("%s", jump)
-        metrics = {
-            "step": step,
-            "epoch": step / exp.steps_per_epoch,
-            "train_loss": train_loss,
-            "train_accuracy": float(np.mean(accuracies)) if accuracies else float("nan"),
-            **{k: v for k, v in evaluated.items() if "local_mean" not in k},
-            "wire_bytes_per_step": (row["bytes_sent"] + row["bytes_received"]) / self.h,
-            "step_time_s": seconds / self.h,
-            "eval_time_s": time.time() - eval_started,
-            "wall_time_s": time.time() - self.started,
-            "learning_rate": float(exp.schedule(step - 1)),
-            "nonfinite_updates": updates,
-            "nonfinite_received": self.nonfinite_received,
-            "theta_warnings": theta,
-            "loss_jump": int(self.jumps.jumping),
-            "members": len(row["members"].split()),
-        }
-        metrics = {k: v for k, v in metrics.items() if k in fields}
-        writer.write(metrics)
-        return metrics
-
     def _finish(self, round_: int) -> None:
         """Marks the run over after round `round_ - 1`, then hands the final state to
         machines still behind (their exchange raises `Behind` and they join for it),
@@ -496,72 +458,81 @@ class _Machine:
                 break
             time.sleep(self.group.poll_s)
 
-    def run(self) -> dict[str, Any]:
-        exp, options = self.exp, self.options
-        self.joins: list[int] = []
+    # -- what train_lib.loop.run asks of a trainer -------------------------------
+
+    def start(self) -> tuple[int, None]:
         try:
-            round_ = self._start()
+            self.round = self._start()
         except elastic.ServiceLost as error:
             raise ElasticLost(f"{error}") from None
-        fields = metrics_lib.LM_METRIC_FIELDS if self.next_token else metrics_lib.METRIC_FIELDS
-        fields = tuple(f for f in fields if "local_mean" not in f) + ("members",)
-        writer = metrics_lib.MetricWriter(self.workdir, 0, exp.total_steps, fields)
-        exchanges_path = os.path.join(self.workdir, "exchanges.csv")
-        if not os.path.exists(exchanges_path):  # a restarted machine appends its rounds
-            with open(exchanges_path, "w", newline="") as f:
+        if not os.path.exists(self.exchanges_path):  # a restarted machine appends its rounds
+            with open(self.exchanges_path, "w", newline="") as f:
                 csv.DictWriter(f, EXCHANGE_FIELDS).writeheader()
-        history: list[dict] = []
-        metrics: dict[str, Any] = {}
+        return self._step(self.round), None
+
+    def done(self, step: int) -> bool:
+        return self._done(self.round)
+
+    def advance(self, step: int) -> loop.Progress:
+        """Rounds up to the next log point (or the run's end), joining again where the
+        service was lost or the run moved on without this machine."""
         losses: list[float] = []
         accuracies: list[float] = []
-        train_time = 0.0
-        diverged = None
-        log_every = max(exp.loop.log_every, self.H)
-        while not self._done(round_):
+        row, seconds = None, 0.0
+        log_every = max(self.exp.loop.log_every, self.H)
+        while not self._done(self.round):
             try:
-                row, (loss, accuracy), seconds = self._round(round_)
+                row, (loss, accuracy), seconds = self._round(self.round)
             except elastic.ServiceLost as error:
-                round_ = self._reconnect(error, round_)
+                self.round = self._reconnect(error, self.round)
                 continue
             except elastic.Behind as error:
                 logging.warning("elastic: %s", error)
-                round_ = self._join()
+                self.round = self._join()
                 continue
-            history.append(row)
+            self.history.append(row)
             losses.append(loss)
             accuracies.append(accuracy)
-            train_time += seconds
-            with open(exchanges_path, "a", newline="") as f:
+            self.train_time += seconds
+            with open(self.exchanges_path, "a", newline="") as f:
                 csv.DictWriter(f, EXCHANGE_FIELDS).writerow(row)
             if not row["anchors_agree"]:
                 logging.warning(
-                    "elastic: round %d's members started from different anchors", round_
+                    "elastic: round %d's members started from different anchors", self.round
                 )
-            round_ += 1
-            step = self._step(round_)
-            if step % log_every < self.H or self._done(round_):
-                metrics = self._log(writer, step, row, seconds, losses, accuracies, fields)
-                diverged = self.divergence.update(
-                    step, metrics["train_loss"], last=self._done(round_)
-                )
-                losses, accuracies = [], []
-                if diverged:
-                    # Every machine watches its own loss, as each process of a
-                    # synchronous run does, and stops: nothing is exported.
-                    logging.error("stopping: %s", diverged)
-                    break
-        step = self._step(round_)
-        if history and metrics.get("step") != step and not diverged:
-            # It joined for the run's final state after its last round: evaluate that.
-            metrics = self._log(writer, step, history[-1], 0.0, losses, accuracies, fields)
-        writer.close()
+            self.round += 1
+            if self._step(self.round) % log_every < self.H:
+                break
+        # Joined for the run's final state after its last round: that state is logged.
+        row = row or (self.history[-1] if self.history else None)
+        sent = (row["bytes_sent"] + row["bytes_received"]) / self.h if row else math.nan
+        members = len(row["members"].split()) if row else math.nan
+        return loop.Progress(
+            self._step(self.round), losses, accuracies, seconds / self.h, sent,
+            extra={"members": members},
+        )  # fmt: skip
+
+    def evaluate(self, step: int) -> dict[str, float]:
+        return self.evaluator.evaluate(
+            self._put(self.anchor), self.opt_state, self.model_state_dev, step
+        )
+
+    def health(self) -> tuple[int, int, int]:
+        updates, _, theta = metrics_lib.health_counts(self.opt_state)
+        return updates, self.nonfinite_received, theta
+
+    def save(self, step: int, meta: dict[str, Any]) -> None:
+        """Nothing on disk: the live machines hold the state (module docstring)."""
+
+    def end(self, step: int, diverged: bool) -> dict[str, Any]:
         if not diverged:
-            self._finish(round_)
+            # Every machine watches its own loss, as each process of a synchronous run
+            # does; a diverged one stops and hands nothing over.
+            self._finish(self.round)
         self.group.close()
-        summary = {
-            "final": metrics,
-            "steps": self._step(round_),
-            "rounds": round_,
+        options, history = self.options, self.history
+        return {
+            "rounds": self.round,
             "budget": "samples" if self.by_samples else "rounds",
             "machine_steps": self.machine_steps,
             "budget_machine_steps": self.budget,
@@ -574,49 +545,24 @@ class _Machine:
             "rounds_short": sum(len(r["members"].split()) < options.machines for r in history),
             "anchors_agree": all(r["anchors_agree"] for r in history),
             "final_anchor_digest": elastic.tree_digest(self.anchor),
-            "train_time_s": train_time,
-            "wall_time_s": time.time() - self.started,
-            "diverged": bool(diverged),
-            "stopped": diverged,
-            "loss_jumps": self.jumps.warnings,
-            "interrupted": None,
-            "config": exp.config_dict,
+            "train_time_s": self.train_time,
         }
-        metrics_lib.write_summary(self.workdir, summary)
-        if diverged:
-            return summary
-        np.savez(
-            os.path.join(self.workdir, "final_params.npz"),
-            **{
-                jax.tree_util.keystr(p): np.asarray(x)
-                for p, x in jax.tree_util.tree_flatten_with_path(self.anchor)[0]
-            },
-        )
-        return summary
+
+    def export(self, workdir: str) -> None:
+        checkpoint.write_params(workdir, self.anchor)
 
     def _round(self, round_: int) -> tuple[dict, float, float]:
         """One round: local steps, the exchange, the outer step; returns its row."""
-        layout, h = self.layout, self.h
+        h = self.h
         step0 = round_ * self.H
         self.batcher.restore({**self.batcher.state(), "step": step0})
-        xs, ys = zip(*(self.batcher.next() for _ in range(h)), strict=True)
-        xs, ys = layout.put(np.stack(xs, axis=1)), layout.put(np.stack(ys, axis=1))
-        params = self._put(self.anchor)
-        args = (
-            params,
-            self.opt_state,
-            self.model_state_dev,
-            xs,
-            ys,
-            layout.put(np.int32(step0), per_node=False),
-            self.key,
-        )
-        if h not in self.compiled:
-            self.compiled[h] = self.programs["train_chunk"].lower(*args).compile()
-        chunk_started = time.time()
-        params, self.opt_state, self.model_state_dev, losses, accuracies = self.compiled[h](*args)
-        losses, accuracies = metrics_lib.to_host((losses, accuracies))
-        seconds = time.time() - chunk_started
+        params, self.opt_state, self.model_state_dev, losses, accuracies, per_step = (
+            self.chunks.run(
+                self._put(self.anchor), self.opt_state, self.model_state_dev, self.batcher, h,
+                step0, self.key,
+            )
+        )  # fmt: skip
+        seconds = per_step * h
         if self.options.slowdown > 1:
             time.sleep(seconds * (self.options.slowdown - 1))
             seconds *= self.options.slowdown
