@@ -26,6 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 from configs import default  # noqa: E402
 from train_lib import ConfigError  # noqa: E402
 from train_lib import registry  # noqa: E402
+from train_lib import tables  # noqa: E402
 
 N = 8
 
@@ -316,7 +317,7 @@ def _config(**fields):
 
 
 def test_the_registry_entry_reads_ratio_chunk_size_and_bits():
-    build = lambda config: registry.build(config, "compressor", registry.COMPRESSORS)  # noqa: E731
+    build = lambda config: tables.build(config, "compressor", registry.COMPRESSORS)  # noqa: E731
     assert build(_config(ratio=1 / 64, bits=2)) == lpdec.chunked_top_k(64, bits=2)
     assert build(_config(ratio=0.25, chunk_size=256, bits=4)) == lpdec.chunked_top_k(
         64, chunk_size=256, bits=4

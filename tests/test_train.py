@@ -7,7 +7,6 @@ import os
 import pathlib
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,9 +23,12 @@ sys.path.insert(0, str(ROOT))
 import lpdec  # noqa: E402
 import train  # noqa: E402
 import train_lib  # noqa: E402
+from bench import harness  # noqa: E402
 from configs import default  # noqa: E402
 from train_lib import ConfigError  # noqa: E402
+from train_lib import optimizers  # noqa: E402
 from train_lib import registry  # noqa: E402
+from train_lib import tables  # noqa: E402
 
 
 def tiny_config(**overrides):
@@ -316,8 +318,8 @@ REGISTRY_TABLES = [
     ("dataset", registry.DATASETS),
     ("topology", registry.TOPOLOGIES),
     ("compressor", registry.COMPRESSORS),
-    ("lr_schedule", registry.SCHEDULES),
-    ("optimizer", registry.OPTIMIZERS),
+    ("lr_schedule", optimizers.SCHEDULES),
+    ("optimizer", optimizers.OPTIMIZERS),
     ("algorithm", registry.ALGORITHMS),
     ("exchange", registry.EXCHANGES),
 ]
@@ -346,7 +348,7 @@ def test_every_registry_entry_declares_the_fields_it_reads(field, name):
     if field == "algorithm" and registry.ALGORITHMS[name].role == "whole":
         extra = (built, optax.sgd(0.1), optax.sgd(0.7))
     table = dict(REGISTRY_TABLES)[field]
-    built = registry.build(config, field, table, *extra)
+    built = tables.build(config, field, table, *extra)
     assert (built is None) == (name == "none")
 
 
@@ -391,16 +393,10 @@ def test_the_command_line_imports_no_jax_before_training_starts():
     assert proc.stdout.strip() == "[]", proc.stdout
 
 
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _two_processes(workdir, flags, devices=4):
     """train.py as 2 jax.distributed processes of `devices` CPU devices (gloo, loopback)."""
     base = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'default.py'}"]
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{harness.free_port()}"
     procs = [
         subprocess.Popen(
             base

@@ -169,12 +169,13 @@ def test_train_py_chooses_the_tree_layout_by_config_and_refuses_a_bad_one():
     from configs import default  # noqa: PLC0415
     from train_lib import ConfigError  # noqa: PLC0415
     from train_lib import registry  # noqa: PLC0415
+    from train_lib import tables  # noqa: PLC0415
 
     config = default.get_config()
     config.update(compressor="minmax", bits=4, tree_layout="packed")
-    built = registry.build(config, "compressor", registry.COMPRESSORS)
+    built = tables.build(config, "compressor", registry.COMPRESSORS)
     assert built == lpdec.minmax(4, tree_layout="packed")
     config.tree_layout = "flat"
     with pytest.raises(ConfigError, match="tree_layout must be one of") as info:
-        registry.build(config, "compressor", registry.COMPRESSORS)
+        tables.build(config, "compressor", registry.COMPRESSORS)
     assert "\n" not in str(info.value)

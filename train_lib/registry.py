@@ -11,7 +11,8 @@ into one ConfigError line. Rules about the run as a whole are in `setup`.
 
 Objects built from other tables (the topology, the compressor, the
 learning-rate schedule) and the layout's axis names reach the algorithms
-through `Built`.
+through `Built`. The tables' machinery (`Entry`, `build`) is `train_lib.tables`;
+the schedules, local optimizers and DiLoCo's outer step are `train_lib.optimizers`.
 """
 
 from __future__ import annotations
@@ -20,45 +21,17 @@ import dataclasses
 import inspect
 import math
 import os
-import types
 from collections.abc import Callable
-from typing import Any
 
 import ml_collections
 import optax
 
 import lpdec
+from train_lib import optimizers
 from train_lib.errors import ConfigError
-
-
-def fields_view(config, fields: tuple[str, ...]) -> types.SimpleNamespace:
-    """The named fields of `config` (a ConfigDict or a dict) as attributes, and no others."""
-    return types.SimpleNamespace(**{field: field_value(config, field) for field in fields})
-
-
-def field_value(config, field: str):
-    """`config[field]`; a dotted field ("model_kwargs.vocab_size") it lacks is None."""
-    try:
-        return config[field]
-    except KeyError:
-        if "." in field:
-            return None
-        raise
-
-
-@dataclasses.dataclass(frozen=True)
-class Entry:
-    """A choice by name: `build(view, *args)` reads only the config fields in `fields`.
-
-    `check(view)`, if given, raises a ConfigError for values the entry cannot use;
-    its view holds `fields` and `check_fields` (fields it checks but `build` does
-    not read).
-    """
-
-    build: Callable[..., Any]
-    fields: tuple[str, ...] = ()
-    check: Callable[[types.SimpleNamespace], None] | None = None
-    check_fields: tuple[str, ...] = ()
+from train_lib.tables import Entry
+from train_lib.tables import build
+from train_lib.tables import choose
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,54 +87,6 @@ class Built:
     schedule: optax.Schedule
     axis_name: str | tuple[str, str]
     local_axis: str | None
-
-
-def choose(config: ml_collections.ConfigDict, field: str, table: dict[str, Any]):
-    """The entry `table[config[field]]`, or a ConfigError listing the valid names."""
-    name = config[field]
-    if name not in table:
-        raise ConfigError(f"config.{field}={name!r} is not one of: {', '.join(table)}.")
-    return table[name]
-
-
-def check(
-    config: ml_collections.ConfigDict,
-    field: str,
-    table: dict[str, Entry],
-    overrides: dict[str, Any] | None = None,
-) -> Entry:
-    """The entry `table[config[field]]` after its own `check` of the config's values.
-
-    Builds nothing, so `setup` runs it for every choice before any object exists.
-    """
-    entry = choose(config, field, table)
-    if entry.check is not None:
-        names = entry.fields + entry.check_fields
-        values = {f: field_value(config, f) for f in names} | dict(overrides or {})
-        entry.check(fields_view(values, names))
-    return entry
-
-
-def build(
-    config: ml_collections.ConfigDict,
-    field: str,
-    table: dict[str, Entry],
-    *args,
-    overrides: dict[str, Any] | None = None,
-):
-    """Checks and builds `table[config[field]]`; a ValueError/TypeError becomes one ConfigError.
-
-    `overrides` replaces config values the entry reads (a hierarchical run sizes the
-    topology to its machines: ``overrides={"num_nodes": machines}``).
-    """
-    entry = check(config, field, table, overrides)
-    values = {f: field_value(config, f) for f in entry.fields} | dict(overrides or {})
-    try:
-        return entry.build(fields_view(values, entry.fields), *args)
-    except ConfigError:
-        raise
-    except (ValueError, TypeError) as error:
-        raise ConfigError(f"config.{field}={config[field]!r}: {error}") from None
 
 
 # ----------------------------------------------------------------------------
@@ -368,66 +293,6 @@ COMPRESSORS = {
 
 
 # ----------------------------------------------------------------------------
-# Learning-rate schedules: `build(view, total_steps)`; `make_schedule` adds the warmup.
-# ----------------------------------------------------------------------------
-
-
-def _piecewise(c, total_steps: int) -> optax.Schedule:
-    # lr_boundaries are fractions of training; x lr_decay at each.
-    boundaries = {int(f * total_steps): c.lr_decay for f in c.lr_boundaries}
-    return optax.piecewise_constant_schedule(c.learning_rate, boundaries)
-
-
-SCHEDULES = {
-    "constant": Entry(
-        lambda c, total: optax.constant_schedule(c.learning_rate), ("learning_rate",)
-    ),
-    "cosine": Entry(
-        lambda c, total: optax.cosine_decay_schedule(
-            c.learning_rate, max(1, total - c.warmup_steps)
-        ),
-        ("learning_rate", "warmup_steps"),
-    ),
-    "piecewise": Entry(_piecewise, ("learning_rate", "lr_boundaries", "lr_decay")),
-}
-
-
-def make_schedule(config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
-    """`config.lr_schedule` over `total_steps`, after a linear warmup of `config.warmup_steps`."""
-    schedule = build(config, "lr_schedule", SCHEDULES, total_steps)
-    if config.warmup_steps:
-        warmup = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
-        schedule = optax.join_schedules([warmup, schedule], [config.warmup_steps])
-    return schedule
-
-
-# ----------------------------------------------------------------------------
-# The node's own optimizer: `build(view, schedule)`; `make_local_optimizer` adds weight decay.
-# ----------------------------------------------------------------------------
-
-OPTIMIZERS = {
-    "adam": Entry(lambda c, lr: optax.adam(lr)),
-    "nesterov": Entry(
-        lambda c, lr: optax.sgd(lr, momentum=c.momentum, nesterov=True), ("momentum",)
-    ),
-    "qg_momentum": Entry(
-        lambda c, lr: lpdec.qg_momentum(lr, momentum=c.momentum, nesterov=True), ("momentum",)
-    ),
-    "sgd": Entry(lambda c, lr: optax.sgd(lr, momentum=c.momentum or None), ("momentum",)),
-}
-
-
-def make_local_optimizer(
-    config: ml_collections.ConfigDict, schedule: optax.Schedule
-) -> optax.GradientTransformation:
-    """`config.optimizer` at `schedule`, after weight decay when `config.weight_decay` > 0."""
-    optimizer = build(config, "optimizer", OPTIMIZERS, schedule)
-    if config.weight_decay:
-        return optax.chain(optax.add_decayed_weights(config.weight_decay), optimizer)
-    return optimizer
-
-
-# ----------------------------------------------------------------------------
 # Algorithms: `build(view, built)`.
 # ----------------------------------------------------------------------------
 
@@ -491,36 +356,6 @@ def _clipped_gossip(c, b: Built) -> optax.GradientTransformation:
 # ----------------------------------------------------------------------------
 
 
-def _outer_optimizer(c) -> optax.GradientTransformation:
-    """DiLoCo's outer step: Nesterov momentum on the averaged pseudo-gradient.
-
-    With ``outer_warmup_rounds`` K > 0 the momentum rises linearly from 0 at the first
-    round to ``outer_momentum`` at round K + 1, so the first rounds' large and aligned
-    pseudo-gradients are not amplified by 1 / (1 - momentum) at once.
-    """
-    if not c.outer_warmup_rounds or not c.outer_momentum:
-        return optax.sgd(c.outer_lr, momentum=c.outer_momentum or None, nesterov=True)
-    momentum = optax.linear_schedule(0.0, c.outer_momentum, c.outer_warmup_rounds)
-    return optax.inject_hyperparams(optax.sgd)(
-        learning_rate=c.outer_lr, momentum=momentum, nesterov=True
-    )
-
-
-OUTER = ("outer_lr", "outer_momentum", "outer_warmup_rounds")
-# The outer step of a synchronous warm-up: every node lands on the exchanged mean.
-PLAIN_STEP = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_warmup_rounds": 0}
-
-
-def _check_outer(c) -> None:
-    if not c.outer_lr > 0:
-        raise ConfigError(f"config.outer_lr={c.outer_lr!r} must be > 0.")
-    if not 0 <= c.outer_momentum < 1:
-        raise ConfigError(f"config.outer_momentum={c.outer_momentum!r} must be in [0, 1).")
-    rounds = c.outer_warmup_rounds
-    if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-        raise ConfigError(f"config.outer_warmup_rounds={rounds!r} must be an integer >= 0.")
-
-
 def _check_compressed_mean_fields_unused(c) -> None:
     """mean_rounds and error_decay belong to exchange='compressed_mean'."""
     for field, default in (("mean_rounds", 2), ("error_decay", 1.0)):
@@ -532,7 +367,7 @@ def _check_compressed_mean_fields_unused(c) -> None:
 
 
 def _check_mean_exchange(c) -> None:
-    _check_outer(c)
+    optimizers.check_outer(c)
     _check_compressed_mean_fields_unused(c)
     if c.error_feedback:
         raise ConfigError(
@@ -543,7 +378,7 @@ def _check_mean_exchange(c) -> None:
 
 def _mean_exchange(c, b: Built) -> optax.GradientTransformation:
     axes = b.axis_name if b.local_axis is None else (b.axis_name, b.local_axis)
-    return optax.chain(lpdec.local_mean(axis_name=axes), _outer_optimizer(c))
+    return optax.chain(lpdec.local_mean(axis_name=axes), optimizers.outer(c))
 
 
 def _compressed_mean_exchange(c, b: Built) -> optax.GradientTransformation:
@@ -556,11 +391,11 @@ def _compressed_mean_exchange(c, b: Built) -> optax.GradientTransformation:
         rounds=c.mean_rounds,
         error_decay=c.error_decay,
     )
-    return optax.chain(mean, _outer_optimizer(c))
+    return optax.chain(mean, optimizers.outer(c))
 
 
 def _check_compressed_mean_exchange(c) -> None:
-    _check_outer(c)
+    optimizers.check_outer(c)
     if c.mean_rounds not in (1, 2):
         raise ConfigError(
             f"config.mean_rounds={c.mean_rounds!r} must be 2 (scatter-reduce + all-gather) "
@@ -579,7 +414,7 @@ def _check_compressed_mean_exchange(c) -> None:
 
 
 def _check_gossip_exchange(c) -> None:
-    _check_outer(c)
+    optimizers.check_outer(c)
     _check_compressed_mean_fields_unused(c)
     if c.error_feedback:
         raise ConfigError(
@@ -591,12 +426,12 @@ def _check_gossip_exchange(c) -> None:
 def _gossip_exchange(c, b: Built) -> optax.GradientTransformation:
     choco = lpdec.choco(b.topology, b.compressor, gamma=c.gamma, axis_name=b.axis_name, seed=c.seed)
     if b.local_axis is None:
-        return optax.chain(_outer_optimizer(c), choco)
+        return optax.chain(optimizers.outer(c), choco)
     # Hierarchical: the workers of a machine average their pseudo-gradients, take the
     # same outer step, and gossip 1/k of the anchor each with the other machines.
     return optax.chain(
         lpdec.local_mean(axis_name=b.local_axis),
-        _outer_optimizer(c),
+        optimizers.outer(c),
         lpdec.shard_over(choco, axis_name=b.local_axis),
     )
 
@@ -604,19 +439,19 @@ def _gossip_exchange(c, b: Built) -> optax.GradientTransformation:
 EXCHANGES = {
     "mean": Entry(
         _mean_exchange,
-        ("error_feedback", *OUTER),
+        ("error_feedback", *optimizers.OUTER),
         check=_check_mean_exchange,
         check_fields=("mean_rounds", "error_decay", "exchange"),
     ),
     "compressed_mean": Entry(
         _compressed_mean_exchange,
-        ("error_feedback", "seed", "mean_rounds", "error_decay", *OUTER),
+        ("error_feedback", "seed", "mean_rounds", "error_decay", *optimizers.OUTER),
         check=_check_compressed_mean_exchange,
         check_fields=("compressor",),
     ),
     "gossip": Entry(
         _gossip_exchange,
-        ("error_feedback", "gamma", "seed", *OUTER),
+        ("error_feedback", "gamma", "seed", *optimizers.OUTER),
         check=_check_gossip_exchange,
         check_fields=("mean_rounds", "error_decay", "exchange"),
     ),
@@ -725,7 +560,7 @@ def make_chain(
         # The synchronous warm-up: the same exchange, with a plain outer step of 1.
         sync = None
         if config.sync_steps:
-            sync = build(config, "exchange", EXCHANGES, built, overrides=PLAIN_STEP)
+            sync = build(config, "exchange", EXCHANGES, built, overrides=optimizers.PLAIN_STEP)
         whole = build(config, "algorithm", ALGORITHMS, built, local, outer, sync)
         return lpdec.master_weights(whole)
     algorithm = build(config, "algorithm", ALGORITHMS, built)

@@ -24,7 +24,9 @@ import optax
 import lpdec
 from lpdec.layout import NodeLayout
 from lpdec.layout import make_layout
+from train_lib import optimizers
 from train_lib import registry
+from train_lib import tables
 from train_lib.errors import ConfigError
 
 PRECISIONS = ("fp32", "int8")
@@ -136,10 +138,10 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         # nested vmap axis the workers inside each.
         axis_name, local_axis = layout.mesh_axis, layout.local_axis
         gossip_nodes = layout.mesh.size
-    topology = registry.build(
+    topology = tables.build(
         config, "topology", registry.TOPOLOGIES, overrides={"num_nodes": gossip_nodes}
     )
-    compressor = registry.build(config, "compressor", registry.COMPRESSORS)
+    compressor = tables.build(config, "compressor", registry.COMPRESSORS)
 
     dataset = load_dataset(config)
     partitions = lpdec.data.skew_partition(
@@ -150,8 +152,8 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
     steps_per_epoch = max(1, samples // (config.num_nodes * config.batch_size))
     total_steps = max(1, config.num_steps or int(round(config.num_epochs * steps_per_epoch)))
 
-    schedule = registry.make_schedule(config, total_steps)
-    local = registry.make_local_optimizer(config, schedule)
+    schedule = optimizers.make_schedule(config, total_steps)
+    local = optimizers.make_local_optimizer(config, schedule)
     built = registry.Built(topology, compressor, schedule, axis_name, local_axis)
     tx = registry.make_chain(config, local, built)
 
@@ -190,7 +192,7 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         save_final_params=config.save_final_params,
         evaluate_anchor=registry.ALGORITHMS[config.algorithm].role == "whole"
         and not config.overlap,
-        replicas_identical=registry.choose(config, "algorithm", registry.ALGORITHMS).role == "mean",
+        replicas_identical=tables.choose(config, "algorithm", registry.ALGORITHMS).role == "mean",
     )
     return Experiment(
         config_dict=config.to_dict(),
@@ -271,10 +273,10 @@ def _fail(message: str) -> NoReturn:
 def check_values(config: ml_collections.ConfigDict) -> None:
     """The checks that need no object built: names, ranges, and how nodes fit the devices.
 
-    A choice's own rules are its registry entry's (`registry.check`); the rest,
+    A choice's own rules are its registry entry's (`tables.check`); the rest,
     about the run as a whole, are here.
     """
-    registry.check(config, "dataset", registry.DATASETS)
+    tables.check(config, "dataset", registry.DATASETS)
     if config.model not in lpdec.models.MODELS:
         _fail(
             f"config.model={config.model!r} is not one of: "
@@ -320,12 +322,12 @@ def check_values(config: ml_collections.ConfigDict) -> None:
     # Every name, and the chosen entries' own rules, before any object: a typo fails at once.
     for field, table in (
         ("algorithm", registry.ALGORITHMS),
-        ("lr_schedule", registry.SCHEDULES),
-        ("optimizer", registry.OPTIMIZERS),
+        ("lr_schedule", optimizers.SCHEDULES),
+        ("optimizer", optimizers.OPTIMIZERS),
         ("topology", registry.TOPOLOGIES),
         ("compressor", registry.COMPRESSORS),
     ):
-        registry.check(config, field, table)
+        tables.check(config, field, table)
     _check_local_steps(config)
     devices = jax.device_count()
     if config.devices and jax.process_count() > 1 and config.devices != devices:
@@ -391,7 +393,7 @@ def check_values(config: ml_collections.ConfigDict) -> None:
 def _check_local_steps(config: ml_collections.ConfigDict) -> None:
     """DiLoCo's fields (H, overlap, error feedback) only with it; with it, its exchange."""
     if registry.ALGORITHMS[config.algorithm].role == "whole":
-        registry.check(config, "exchange", registry.EXCHANGES)
+        tables.check(config, "exchange", registry.EXCHANGES)
         return
     for field, off in (
         ("local_steps", 1),
@@ -442,7 +444,7 @@ def load_dataset(config: ml_collections.ConfigDict) -> lpdec.data.Dataset:
     """`config.dataset`, loaded once per process for the same fields."""
     fields = registry.DATASETS[config.dataset].fields
     try:
-        return _load_dataset(config.dataset, tuple(registry.field_value(config, f) for f in fields))
+        return _load_dataset(config.dataset, tuple(tables.field_value(config, f) for f in fields))
     except (FileNotFoundError, ValueError) as error:
         if config.dataset in ("cifar10", "stdlib_text", "text_files") and config.data_dir:
             _fail(f"config.data_dir={config.data_dir!r}: {error}")
@@ -455,5 +457,5 @@ def _load_dataset(name: str, values: tuple) -> lpdec.data.Dataset:
     # MNIST-1D takes longer than a short run (bench/experiments/ runs hundreds).
     entry = registry.DATASETS[name]
     return entry.build(
-        registry.fields_view(dict(zip(entry.fields, values, strict=True)), entry.fields)
+        tables.fields_view(dict(zip(entry.fields, values, strict=True)), entry.fields)
     )
