@@ -38,7 +38,6 @@ import pathlib
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -48,6 +47,7 @@ from collections.abc import Callable
 import numpy as np
 
 from bench import _sections
+from bench import harness
 from bench import netns
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -165,15 +165,9 @@ def start(workdir: pathlib.Path, *extra: str) -> subprocess.Popen:
     return _popen(_command(workdir, extra), 8, workdir.with_suffix(".log"))
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_processes(workdir: pathlib.Path, count: int = 2) -> list[subprocess.Popen]:
     """`count` train.py processes of 8 / count CPU devices each on loopback, one job."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{harness.free_port()}"
     flags = [(f"--num_processes={count}", f"--process_id={i}") for i in range(count)]
     return [
         _popen(
@@ -192,16 +186,8 @@ def finish(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str
         try:
             proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
         except subprocess.TimeoutExpired:
-            _kill_group(proc)
-            proc.wait()
+            harness.kill_group(proc)
     return [(proc.returncode, stderr_of(proc)) for proc in procs]
-
-
-def _kill_group(proc: subprocess.Popen) -> None:
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
 
 
 def wait_for_checkpoint(workdir: pathlib.Path, step: int, proc, timeout: float) -> bool:
@@ -274,7 +260,7 @@ def kill9(ctx: Context, rng: np.random.Generator) -> Trial:
         if after is None:
             return Trial(False, "the run ended before its checkpoint")
     finally:
-        _kill_group(proc)
+        harness.kill_group(proc)
         proc.wait()
     if final_params(workdir) is not None:
         return Trial(True, "finished before the kill", happened=False)
@@ -386,7 +372,7 @@ def second_run(ctx: Context, rng: np.random.Generator) -> Trial:
         os.kill(first.pid, signal.SIGCONT)
         first.wait(timeout=ctx.timeout)
     finally:
-        _kill_group(first)
+        harness.kill_group(first)
         first.wait()
     line = _one_error_line(second.stderr)
     ok = (
@@ -420,7 +406,7 @@ def sigterm(ctx: Context, rng: np.random.Generator) -> Trial:
             return Trial(False, f"{signum.name} after checkpoint {after}: still running at 60 s")
         took = time.monotonic() - sent
     finally:
-        _kill_group(proc)
+        harness.kill_group(proc)
         proc.wait()
     code = proc.returncode
     if code == 0:
@@ -449,7 +435,7 @@ def lost_process(ctx: Context, rng: np.random.Generator) -> Trial:
         if after is None:
             return Trial(False, "the run ended before its checkpoint")
         killed = time.monotonic()
-        _kill_group(procs[victim])
+        harness.kill_group(procs[victim])
         survivor = procs[1 - victim]
         try:
             survivor.wait(timeout=60)
@@ -459,8 +445,7 @@ def lost_process(ctx: Context, rng: np.random.Generator) -> Trial:
         code, stderr = survivor.returncode, stderr_of(survivor)
     finally:
         for proc in procs:
-            _kill_group(proc)
-            proc.wait()
+            harness.kill_group(proc)
     if code == 0:
         return Trial(
             True, f"process {victim} killed after checkpoint {after}: too late", happened=False
@@ -488,7 +473,7 @@ def nan_steps(ctx: Context, rng: np.random.Generator) -> Trial:
     import optax  # noqa: PLC0415
 
     import lpdec  # noqa: PLC0415
-    from lpdec import testing as harness  # noqa: PLC0415
+    from lpdec import testing  # noqa: PLC0415
 
     n, d, steps = 8, 16, 150
     b = rng.uniform(-1, 1, (n, d)).astype(np.float32)
@@ -510,7 +495,7 @@ def nan_steps(ctx: Context, rng: np.random.Generator) -> Trial:
             lpdec.choco(lpdec.ring(n), lpdec.minmax(8), gamma=0.5),
         )
         x0 = {"w": np.zeros((n, d), np.float32)}
-        params, _, _ = harness.run(tx, x0, steps, grad_fn=grad_fn(nan), mode="vmap")
+        params, _, _ = testing.run(tx, x0, steps, grad_fn=grad_fn(nan), mode="vmap")
         return np.asarray(params["w"][:, -1])
 
     apart = float(np.abs(final(True) - final(False)).max())
@@ -656,24 +641,6 @@ ELASTIC_SUBNET = 97
 _clusters = iter(range(1_000_000))
 
 
-def _commit() -> str:
-    """The checkout's commit (with "+dirty" for uncommitted changes): what the machines run."""
-    git = ["git", "-C", str(ROOT)]
-    try:
-        head = subprocess.run(
-            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, timeout=30
-        ).stdout.strip()
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no"],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        ).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return "unknown"
-    return (head or "unknown") + ("+dirty" if dirty else "")  # fmt: skip
-
-
 def _ip(*args: str) -> None:
     subprocess.run(["ip", *args], check=True, capture_output=True, timeout=30)
 
@@ -703,9 +670,9 @@ class Cluster:
             self.net.create()
             self.address = f"{self.net.address(0)}:29600"
         else:
-            self.address = f"127.0.0.1:{_free_port()}"
+            self.address = f"127.0.0.1:{harness.free_port()}"
         self.started = time.monotonic()
-        self.commit = _commit()
+        self.commit = harness.commit()
 
     def _in(self, host: int) -> list[str]:
         return self.net.exec_prefix(host) if self.net else []
@@ -750,7 +717,7 @@ class Cluster:
         self.procs[m].append(self._track(_popen(command, 1, log)))
 
     def kill(self, m: int) -> None:
-        _kill_group(self.procs[m][-1])
+        harness.kill_group(self.procs[m][-1])
         self.procs[m][-1].wait()
 
     def link(self, m: int, up: bool) -> None:
@@ -787,7 +754,7 @@ class Cluster:
                 proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
             except subprocess.TimeoutExpired:
                 hung.append(m)
-                _kill_group(proc)
+                harness.kill_group(proc)
                 proc.wait()
         took = time.monotonic() - self.started
         return [self.procs[m][-1].returncode for m in range(ELASTIC_MACHINES)], hung, took
@@ -796,7 +763,7 @@ class Cluster:
         """Ends every process (the service with SIGTERM first) and removes the network."""
         for procs in self.procs.values():
             for proc in procs:
-                _kill_group(proc)
+                harness.kill_group(proc)
                 proc.wait()
         if self.service is not None:
             if self.service.poll() is None:
@@ -805,7 +772,7 @@ class Cluster:
                     self.service.wait(timeout=10)
                 except subprocess.TimeoutExpired:
                     pass
-            _kill_group(self.service)
+            harness.kill_group(self.service)
             self.service.wait()
         for procs in [*self.procs.values(), [self.service]]:
             for proc in procs:

@@ -55,6 +55,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 
 import lpdec  # noqa: E402
 from bench import _sections  # noqa: E402
+from bench import harness  # noqa: E402
 from lpdec import kernels_pallas as kernels  # noqa: E402
 from lpdec.kernels_pallas import minmax  # noqa: E402
 from lpdec.kernels_pallas import minmax_gpu  # noqa: E402
@@ -107,20 +108,9 @@ INNER = 10  # calls queued per synchronisation (1 with --quick)
 
 
 def timed(fn, *args, repeats: int) -> float:
-    """Median seconds per call of `fn(*args)` (jitted, warmed up).
-
-    Each sample queues `INNER` calls and synchronises once, so a small array's
-    figure is the device's time per call, not the host's launch-and-wait round trip.
-    """
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(INNER):
-            out = fn(*args)
-        jax.block_until_ready(out)
-        times.append((time.perf_counter() - start) / INNER)
-    return statistics.median(times)
+    """Median seconds per call of `fn(*args)` (jitted, warmed up); each sample queues
+    `INNER` calls (`bench.harness.median_seconds`)."""
+    return harness.median_seconds(fn, *args, repeats=repeats, inner=INNER)
 
 
 def timed_loop(fn, x, repeats: int) -> float:

@@ -24,7 +24,6 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
@@ -35,6 +34,7 @@ import numpy as np  # noqa: E402
 import lpdec  # noqa: E402
 import train_lib  # noqa: E402
 from bench import _sections  # noqa: E402
+from bench import harness  # noqa: E402
 from configs import lm_gpu  # noqa: E402
 
 SECTION = "bench/gpu_lm.py"
@@ -65,13 +65,7 @@ def config(args, overrides):
 
 def encode_time(params, bits: int, repeats: int = 20) -> float:
     encode = jax.jit(lambda t: lpdec.compress.tree.encode_tree(lpdec.minmax(bits=bits), t))
-    jax.block_until_ready(encode(params))
-    times = []
-    for _ in range(repeats):
-        started = time.perf_counter()
-        jax.block_until_ready(encode(params))
-        times.append(time.perf_counter() - started)
-    return statistics.median(times)
+    return harness.median_seconds(encode, params, repeats=repeats)
 
 
 def main(argv=None) -> int:

@@ -48,15 +48,14 @@ import json
 import math
 import os
 import platform
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
 from typing import NamedTuple
 
 from bench import _sections
+from bench import harness
 from bench import netns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -289,31 +288,15 @@ def run_hosts(network, workdir, commands, devices, timeout) -> tuple[float, int,
     started = time.time()
     procs = []
     for host, command in enumerate(commands):
-        log = open(os.path.join(workdir, f"process{host}.log"), "w")
-        procs.append(
-            subprocess.Popen(
-                command,
-                env=env,
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # a process group of its own, killed as one
-            )
-        )
-        log.close()
+        procs.append(harness.start(command, os.path.join(workdir, f"process{host}.log"), env))
         netns.CHILDREN.append(procs[-1])
     try:
-        # A process that failed leaves the others waiting for it: stop at the first failure.
-        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
-            if time.time() - started > timeout:
-                raise RunFailed(f"{workdir}: ran past --timeout={timeout} s")
-            time.sleep(0.2)
+        ended = harness.wait_all(procs, timeout - (time.time() - started))
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
             netns.CHILDREN.remove(proc)
+    if not ended:
+        raise RunFailed(f"{workdir}: ran past --timeout={timeout} s")
     wall = time.time() - started
     tx1, rx1 = network.counters(0)
     # Report a process that failed by itself before one that was killed for it (code < 0).

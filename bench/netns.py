@@ -29,6 +29,8 @@ import signal
 import socket
 import subprocess
 
+from bench import harness
+
 SUBNET = "10.77.{subnet}.{host}"
 ETC_NETNS = "/etc/netns"
 
@@ -202,12 +204,7 @@ def teardown() -> None:
     for signum in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, signal.SIG_IGN)
     for proc in CHILDREN:
-        if proc.poll() is None:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        harness.kill_group(proc)
     CHILDREN.clear()
     for network in NETWORKS:
         network.destroy()

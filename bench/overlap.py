@@ -57,7 +57,6 @@ import json
 import os
 import platform
 import re
-import signal
 import statistics
 import subprocess
 import sys
@@ -66,6 +65,7 @@ import threading
 import time
 
 from bench import _sections
+from bench import harness
 from bench import netns
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -365,7 +365,6 @@ def run_pair(network, args, port: int, workdir: str, label: str) -> list[dict]:
     procs, paths = [], []
     for host in range(PROCESSES):
         paths.append(os.path.join(workdir, f"{label}-process{host}.json"))
-        log = open(os.path.join(workdir, f"{label}-process{host}.log"), "w")
         command = network.exec_prefix(host) + [
             sys.executable, "-m", "bench.overlap", "--worker",
             f"--coordinator={network.address(0)}:{port}", f"--process-id={host}",
@@ -373,30 +372,16 @@ def run_pair(network, args, port: int, workdir: str, label: str) -> list[dict]:
             f"--batch={args.batch}", f"--repeats={args.repeats}",
             f"--probe-steps={args.probe_steps}",
         ]  # fmt: skip
-        procs.append(
-            subprocess.Popen(
-                command,
-                env=env,
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,  # a process group of its own, killed as one
-            )
-        )
-        log.close()
+        log = os.path.join(workdir, f"{label}-process{host}.log")
+        procs.append(harness.start(command, log, env))
         netns.CHILDREN.append(procs[-1])
-    started = time.time()
     try:
-        while any(p.poll() is None for p in procs) and not any(p.returncode for p in procs):
-            if time.time() - started > args.timeout:
-                raise RunFailed(f"{label}: ran past --timeout={args.timeout} s")
-            time.sleep(0.2)
+        ended = harness.wait_all(procs, args.timeout)
     finally:
         for proc in procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
             netns.CHILDREN.remove(proc)
+    if not ended:
+        raise RunFailed(f"{label}: ran past --timeout={args.timeout} s")
     for host, proc in enumerate(procs):
         if proc.returncode:
             with open(os.path.join(workdir, f"{label}-process{host}.log")) as f:

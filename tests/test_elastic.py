@@ -15,7 +15,6 @@ import json
 import os
 import pathlib
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ import numpy as np
 import optax
 import pytest
 
+from bench import harness
 from lpdec import elastic
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -111,12 +111,6 @@ def test_service_and_group_refuse_bad_arguments_in_one_line():
 # -- the protocol, on real processes ---------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def _env() -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
     env["XLA_FLAGS"] = "--xla_force_host_platform_device_count=1"
@@ -140,7 +134,7 @@ class _Procs:
         return proc
 
     def service(self, machines: int, heartbeat: int = 2) -> str:
-        address = f"127.0.0.1:{_free_port()}"
+        address = f"127.0.0.1:{harness.free_port()}"
         self.start(
             "service", sys.executable, "-m", "lpdec.elastic", "serve", "--bind", address,
             "--machines", str(machines), "--heartbeat_timeout", str(heartbeat),
@@ -153,9 +147,7 @@ class _Procs:
 
     def close(self):
         for proc in self.procs:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait()
+            harness.kill_group(proc)
             proc.out_file.close()
 
 

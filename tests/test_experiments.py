@@ -260,6 +260,7 @@ def fake_training(monkeypatch) -> list:
     def fake_train(self, config):
         trained.append(config.learning_rate)
         return {
+            "config": json.loads(json.dumps(config.to_dict(), default=str)),
             "seed": config.seed,
             "wall_clock_s": 1.0,
             "final_test_accuracy": config.learning_rate,
@@ -316,6 +317,38 @@ def test_published_runs_of_the_same_code_count_as_cached(tmp_path, monkeypatch):
         quick=True, seeds=1, workdir=str(tmp_path / "c"), published=str(published)
     ).repeat("s", "m", experiments.seed002_config)
     assert trained == [0.1, 0.1]
+
+
+def test_keep_published_reuses_earlier_codes_runs_of_the_same_config(tmp_path, monkeypatch):
+    """--keep-published: a run of earlier code counts, found by its key, or by its config
+    where the config gained fields since at their configs/default.py values; a gained
+    field at another value is another run."""
+    from bench import experiments
+    from bench.experiments import cache
+
+    trained = fake_training(monkeypatch)
+    monkeypatch.setattr(cache, "code_fingerprint", lambda root=None: "v1")
+    workdir = str(tmp_path / "w")
+    experiments.Runner(quick=True, seeds=1, workdir=workdir).repeat(
+        "s", "m", experiments.seed002_config
+    )
+    # The run as earlier code recorded it: without a field the config has now.
+    path = os.path.join(workdir, "results.json")
+    (record,) = json.loads(open(path).read()).values()
+    del record["config"]["sync_steps"]
+    record["key"] = "the key of the config without the field"
+    open(path, "w").write(json.dumps({record["key"]: record}))
+    monkeypatch.setattr(cache, "code_fingerprint", lambda root=None: "v2")
+
+    def runner(keep):
+        return experiments.Runner(quick=True, seeds=1, workdir=workdir, keep_published=keep)
+
+    (kept,) = runner(True).repeat("s", "another label", experiments.seed002_config)
+    assert trained == [0.1] and kept["code"] == "v1"
+    runner(True).repeat("s", "m", experiments.seed002_config, sync_steps=5)
+    assert trained == [0.1, 0.1]  # a gained field away from its default: a new run
+    runner(False).repeat("s", "m", experiments.seed002_config)
+    assert trained == [0.1, 0.1, 0.1]  # without the flag, earlier code's runs are stale
 
 
 def test_a_dry_run_checks_each_config_and_its_records_never_count_as_trained(tmp_path, monkeypatch):

@@ -89,9 +89,7 @@ def load_results(path: str, code: str | None) -> dict[str, dict]:
         cached = json.load(f)
     # Runs of other code are stale: drop them; a dry run's placeholders are no runs.
     return {
-        k: r
-        for k, r in cached.items()
-        if code in (None, r.get("code")) and not r.get("dry_run")
+        k: r for k, r in cached.items() if code in (None, r.get("code")) and not r.get("dry_run")
     }
 
 
