@@ -14,8 +14,9 @@ import numpy as np
 import pytest
 from test_train import TINY_FLAGS
 from test_train import _env
-from test_train import _free_port
 from test_train import final_params
+
+from bench.harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -28,7 +29,7 @@ TRAIN = [sys.executable, str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 
 def _start(tmp_path, per_process, timeout=60):
     """Starts one train.py per entry of `per_process` (its own flags); returns (codes,
     last stderr lines, seconds)."""
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     started = time.monotonic()
     procs = [
         subprocess.Popen(
@@ -104,7 +105,7 @@ def test_a_peer_that_never_comes_is_given_up_after_the_timeout(tmp_path):
 
 
 def test_per_machine_workdirs_are_refused_at_start(tmp_path):
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
             TRAIN
@@ -205,7 +206,7 @@ def test_two_processes_of_four_devices_match_one_of_eight_bit_for_bit(tmp_path, 
         cwd=ROOT,
         timeout=600,
     )
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     procs = [
         subprocess.Popen(
             train

@@ -15,7 +15,8 @@ from test_processes import TRAIN
 from test_processes import TWO
 from test_train import TINY_FLAGS
 from test_train import _env
-from test_train import _free_port
+
+from bench.harness import free_port
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -62,7 +63,7 @@ def launch(tmp_path):
 
 
 def _start_two(launch, workdir, extra=()):
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     flags = [f"--workdir={workdir}", f"--coordinator_address={address}", *ENDLESS, *extra]
     return [launch(flags + TWO[i], 4, f"process{i}") for i in range(2)]
 
