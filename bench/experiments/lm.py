@@ -95,6 +95,19 @@ def gap_fixes(tuned: dict, quick: bool) -> dict[str, dict]:
             "machines": 4,
             "outer_warmup_rounds": warmup,
         },
+        # The best 2-machine change on 4 machines, and with a lower inner learning rate
+        # (each machine's batch is half of what it is on 2).
+        "DiLoCo H=10 4-bit EF with momentum warm-up on 4 machines x 2": {
+            "local_steps": 10,
+            "machines": 4,
+            "outer_warmup_rounds": 2 * warmup,
+        },
+        "DiLoCo H=10 4-bit EF with momentum warm-up on 4 machines x 2, inner lr halved": {
+            "local_steps": 10,
+            "machines": 4,
+            "outer_warmup_rounds": 2 * warmup,
+            "learning_rate": tuned["learning_rate"] / 2,
+        },
         "DiLoCo H=20 fp32 with momentum warm-up": {
             "exchange": "mean",
             "error_feedback": False,
