@@ -75,7 +75,8 @@ def main(argv=None) -> None:
     parser.add_argument(
         "--train-only",
         default=None,
-        help="comma-separated parts of method labels: train only those methods' runs "
+        help="parts of method labels, separated by '|' (labels hold commas): train only "
+        "those methods' runs "
         "(others come from the workdir's cache or wait), write no report; lets several "
         "invocations share one study's runs",
     )
@@ -125,7 +126,8 @@ def main(argv=None) -> None:
         keep_published=args.keep_published,
     )
     if args.train_only:
-        runner.train_only = tuple(part for part in args.train_only.split(",") if part)
+        # "|" between parts: method labels hold ", " themselves.
+        runner.train_only = tuple(part for part in args.train_only.split("|") if part.strip())
     report = not args.train_only
     if args.cached_only:
         runner.train_only = ()
