@@ -178,14 +178,18 @@ class Runner:
         kept = None
         if self.kept:
             self.kept.update(cache.load_results(self.cache_path, code=None))
-            kept = key if key in self.kept else self._same_run(config)
+            kept = key if key in self.kept else self._same_run(config, self.kept)
             kept = kept or self._listed(study, method, config.seed, self.kept)
         if self.replay is not None:
             # A config that gained fields since (a new configs/default.py field changes
             # every key) is still found by what the json lists it as: its study, method
             # and seed, when those name one run.
             if key not in self.replay:
-                key = self._listed(study, method, config.seed) or key
+                key = (
+                    self._same_run(config, self.replay)
+                    or self._listed(study, method, config.seed)
+                    or key
+                )
             if key not in self.replay and optional:
                 return None
             if key not in self.replay:
@@ -212,14 +216,14 @@ class Runner:
         self.entries.append(entry)
         return entry
 
-    def _same_run(self, config) -> str | None:
-        """The key of a kept run of `config` from before fields were added to the config:
+    def _same_run(self, config, runs: dict[str, dict]) -> str | None:
+        """The key of a run of `runs` of `config` from before fields were added to the config:
         every field it has is `config`'s value, and each of `config`'s fields it lacks is
         at configs/default.py's value (a new field's default leaves runs as they were)."""
         # As JSON holds them (tuples as lists), like the records' configs.
         now = json.loads(json.dumps(config.to_dict(), default=str))
         defaults = json.loads(json.dumps(default.get_config().to_dict(), default=str))
-        for key, record in self.kept.items():
+        for key, record in runs.items():
             then = record.get("config") or {}
             if all(then[f] == v if f in then else defaults.get(f, object()) == v
                    for f, v in now.items()) and set(then) <= set(now):  # fmt: skip
