@@ -345,3 +345,26 @@ def test_diloco_meters_one_exchange_per_round():
     local = metered(lpdec.diloco(optax.sgd(0.1), outer, local_steps=h, axis_name="nodes"))
     assert alone > 0
     np.testing.assert_allclose(local * h, alone, rtol=1e-12)
+
+
+def test_the_outer_momentum_warms_up_linearly_over_the_configured_rounds():
+    """config.outer_warmup_rounds (train_lib.optimizers.outer): round t (from 0) steps with
+    Nesterov momentum mu * min(t / K, 1), against the recursion written out by hand."""
+    import types
+
+    from train_lib import optimizers
+
+    lr, mu, rounds = 0.7, 0.6, 4
+    tx = optimizers.outer(
+        types.SimpleNamespace(outer_lr=lr, outer_momentum=mu, outer_warmup_rounds=rounds)
+    )
+    params = jnp.zeros(3)
+    state = tx.init(params)
+    rng = np.random.default_rng(0)
+    trace = np.zeros(3)
+    for t in range(7):
+        g = rng.normal(size=3)
+        out, state = tx.update(jnp.asarray(g, jnp.float32), state, params)
+        m = mu * min(t / rounds, 1.0)
+        trace = m * trace + g
+        np.testing.assert_allclose(np.asarray(out), -lr * (g + m * trace), rtol=1e-5, atol=1e-6)

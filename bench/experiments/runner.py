@@ -175,11 +175,6 @@ class Runner:
         json does not hold yet as None (its table says "not run yet"), not as an error.
         """
         key = self.key(config)
-        kept = None
-        if self.kept:
-            self.kept.update(cache.load_results(self.cache_path, code=None))
-            kept = key if key in self.kept else self._same_run(config, self.kept)
-            kept = kept or self._listed(study, method, config.seed, self.kept)
         if self.replay is not None:
             # A config that gained fields since (a new configs/default.py field changes
             # every key) is still found by what the json lists it as: its study, method
@@ -200,7 +195,7 @@ class Runner:
             record = self.replay[key]
         elif key in self.cache or key in self._reload():
             record = self.cache[key]
-        elif kept is not None:
+        elif (kept := self._kept(study, method, config)) is not None:
             record = {k: v for k, v in self.kept[kept].items() if k not in ("study", "method")}
         elif self.train_only is not None and not any(part in method for part in self.train_only):
             return None  # another invocation's run, not trained yet
@@ -215,6 +210,20 @@ class Runner:
         entry = dict(record, study=study, method=method)
         self.entries.append(entry)
         return entry
+
+    def _kept(self, study: str, method: str, config) -> str | None:
+        """The key of the --keep-published run of `config` (None: none, or no such flag):
+        by key, by config, else by study, method and seed."""
+        if not self.kept:
+            return None
+        # Other invocations' runs of earlier code, saved meanwhile.
+        self.kept.update(cache.load_results(self.cache_path, code=None))
+        key = self.key(config)
+        if key in self.kept:
+            return key
+        return self._same_run(config, self.kept) or self._listed(
+            study, method, config.seed, self.kept
+        )
 
     def _same_run(self, config, runs: dict[str, dict]) -> str | None:
         """The key of a run of `runs` of `config` from before fields were added to the config:
