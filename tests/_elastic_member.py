@@ -80,6 +80,7 @@ def main() -> int:
             reason=ex.reason,
             agree=len({c.anchor_digest for c in ex.contributions}) == 1,
             waited=ex.waited_s,
+            by=ex.closed_by,
             w=float(state["w"][0]),
         )
         if min(ex.members) == a.machine:
