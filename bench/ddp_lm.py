@@ -1,4 +1,4 @@
-"""PyTorch DDP on configs/lm_small.py's language model: what a user would pick instead.
+"""PyTorch DDP on the link benchmark's language model: what a user would pick instead.
 
     # one process per machine (bench/link.py runs them in its network namespaces):
     python bench/ddp_lm.py --rank R --world 2 --master 10.77.0.1:29500 --threads 4 \\
@@ -6,12 +6,14 @@
 
 Each process is one machine holding the whole model (DDP replicates; it does not
 shard), runs `--threads` intra-op threads (the JAX processes' CPU devices) and a
-batch of threads x 8 windows of 64 bytes (lm_small's batch of a machine), and
-all-reduces the gradients over gloo in DDP's buckets, overlapped with the
-backward pass. The model is lm_small's transformer written in PyTorch: d_model
-160, 4 pre-norm blocks of 4 heads (`scaled_dot_product_attention`, causal),
-GELU (tanh) MLPs of 4 x d, learned positions, tied embeddings, Adam 2e-3 —
-1,288,640 parameters, as `lpdec.models.transformer_param_count` counts them.
+batch of threads x 8 windows of 64 bytes (a machine's batch in configs/lm_tiny.py,
+lm_small.py and lm_study.py), and all-reduces the gradients over gloo in DDP's
+buckets, overlapped with the backward pass. The model is lpdec's transformer
+written in PyTorch: `--d-model` wide (default 160: lm_small's; 64: lm_tiny's and
+lm_study's), `--layers` pre-norm blocks of `--heads` heads
+(`scaled_dot_product_attention`, causal), GELU (tanh) MLPs of 4 x d, learned
+positions, tied embeddings, Adam at `--lr`; as `lpdec.models.transformer_param_count`
+counts them: 1,288,640 parameters at lm_small's shape, 120,576 at lm_tiny's.
 The tokens are random bytes: the step's time does not depend on them, and
 bench/link.py uses only the time (DDP computes synchronous data-parallel SGD,
 the fp32 all-reduce's algorithm, so its loss per step is the all-reduce's).
@@ -74,6 +76,10 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=4)
     parser.add_argument("--batch-per-thread", type=int, default=8)
     parser.add_argument("--context", type=int, default=64)
+    parser.add_argument("--d-model", type=int, default=160)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
+    parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", required=True)
@@ -83,8 +89,10 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     dist.init_process_group("gloo", rank=args.rank, world_size=args.world)
-    model = nn.parallel.DistributedDataParallel(Transformer(context=args.context))
-    optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
+    model = nn.parallel.DistributedDataParallel(
+        Transformer(context=args.context, d=args.d_model, layers=args.layers, heads=args.heads)
+    )
+    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     generator = torch.Generator().manual_seed(args.rank)
     batch = args.threads * args.batch_per_thread
     times = []

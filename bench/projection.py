@@ -2,7 +2,7 @@
 
     python -m bench.projection --results /tmp/lm_link/link_results.json
 
-Reads `bench/link.py --workload lm`'s results (2 machines, `configs/lm_small.py`),
+Reads `bench/link.py --workload lm`'s results (2 machines, the config they name),
 turns each method's measured link bytes per step into bytes per parameter per
 exchange, and projects them to a model of `--params` parameters on M machines
 joined by `--rate`:
@@ -43,13 +43,13 @@ STEP_TEXT = (
 )
 
 
-def lm_small_parameters() -> int:
-    """Parameters of configs/lm_small.py's transformer (the model the bytes were measured on)."""
+def measured_parameters(config_path: str) -> int:
+    """Parameters of the transformer of the config the bytes were measured on."""
     sys.path.insert(0, ROOT)
     import lpdec
-    from configs import lm_small
+    from bench import link
 
-    fields = dict(lm_small.get_config().model_kwargs)
+    fields = dict(link.load_config(config_path).model_kwargs)
     return lpdec.models.transformer_param_count(**fields)
 
 
@@ -109,7 +109,7 @@ def main(argv=None) -> int:
     results = data["results"].get("2") or data["results"].get(2)
     if results is None:
         parser.error(f"--results={args.results}: no 2-process results to project from")
-    parameters = lm_small_parameters()
+    parameters = measured_parameters(data["args"]["config"])
     table = project(results, link.LM_METHODS, parameters, args)
     command = "python -m bench.projection " + " ".join(sys.argv[1:] if argv is None else argv)
     body = "\n".join(

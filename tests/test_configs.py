@@ -1,9 +1,12 @@
 """Every file in configs/ sets only fields that configs/default.py defines, with valid values."""
 
+import collections
 import importlib
+import json
 import pathlib
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -23,3 +26,47 @@ def test_config_fields_are_the_defaults_and_pass_the_checks(name):
     if config.dataset == "cifar10":
         pytest.skip("needs the user's CIFAR-10 files (config.data_dir)")
     setup.check_values(config)
+
+
+def _study_groups() -> dict[str, list[dict]]:
+    """docs/experiments.json's language-model runs, one per (method, seed), by method."""
+    runs = json.loads((ROOT / "docs" / "experiments.json").read_text())["runs"]
+    groups: dict[str, dict[int, dict]] = collections.defaultdict(dict)
+    for run in runs:
+        if run["study"] == "lm" and not run["diverged"]:
+            groups[run["method"]][run["seed"]] = run
+    return {method: list(by_seed.values()) for method, by_seed in groups.items()}
+
+
+def test_lm_study_config_is_the_published_studys_best_setting():
+    """configs/lm_study.py (the link benchmark's language model) carries the winners of
+    the study in docs/experiments.json: the all-reduce's tuned rate, and the fields of
+    the 2-machine 4-bit DiLoCo setting with the lowest mean over 3 seeds."""
+    from configs import lm_study
+
+    groups = _study_groups()
+    config = lm_study.get_config()
+    diloco = {
+        method: runs
+        for method, runs in groups.items()
+        if len(runs) >= 3
+        and all(r["config"]["algorithm"] == "diloco" for r in runs)
+        and all(r["config"].get("machines", 2) == 2 for r in runs)
+        and all(r["config"].get("exchange") == "compressed_mean" for r in runs)
+        and all(r["config"].get("bits") == 4 for r in runs)
+    }
+    best = min(diloco, key=lambda m: np.mean([r["final_val_bits_per_byte"] for r in diloco[m]]))
+    fields = ("learning_rate", "local_steps", "outer_lr", "outer_momentum",
+              "outer_warmup_rounds", "error_feedback", "compressor", "sync_steps")  # fmt: skip
+    published = diloco[best][0]["config"]
+    for field in fields:
+        assert config[field] == published.get(field, default.get_config()[field]), (field, best)
+    runs = json.loads((ROOT / "docs" / "experiments.json").read_text())["runs"]
+    allreduce = [
+        r for r in runs
+        if r["study"] == "lm" and r["config"]["algorithm"] == "allreduce" and r.get("sweep_winner")
+    ]  # fmt: skip
+    assert [r["config"]["learning_rate"] for r in allreduce] == [lm_study.ALLREDUCE_LEARNING_RATE]
+    # The study's recipe is the config's.
+    for field in ("text_bytes", "validation_windows", "num_steps", "log_every", "warmup_steps"):
+        assert config[field] == published[field], field

@@ -310,7 +310,7 @@ def test_a_language_model_curve_counts_down_to_its_target_with_evaluation():
     assert link.time_to_target(link.curve(rows, metric), 4.0, lower_is_better=True) is None
     args = link.parse_args(["--workload=lm"])
     assert args.target is None and args.methods == list(link.LM_METHODS)
-    assert args.config.endswith("lm_small.py")
+    assert args.config.endswith("lm_study.py")
 
 
 def test_the_projection_scales_mean_exchanges_and_gossip_by_their_traffic():

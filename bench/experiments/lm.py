@@ -43,6 +43,7 @@ import numpy as np
 from bench.experiments.render import pyplot
 from bench.experiments.runner import Runner
 from configs import lm_small
+from configs import lm_study
 from configs import lm_tiny
 
 STUDY = "lm"
@@ -122,16 +123,8 @@ def gap_fixes(tuned: dict, quick: bool) -> dict[str, dict]:
 
 
 def lm_config(quick: bool):
-    """The study's recipe: lm_tiny's model on 8 MB, 2,000 steps (quick: 20)."""
-    config = lm_tiny.get_config()
-    config.text_bytes = 8_000_000
-    config.validation_windows = 1024
-    config.num_steps = QUICK_STEPS if quick else STEPS
-    config.log_every = config.num_steps // 20
-    config.warmup_steps = config.num_steps // 20
-    config.checkpoint_every = 0
-    config.eval_local_examples = 0
-    return config
+    """The study's recipe (configs/lm_study.py's `recipe`): lm_tiny's model, 2,000 steps (quick: 20)."""
+    return lm_study.recipe(lm_tiny.get_config(), QUICK_STEPS if quick else STEPS)
 
 
 def headline_config(quick: bool):
