@@ -290,7 +290,8 @@ def run_training(network, workdir, port, devices, config, overrides, timeout) ->
     ]
     wall, tx, rx = run_hosts(network, workdir, commands, devices, timeout)
     with open(os.path.join(workdir, "metrics.csv")) as f:
-        rows = [{k: float(v) for k, v in row.items()} for row in csv.DictReader(f)]
+        # An empty cell is a column this run does not compute (e.g. eval_local_examples=0).
+        rows = [{k: float(v or "nan") for k, v in row.items()} for row in csv.DictReader(f)]
     with open(os.path.join(workdir, "summary.json")) as f:
         summary = json.load(f)
     return Run(rows, summary, tx, rx, wall)
