@@ -5,7 +5,9 @@ coordination service run standalone (`service`): a lost machine is dropped
 from the next exchange, a machine that (re)starts joins at an exchange with
 the state of a live one, a late contribution is dropped, machines may take
 different numbers of local steps (a mean weighted by them). `group` holds the
-protocol, `codec` the bytes and the arithmetic. Needs nothing beyond jax;
+protocol's membership and exchange, `joins` its joins, `signing` the run's
+token, `store` the service it meets at (jax's, or one in memory for tests),
+`codec` the bytes and the arithmetic. Needs nothing beyond jax;
 `train.py --elastic_service=...` runs it (see docs/training.md).
 """
 
@@ -20,10 +22,14 @@ from lpdec.elastic.group import Behind
 from lpdec.elastic.group import Contribution
 from lpdec.elastic.group import ElasticGroup
 from lpdec.elastic.group import Exchange
-from lpdec.elastic.group import JoinRefused
-from lpdec.elastic.group import ServiceLost
+from lpdec.elastic.joins import JoinRefused
 from lpdec.elastic.service import serve_forever
 from lpdec.elastic.service import start
+from lpdec.elastic.store import MemoryService
+from lpdec.elastic.store import MemoryStore
+from lpdec.elastic.store import ServiceLost
+from lpdec.elastic.store import ServiceStore
+from lpdec.elastic.store import Store
 
 __all__ = [
     "Behind",
@@ -31,7 +37,11 @@ __all__ = [
     "ElasticGroup",
     "Exchange",
     "JoinRefused",
+    "MemoryService",
+    "MemoryStore",
     "ServiceLost",
+    "ServiceStore",
+    "Store",
     "nesterov_step",
     "pack",
     "serve_forever",

@@ -15,41 +15,40 @@ from typing import Any
 
 import jax
 import numpy as np
+from flax import serialization
 
 
 def pack(tree: Any) -> bytes:
-    """The leaves of `tree` (in `jax.tree` order) as one byte string with a header."""
+    """The leaves of `tree` (in `jax.tree` order) as one msgpack byte string.
+
+    flax's msgpack encoding (`flax.serialization.msgpack_serialize`): a map from
+    each leaf's index to the array, with its shape and dtype; any pytree packs,
+    since its structure travels with the receiver's `like`, not with the bytes.
+    """
     # np.asarray, not np.ascontiguousarray: that one turns a 0-d array into a 1-d one.
-    leaves = [np.asarray(x) for x in jax.tree.leaves(tree)]
-    header = json.dumps([[list(x.shape), x.dtype.str] for x in leaves]).encode()
-    return b"".join([len(header).to_bytes(4, "little"), header, *(x.tobytes() for x in leaves)])
+    leaves = {str(i): np.asarray(x) for i, x in enumerate(jax.tree.leaves(tree))}
+    return serialization.msgpack_serialize(leaves)
 
 
 def unpack(blob: bytes, like: Any) -> Any:
     """Inverse of `pack`, into the structure of `like`; one-line ValueError on a mismatch."""
-    size = int.from_bytes(blob[:4], "little")
-    specs = json.loads(blob[4 : 4 + size])
-    treedef = jax.tree.structure(like)
+    try:
+        restored = serialization.msgpack_restore(blob)
+    except Exception as error:  # noqa: BLE001 - msgpack raises several kinds
+        raise ValueError(f"the bytes are not a packed tree: {error}") from error
+    if not isinstance(restored, dict) or set(restored) != {str(i) for i in range(len(restored))}:
+        raise ValueError("the bytes are not a packed tree: expected leaves by index")
+    arrays = [np.asarray(restored[str(i)]) for i in range(len(restored))]
+    got = [[list(x.shape), x.dtype.str] for x in arrays]
     expect = [[list(np.shape(x)), _dtype(x).str] for x in jax.tree.leaves(like)]
-    got = [[list(shape), dtype] for shape, dtype in specs]
     if got != expect:
         where = next((i for i, (a, b) in enumerate(zip(got, expect, strict=False)) if a != b), None)
         raise ValueError(
             f"the bytes hold {len(got)} arrays, the tree {len(expect)}"
             + ("" if where is None else f"; array {where}: {got[where]} vs {expect[where]}")
         )
-    leaves, offset = [], 4 + size
-    for shape, dtype in specs:
-        n = int(np.prod(shape)) * np.dtype(dtype).itemsize
-        leaves.append(
-            np.frombuffer(blob, dtype, count=int(np.prod(shape)), offset=offset)
-            .reshape(shape)
-            .copy()
-        )
-        offset += n
-    if offset != len(blob):
-        raise ValueError(f"{len(blob) - offset} bytes left over after the tree")
-    return jax.tree.unflatten(treedef, leaves)
+    # Writable copies (msgpack's arrays are views of the read-only bytes).
+    return jax.tree.unflatten(jax.tree.structure(like), [np.array(x) for x in arrays])
 
 
 def _dtype(x: Any) -> np.dtype:

@@ -44,22 +44,19 @@ machines reach (or use jax's mutual TLS).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
-import hmac
 import json
-import secrets
-import threading
 import time
 from collections.abc import Callable
-from typing import Any
 
-from lpdec.elastic import _runtime
+from lpdec.elastic import joins
+from lpdec.elastic.joins import JoinRefused
+from lpdec.elastic.signing import Signer
+from lpdec.elastic.signing import digest
+from lpdec.elastic.store import ServiceLost
+from lpdec.elastic.store import ServiceStore
+from lpdec.elastic.store import Store
 
-ROOT = "lpdec/run"
-
-
-class ServiceLost(RuntimeError):
-    """The coordinating service cannot be reached (or has dropped this machine)."""
+__all__ = ["Behind", "Contribution", "ElasticGroup", "Exchange", "JoinRefused", "ServiceLost"]
 
 
 class Behind(RuntimeError):
@@ -67,10 +64,6 @@ class Behind(RuntimeError):
 
     The store keeps the last two decided rounds; a machine further behind (it
     stalled, or its clock of rounds is wrong) must `join` again for the state."""
-
-
-class JoinRefused(RuntimeError):
-    """A live machine refused this machine's join (its message says why)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,15 +102,6 @@ class Exchange:
     bytes_received: int
 
 
-def digest(data: bytes) -> str:
-    """SHA-256 of `data`, hex."""
-    return hashlib.sha256(data).hexdigest()
-
-
-def _is(error: Exception, code: str) -> bool:
-    return code in str(error)
-
-
 class ElasticGroup:
     """One machine's membership in an elastic run (see the module docstring).
 
@@ -134,6 +118,8 @@ class ElasticGroup:
       connect_timeout: seconds to wait for the service (a fresh start waits for
         every slot to register).
       poll_s: how often a waiting machine looks at the store.
+      store: the service to meet at (default: a `ServiceStore` on `address`;
+        tests pass a `store.MemoryStore`).
     """
 
     def __init__(
@@ -147,23 +133,27 @@ class ElasticGroup:
         heartbeat_timeout: int = 10,
         connect_timeout: int = 300,
         poll_s: float = 0.05,
+        store: Store | None = None,
     ):
-        _runtime.check_address(address, "address")
         if not (isinstance(machines, int) and machines >= 1):
             raise ValueError(f"machines={machines!r} must be an integer >= 1.")
         if not (isinstance(machine, int) and 0 <= machine < machines):
             raise ValueError(f"machine={machine!r} must be an integer in [0, {machines}).")
+        if store is None:
+            store = ServiceStore(
+                address,
+                machine,
+                machines,
+                heartbeat_timeout=heartbeat_timeout,
+                connect_timeout=connect_timeout,
+                poll_s=poll_s,
+            )
         self.address, self.machine, self.machines = address, machine, machines
-        self._token = bytes(token)
+        self.store = store
+        self.signer = Signer(token)
         self.fingerprint = fingerprint
-        self.heartbeat_timeout = int(heartbeat_timeout)
-        self.connect_timeout = int(connect_timeout)
         self.poll_s = poll_s
-        self.client: Any = None
         self.incarnation: int | None = None
-        self._lost = threading.Event()
-        self._lost_reason = ""
-        self._live: dict[int, int] = {}
 
     # -- connection --------------------------------------------------------
 
@@ -171,132 +161,44 @@ class ElasticGroup:
         """Registers this machine's slot (a new incarnation) with the service.
 
         Raises:
-          ServiceLost: the service did not answer within `connect_timeout`.
+          ServiceLost: the service did not answer within its connect timeout.
         """
-        self._lost.clear()
-        runtime = _runtime.jax_runtime()
-        self.client = runtime.get_distributed_runtime_client(
-            self.address,
-            self.machine,
-            init_timeout=self.connect_timeout,
-            heartbeat_timeout=self.heartbeat_timeout,
-            # No missed_heartbeat_callback: jaxlib cannot hand its status to a Python
-            # callable (std::bad_cast, abort); without one it ends the process with a
-            # line when the service has declared this machine lost. train.py's
-            # supervisor restarts it, and the new process joins.
-            shutdown_on_destruction=False,
-        )
-        try:
-            self.client.connect()
-            live = self.client.get_live_nodes(list(range(self.machines)))
-        except Exception as error:  # noqa: BLE001 - jaxlib raises its own status errors
-            raise ServiceLost(
-                f"could not register with {self.address}: {_first_line(error)}"
-            ) from error
-        self.incarnation = int(live[self.machine])
-        self._live = {int(m): int(i) for m, i in live.items()}
-        threading.Thread(target=self._watch, args=(self.client,), daemon=True).start()
-
-    def _watch(self, client: Any) -> None:
-        """Keeps `self._live` current (the training thread never blocks on it).
-
-        The service's `get_live_nodes` is a barrier: it answers once every live
-        machine has asked (a lost one stops counting after its heartbeat timeout).
-        Asked from the training thread, a machine busy with its local steps would
-        hold the others' exchange; asked in a loop from this thread on every
-        machine, each answer comes as soon as every live machine's thread has asked.
-        """
-        while self.client is client and not self._lost.is_set():
-            try:
-                live = client.get_live_nodes(list(range(self.machines)))
-            except Exception as error:  # noqa: BLE001
-                if self.client is client:
-                    self._lost_reason = f"membership: {_first_line(error)}"
-                    self._lost.set()
-                return
-            self._live = {int(m): int(i) for m, i in live.items()}
-            time.sleep(self.poll_s)
+        self.incarnation = self.store.connect()
 
     def lost(self) -> bool:
         """Whether the service stopped hearing this machine (it must reconnect and join)."""
-        return self._lost.is_set()
+        return self.store.lost() is not None
+
+    def check_lost(self) -> None:
+        """Raises ServiceLost (with the reason) if the service stopped hearing this machine."""
+        reason = self.store.lost()
+        if reason is not None:
+            raise ServiceLost(reason)
 
     def close(self) -> None:
         """Leaves the service (the others see this slot gone at once)."""
-        client, self.client = self.client, None
-        if client is not None:
-            try:
-                client.shutdown()
-            except Exception:  # noqa: BLE001 - leaving a service that is gone is fine
-                pass
-
-    # -- the store, with failures as ServiceLost ----------------------------
-
-    def _call(self, name: str, *args: Any) -> Any:
-        if self.client is None:
-            raise ServiceLost("not connected")
-        try:
-            return getattr(self.client, name)(*args)
-        except Exception as error:  # noqa: BLE001
-            if _is(error, "NOT_FOUND") or _is(error, "ALREADY_EXISTS"):
-                raise
-            raise ServiceLost(f"{name} failed: {_first_line(error)}") from error
-
-    def _get(self, key: str) -> bytes | None:
-        try:
-            return self._call("key_value_try_get_bytes", f"{ROOT}/{key}")
-        except Exception as error:  # noqa: BLE001
-            if _is(error, "NOT_FOUND"):
-                return None
-            raise
-
-    def _put(self, key: str, value: bytes, overwrite: bool = True) -> bool:
-        """Writes `key`; with overwrite=False, False if it already existed."""
-        try:
-            self._call("key_value_set_bytes", f"{ROOT}/{key}", value, overwrite)
-            return True
-        except Exception as error:  # noqa: BLE001
-            if _is(error, "ALREADY_EXISTS"):
-                return False
-            raise
-
-    def _dir(self, key: str) -> dict[str, bytes]:
-        prefix = f"{ROOT}/{key}/"
-        return {k[len(prefix) :]: v for k, v in self._call("key_value_dir_get_bytes", prefix)}
-
-    def _delete(self, key: str) -> None:
-        try:
-            self._call("key_value_delete", f"{ROOT}/{key}")
-        except Exception:  # noqa: BLE001 - a key another machine removed first
-            pass
-
-    def _sign(self, *fields: Any) -> str:
-        message = "|".join(str(f) for f in fields).encode()
-        return hmac.new(self._token, message, hashlib.sha256).hexdigest()
-
-    def _verify(self, mac: Any, *fields: Any) -> bool:
-        return bool(self._token) and hmac.compare_digest(str(mac), self._sign(*fields))
+        self.store.close()
 
     # -- membership --------------------------------------------------------
 
     def live(self) -> dict[int, int]:
         """{machine: incarnation} of the slots the service hears (as of its last answer)."""
-        return dict(self._live)
+        return self.store.live()
 
     def latest_round(self) -> int | None:
         """The newest decided round of the run, or None before the first exchange."""
-        value = self._get("latest")
+        value = self.store.get("latest")
         return None if value is None else int(value)
 
     def finished_round(self) -> int | None:
         """The run's last round if a machine has finished the run (`finish`), else None."""
-        value = self._get("finished")
+        value = self.store.get("finished")
         return None if value is None else int(value)
 
     def finished_machines(self) -> set[int]:
         """The slots whose current incarnation finished the run."""
         live = self.live()
-        done = {int(m): int(v) for m, v in self._dir("done").items()}
+        done = {int(m): int(v) for m, v in self.store.dir("done").items()}
         return {m for m, inc in done.items() if live.get(m) == inc}
 
     def finish(self, last_round: int) -> None:
@@ -305,17 +207,17 @@ class ElasticGroup:
         A machine still in an earlier round then gets `Behind` at its exchange and
         joins for the final state (see `serve_joins`) instead of deciding rounds alone.
         """
-        self._put("finished", str(int(last_round)).encode())
-        self._delete(f"active/{self.machine}")
-        self._put(f"done/{self.machine}", str(self.incarnation).encode())
+        self.store.put("finished", str(int(last_round)).encode())
+        self.store.delete(f"active/{self.machine}")
+        self.store.put(f"done/{self.machine}", str(self.incarnation).encode())
 
     def mark_active(self) -> None:
         """Declares this incarnation a trainer: exchanges wait for its contributions."""
-        self._put(f"active/{self.machine}", str(self.incarnation).encode())
+        self.store.put(f"active/{self.machine}", str(self.incarnation).encode())
 
     def expected(self) -> set[int]:
         """The machines an exchange waits for: alive, and training under that incarnation."""
-        active = {int(m): int(v) for m, v in self._dir("active").items()}
+        active = {int(m): int(v) for m, v in self.store.dir("active").items()}
         return {m for m, inc in self.live().items() if active.get(m) == inc}
 
     # -- the exchange -------------------------------------------------------
@@ -347,14 +249,13 @@ class ElasticGroup:
             "digest": digest(payload),
             "anchor": anchor_digest,
         }
-        header["mac"] = self._sign("c", round_, *(header[k] for k in sorted(header)))
-        self._put(f"r{round_}/g/{me}", payload)
-        self._put(f"r{round_}/c/{me}", json.dumps(header).encode())
+        header["mac"] = self.signer.sign("c", round_, *(header[k] for k in sorted(header)))
+        self.store.put(f"r{round_}/g/{me}", payload)
+        self.store.put(f"r{round_}/c/{me}", json.dumps(header).encode())
         sent = len(payload)
         while True:
-            if self._lost.is_set():
-                raise ServiceLost(self._lost_reason)
-            decision = self._get(f"r{round_}/d")
+            self.check_lost()
+            decision = self.store.get(f"r{round_}/d")
             if decision is not None:
                 break
             self._check_behind(round_)
@@ -365,20 +266,20 @@ class ElasticGroup:
                 reason = "all" if expected <= set(headers) else "deadline"
                 members = sorted(headers)
                 record = {"round": round_, "members": members, "by": me, "reason": reason}
-                record["mac"] = self._sign("d", round_, members, me, reason)
-                self._put(f"r{round_}/d", json.dumps(record).encode(), overwrite=False)
+                record["mac"] = self.signer.sign("d", round_, members, me, reason)
+                self.store.put(f"r{round_}/d", json.dumps(record).encode(), overwrite=False)
                 continue  # read back whichever decision was written first
             time.sleep(self.poll_s)
         record = json.loads(decision)
         members = [int(m) for m in record["members"]]
-        if not self._verify(
+        if not self.signer.verify(
             record.get("mac"), "d", round_, members, record["by"], record["reason"]
         ):
             raise ServiceLost(f"round {round_}'s decision is not signed with this run's token")
         headers = self._headers(round_)
         contributions, received = [], 0
         for m in members:
-            blob = payload if m == me else self._fetch(f"r{round_}/g/{m}")
+            blob = payload if m == me else self.store.fetch(f"r{round_}/g/{m}", 30.0)
             if m != me:
                 received += len(blob)
             if m not in headers or digest(blob) != headers[m]["digest"]:
@@ -387,8 +288,8 @@ class ElasticGroup:
                 Contribution(m, int(headers[m]["steps"]), blob, headers[m]["anchor"])
             )
         if record["by"] == me and round_ >= 2:
-            self._delete(f"r{round_ - 2}")  # everyone has read it: the next round is decided
-        self._put("latest", str(round_).encode())
+            self.store.delete(f"r{round_ - 2}")  # everyone has read it: the next round is decided
+        self.store.put("latest", str(round_).encode())
         return Exchange(
             round=round_,
             members=tuple(members),
@@ -418,11 +319,11 @@ class ElasticGroup:
     def _headers(self, round_: int) -> dict[int, dict]:
         """The round's headers that verify under the token, by machine."""
         out = {}
-        for name, raw in self._dir(f"r{round_}/c").items():
+        for name, raw in self.store.dir(f"r{round_}/c").items():
             try:
                 header = json.loads(raw)
                 fields = (header[k] for k in sorted(header) if k != "mac")
-                if int(name) == header["machine"] and self._verify(
+                if int(name) == header["machine"] and self.signer.verify(
                     header["mac"], "c", round_, *fields
                 ):
                     out[int(name)] = header
@@ -430,117 +331,19 @@ class ElasticGroup:
                 continue
         return out
 
-    def _fetch(self, key: str) -> bytes:
-        try:
-            return self._call("blocking_key_value_get_bytes", f"{ROOT}/{key}", 30_000)
-        except Exception as error:  # noqa: BLE001
-            raise ServiceLost(f"could not read {key}: {_first_line(error)}") from error
-
-    # -- joining ------------------------------------------------------------
+    # -- joining (lpdec.elastic.joins) --------------------------------------
 
     def join(self, model: str, timeout: float) -> tuple[int, bytes]:
         """Asks a live machine for the state to start from; returns (round, state).
 
-        `model` is the model's signature (a join with another model is refused).
-        The answer comes after the next exchange of the machines that train.
-
-        Raises:
-          JoinRefused: a live machine refused (wrong or missing token, another
-            config or model), or nobody answered within `timeout` seconds.
-          ServiceLost: the service went away.
+        See `joins.request`.
         """
-        # Not a trainer while it waits: exchanges must not wait for its contributions.
-        self._delete(f"active/{self.machine}")
-        nonce = secrets.token_hex(8)
-        request = {
-            "machine": self.machine,
-            "incarnation": self.incarnation,
-            "nonce": nonce,
-            "fingerprint": self.fingerprint,
-            "model": model,
-        }
-        request["mac"] = self._sign("j", *(request[k] for k in sorted(request)))
-        self._put(f"join/{self.machine}", json.dumps(request).encode())
-        waited = 0.0
-        while True:
-            if self._lost.is_set():
-                raise ServiceLost(self._lost_reason)
-            reply = self._get(f"reply/{self.machine}/{nonce}")
-            if reply is not None:
-                break
-            if waited >= timeout:
-                self._delete(f"join/{self.machine}")
-                raise JoinRefused(
-                    f"no live machine answered machine {self.machine}'s join within "
-                    f"{timeout:g} s (is the run still going?)"
-                )
-            time.sleep(self.poll_s)
-            waited += self.poll_s
-        self._delete(f"reply/{self.machine}/{nonce}")
-        size = int.from_bytes(reply[:4], "little")
-        header, state = json.loads(reply[4 : 4 + size]), reply[4 + size :]
-        if "refused" in header:
-            raise JoinRefused(f"join refused by machine {header['by']}: {header['refused']}")
-        if not self._verify(header.get("mac"), "s", self.machine, nonce, header["round"]) or (
-            digest(state) != header.get("digest")
-        ):
-            raise JoinRefused(
-                f"the state machine {header.get('by')} sent does not verify under this "
-                "machine's token"
-            )
-        return int(header["round"]), state
+        return joins.request(self, model, timeout)
 
     def serve_joins(self, round_: int, model: str, state: Callable[[], bytes]) -> list[str]:
         """Answers pending join requests with `state()` to start round `round_` from.
 
-        Call it after an exchange, on the lowest machine of the decision. Returns
-        one log line per request answered (accepted or refused, and why).
+        Call it after an exchange, on the lowest machine of the decision; see
+        `joins.serve`.
         """
-        lines, blob = [], None
-        for name, raw in self._dir("join").items():
-            try:
-                request = json.loads(raw)
-                machine, nonce = int(request["machine"]), str(request["nonce"])
-            except (ValueError, KeyError, TypeError):
-                self._delete(f"join/{name}")
-                continue
-            fields = (request.get(k) for k in sorted(request) if k != "mac")
-            if not self._verify(request.get("mac"), "j", *fields):
-                refused = "wrong or missing token"
-            elif request.get("fingerprint") != self.fingerprint:
-                refused = "its config differs from the run's (fingerprint mismatch)"
-            elif request.get("model") != model:
-                refused = "its model differs from the run's (parameter shapes differ)"
-            else:
-                refused = None
-            if refused:
-                header = {"refused": refused, "by": self.machine}
-                body = b""
-                lines.append(f"refused machine {machine}'s join: {refused}")
-            else:
-                blob = state() if blob is None else blob
-                header = {
-                    "by": self.machine,
-                    "round": round_,
-                    "digest": digest(blob),
-                    "mac": self._sign("s", machine, nonce, round_),
-                }
-                body = blob
-                # A trainer from the round it starts: the next exchange waits for it
-                # (up to its deadline) instead of deciding rounds while it starts up.
-                self._put(f"active/{machine}", str(request.get("incarnation")).encode())
-                lines.append(
-                    f"machine {machine} joins at round {round_} ({len(blob)} bytes of state)"
-                )
-            raw_header = json.dumps(header).encode()
-            self._put(
-                f"reply/{machine}/{nonce}",
-                len(raw_header).to_bytes(4, "little") + raw_header + body,
-            )
-            self._delete(f"join/{name}")
-        return lines
-
-
-def _first_line(error: Any) -> str:
-    text = str(error).strip()
-    return text.splitlines()[0] if text else type(error).__name__
+        return joins.serve(self, round_, model, state)

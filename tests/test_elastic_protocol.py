@@ -1,0 +1,161 @@
+"""The elastic protocol's races, deterministically, in one process (issue 42, item 4).
+
+`lpdec.elastic.ElasticGroup` on an in-memory service (`MemoryService`): the test
+plays the service (kills a slot, restarts one under a new incarnation) and
+interleaves machines by hand (`before_put` runs one machine's exchange between
+another's read and its write), so who decides a round, late contributions,
+`Behind` and joins at the end of a run are checked without processes or clocks.
+tests/test_elastic.py runs the same protocol on jax's service in real processes.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from lpdec import elastic
+
+TOKEN = b"the run's token"
+
+
+def _group(service, machine, token=TOKEN, fingerprint="fp"):
+    group = elastic.ElasticGroup(
+        "memory:0",
+        machine,
+        service.machines,
+        token,
+        fingerprint,
+        poll_s=0.001,
+        store=service.store(machine),
+    )
+    group.connect()
+    return group
+
+
+def _run(machines=3):
+    service = elastic.MemoryService(machines)
+    groups = [_group(service, m) for m in range(machines)]
+    for group in groups:
+        group.mark_active()
+    return service, groups
+
+
+def _contribute(group, round_, deadline=0.0):
+    """Machine m sends the bytes m+1, after m+1 local steps, from anchor "a"."""
+    m = group.machine
+    return group.exchange(round_, bytes([m + 1]), m + 1, "a", deadline)
+
+
+def test_the_first_decision_written_is_the_one_every_machine_applies():
+    """Machine 0 reads no decision, and before it writes its own ([0]) machine 1
+    contributes and decides [0, 1]: the create-only write keeps machine 1's, which
+    machine 0 reads back; machine 2, later, is dropped but applies the same mean."""
+    service, (m0, m1, m2) = _run()
+    ran = []
+
+    def race(machine, key):
+        if machine == 0 and key == "r0/d" and not ran:
+            ran.append(_contribute(m1, 0))
+
+    service.before_put = race
+    seen0 = _contribute(m0, 0)
+    service.before_put = None
+    seen2 = _contribute(m2, 0, deadline=10.0)  # the decision exists: no wait
+    (seen1,) = ran
+    for seen in (seen0, seen1, seen2):
+        assert seen.members == (0, 1) and seen.closed_by == 1 and seen.reason == "deadline"
+        assert [c.payload for c in seen.contributions] == [b"\x01", b"\x02"]
+        assert [c.steps for c in seen.contributions] == [1, 2]
+    assert seen0.included and seen1.included and not seen2.included
+    # Exactly one decision was written, machine 1's.
+    assert json.loads(service.keys["r0/d"])["by"] == 1
+
+
+def test_a_dead_machine_is_not_waited_for_and_a_restarted_one_only_once_it_trains():
+    service, (m0, m1, m2) = _run()
+    service.kill(2)
+    # Machines 0 and 1 are all that is expected: the round closes on "all" as soon as
+    # both contributed, although the deadline is 10 s.
+    seen: dict[int, elastic.Exchange] = {}
+    thread = threading.Thread(target=lambda: seen.__setitem__(0, _contribute(m0, 0, 10.0)))
+    thread.start()
+    seen[1] = _contribute(m1, 0, deadline=10.0)
+    thread.join(timeout=5)
+    for exchange in seen.values():
+        assert exchange.reason == "all" and exchange.members == (0, 1)
+        assert exchange.waited_s < 5
+    # Restarted: a new incarnation that has not joined yet is not expected...
+    back = _group(service, 2)
+    assert back.incarnation == 2 and m0.expected() == {0, 1}
+    # ...until it trains under it.
+    back.mark_active()
+    assert m0.expected() == {0, 1, 2}
+
+
+def test_a_contribution_without_the_token_is_ignored():
+    service, (m0, m1, _) = _run()
+    stranger = _group(service, 2, token=b"guessed")
+    stranger.mark_active()  # it may claim the slot; its records do not verify
+    _contribute(stranger, 0)  # it decides [2] under its own token: nobody reads that
+    assert m0.expected() == {0, 1, 2}
+    # The real machines see no verified header from it and no verified decision.
+    assert set(m0._headers(0)) == set()  # noqa: SLF001 - the protocol's own view
+    with pytest.raises(elastic.ServiceLost, match="not signed with this run's token"):
+        _contribute(m0, 0)
+
+
+def test_a_machine_two_rounds_behind_or_past_the_end_is_told_to_join():
+    service, (m0, m1) = _run(2)
+    for round_ in range(3):
+        _contribute(m0, round_)  # deadline 0: machine 0 decides each round alone
+    with pytest.raises(elastic.Behind, match="decided round 2: it must join again"):
+        _contribute(m1, 0)
+    m0.finish(2)
+    with pytest.raises(elastic.Behind, match="the run ended after round 2"):
+        _contribute(m1, 3)
+
+
+def test_a_join_at_the_end_of_a_run_gets_the_final_state_and_a_wrong_token_nothing():
+    service, (m0, m1) = _run(2)
+    _contribute(m0, 0)
+    m0.finish(0)
+    answers: dict[str, object] = {}
+
+    def ask(name, group):
+        try:
+            answers[name] = group.join("model", timeout=5.0)
+        except elastic.JoinRefused as error:
+            answers[name] = str(error)
+
+    asking = threading.Thread(target=ask, args=("m1", m1))
+    asking.start()
+    while "join/1" not in service.keys:
+        threading.Event().wait(0.001)
+    lines = m0.serve_joins(1, "model", lambda: b"final state")
+    asking.join(timeout=5)
+    assert lines == ["machine 1 joins at round 1 (11 bytes of state)"]
+    assert answers["m1"] == (1, b"final state")
+    # A process with a wrong token asks for slot 1's state: refused in one line, and
+    # the slot's trainer (machine 1, active under its incarnation) is left alone.
+    active_before = dict(service.keys)
+    stranger = _group(service, 1, token=b"wrong")
+    asking = threading.Thread(target=ask, args=("stranger", stranger))
+    asking.start()
+    while "join/1" not in service.keys:
+        threading.Event().wait(0.001)
+    (line,) = m0.serve_joins(1, "model", lambda: b"final state")
+    asking.join(timeout=5)
+    assert line == "refused machine 1's join: wrong or missing token"
+    assert answers["stranger"] == "join refused by machine 0: wrong or missing token"
+    assert service.keys.get("active/1") == active_before.get("active/1")
+
+
+def test_a_write_the_service_refuses_is_service_lost():
+    service, (m0, _, _) = _run()
+    service.hold("r0/c/0")
+    with pytest.raises(elastic.ServiceLost, match="refused"):
+        _contribute(m0, 0)
+    service.kill(0)
+    assert m0.lost()
