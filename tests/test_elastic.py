@@ -503,9 +503,6 @@ def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
         ({}, {"machine": 5}, "--elastic_machine=5 must be in [0, 3)"),
         ({}, {"deadline": 0.0}, "must be > 0 s"),
         ({}, {"slowdown": 0.5}, "--elastic_slowdown=0.5 must be >= 1"),
-        ({"elastic_data": "mine"}, {}, "config.elastic_data='mine' must be 'shard' or 'whole'"),
-        ({"elastic_budget": "time"}, {}, "must be 'rounds' or 'samples'"),
-        ({"elastic_mean": "all"}, {}, "must be 'contributors' or 'slots'"),
         (
             {"elastic_budget": "samples", "lr_schedule": "cosine"},
             {},
@@ -519,6 +516,18 @@ def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
             elastic_lib.check(config, dataclasses.replace(options, **opts))
         assert message in str(error.value) and "\n" not in str(error.value)
     elastic_lib.check(elastic_mlp.get_config(), options)  # the config itself is fine
+    # An elastic run's own fields are checked with every other field, once, for every run.
+    from train_lib import setup  # noqa: PLC0415
+
+    for fields, message in (
+        ({"elastic_data": "mine"}, "config.elastic_data='mine' must be one of: shard, whole."),
+        ({"elastic_budget": "time"}, "must be one of: rounds, samples."),
+        ({"elastic_mean": "all"}, "must be one of: contributors, slots."),
+    ):
+        config = elastic_mlp.get_config()
+        config.update(fields)
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            setup.check_values(config)
 
 
 @pytest.mark.parametrize("mode", ["shard", "whole"])

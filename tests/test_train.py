@@ -1,6 +1,7 @@
 """train.py end to end: smoke run, exact resume, bad configs, nested nodes, multi-host."""
 
 import csv
+import dataclasses
 import json
 import math
 import os
@@ -28,6 +29,7 @@ from configs import default  # noqa: E402
 from train_lib import ConfigError  # noqa: E402
 from train_lib import optimizers  # noqa: E402
 from train_lib import registry  # noqa: E402
+from train_lib import setup  # noqa: E402
 from train_lib import tables  # noqa: E402
 
 
@@ -350,6 +352,38 @@ def test_every_registry_entry_declares_the_fields_it_reads(field, name):
     table = dict(REGISTRY_TABLES)[field]
     built = tables.build(config, field, table, *extra)
     assert (built is None) == (name == "none")
+
+
+@pytest.mark.parametrize("algorithm", ["choco", "diloco"])
+def test_a_build_checks_each_choice_once_and_the_topology_at_the_machine_count(
+    monkeypatch, algorithm
+):
+    """setup.check_values checks every chosen entry; setup.build builds them without
+    checking again, except the topology, which it checks at the gossip nodes the
+    layout gives (2 machines of a hierarchical run, not the 8 workers)."""
+    calls: dict[str, list] = {}
+    config = tiny_config(
+        algorithm=algorithm, hierarchical=True, machines=2, topology="ring", precision="fp32"
+    )
+    if algorithm == "diloco":
+        config.update(local_steps=5, exchange="compressed_mean", error_feedback=True)
+    for field, table in REGISTRY_TABLES:
+        entry = table[config[field]]
+
+        def check(view, entry=entry, field=field):
+            calls.setdefault(field, []).append(getattr(view, "num_nodes", None))
+            if entry.check is not None:
+                entry.check(view)
+
+        fields = entry.check_fields + (("num_nodes",) if field == "topology" else ())
+        replaced = dataclasses.replace(entry, check=check, check_fields=fields)
+        monkeypatch.setitem(table, config[field], replaced)
+    setup.build(config)
+    once = {"dataset", "topology", "compressor", "lr_schedule", "optimizer", "algorithm"}
+    assert {field: len(seen) for field, seen in calls.items()} == dict.fromkeys(
+        once | ({"exchange"} if algorithm == "diloco" else set()), 1
+    )
+    assert calls["topology"] == [2]
 
 
 def _env(devices):

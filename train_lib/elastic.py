@@ -139,9 +139,9 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
             f"config.exchange={config.exchange!r}: an elastic run exchanges a mean "
             "('mean' or 'compressed_mean'), not gossip."
         )
-    unsupported = (("overlap", False), ("shard_model", False), ("error_decay", 1.0))
-    for field, off in (*unsupported, ("outer_warmup_rounds", 0), ("sync_steps", 0)):
-        if config[field] != off:
+    unsupported = ("overlap", "shard_model", "error_decay", "outer_warmup_rounds", "sync_steps")
+    for field in unsupported:
+        if config[field] != setup.DEFAULTS[field]:
             raise ConfigError(f"config.{field}={config[field]!r} is not supported elastic.")
     if options.machines < 1 or config.num_nodes % options.machines:
         raise ConfigError(
@@ -152,18 +152,7 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
         raise ConfigError(
             f"--elastic_machine={options.machine} must be in [0, {options.machines})."
         )
-    if config.elastic_data not in ("shard", "whole"):
-        raise ConfigError(
-            f"config.elastic_data={config.elastic_data!r} must be 'shard' or 'whole'."
-        )
-    if config.elastic_mean not in ("contributors", "slots"):
-        raise ConfigError(
-            f"config.elastic_mean={config.elastic_mean!r} must be 'contributors' or 'slots'."
-        )
-    budget = config.elastic_budget
-    if budget not in ("rounds", "samples"):
-        raise ConfigError(f"config.elastic_budget={budget!r} must be 'rounds' or 'samples'.")
-    if budget == "samples" and config.lr_schedule != "constant":
+    if config.elastic_budget == "samples" and config.lr_schedule != "constant":
         raise ConfigError(
             f"config.elastic_budget='samples' needs config.lr_schedule='constant' (got "
             f"{config.lr_schedule!r}): the run's length, and so a decay's end, is not known "
@@ -194,8 +183,8 @@ def _machine_config(config: ml_collections.ConfigDict, workers: int) -> ml_colle
     local.algorithm = "allreduce"
     local.num_nodes = workers
     local.hierarchical, local.machines = False, 0
-    local.local_steps, local.overlap, local.error_feedback = 1, False, False
-    local.mean_rounds, local.error_decay = 2, 1.0
+    for field in setup.LOCAL_STEP_FIELDS:
+        local[field] = setup.DEFAULTS[field]
     return local
 
 

@@ -42,8 +42,11 @@ SCHEDULES = {
 
 
 def make_schedule(config: ml_collections.ConfigDict, total_steps: int) -> optax.Schedule:
-    """`config.lr_schedule` over `total_steps`, after a linear warmup of `config.warmup_steps`."""
-    schedule = build(config, "lr_schedule", SCHEDULES, total_steps)
+    """`config.lr_schedule` over `total_steps`, after a linear warmup of `config.warmup_steps`.
+
+    Builds only: `setup.check_values` checked the entry's values.
+    """
+    schedule = build(config, "lr_schedule", SCHEDULES, total_steps, checked=True)
     if config.warmup_steps:
         warmup = optax.linear_schedule(0.0, config.learning_rate, config.warmup_steps)
         schedule = optax.join_schedules([warmup, schedule], [config.warmup_steps])
@@ -69,8 +72,11 @@ OPTIMIZERS = {
 def make_local_optimizer(
     config: ml_collections.ConfigDict, schedule: optax.Schedule
 ) -> optax.GradientTransformation:
-    """`config.optimizer` at `schedule`, after weight decay when `config.weight_decay` > 0."""
-    optimizer = build(config, "optimizer", OPTIMIZERS, schedule)
+    """`config.optimizer` at `schedule`, after weight decay when `config.weight_decay` > 0.
+
+    Builds only: `setup.check_values` checked the entry's values.
+    """
+    optimizer = build(config, "optimizer", OPTIMIZERS, schedule, checked=True)
     if config.weight_decay:
         return optax.chain(optax.add_decayed_weights(config.weight_decay), optimizer)
     return optimizer

@@ -554,16 +554,18 @@ def make_chain(
     Low-precision parameters train on a float32 master copy (`lpdec.chain` adds it;
     for float32 parameters the chain is itself).
     """
+    # setup.check_values checked every choice: build only (`checked=True`).
     entry = choose(config, "algorithm", ALGORITHMS)
     if entry.role == "whole":
-        outer = build(config, "exchange", EXCHANGES, built)
+        outer = build(config, "exchange", EXCHANGES, built, checked=True)
         # The synchronous warm-up: the same exchange, with a plain outer step of 1.
         sync = None
         if config.sync_steps:
-            sync = build(config, "exchange", EXCHANGES, built, overrides=optimizers.PLAIN_STEP)
-        whole = build(config, "algorithm", ALGORITHMS, built, local, outer, sync)
+            plain = optimizers.PLAIN_STEP
+            sync = build(config, "exchange", EXCHANGES, built, overrides=plain, checked=True)
+        whole = build(config, "algorithm", ALGORITHMS, built, local, outer, sync, checked=True)
         return lpdec.master_weights(whole)
-    algorithm = build(config, "algorithm", ALGORITHMS, built)
+    algorithm = build(config, "algorithm", ALGORITHMS, built, checked=True)
     if algorithm is None:
         return lpdec.chain(local)
     if entry.role == "mean":

@@ -22,6 +22,7 @@ import numpy as np
 import optax
 
 import lpdec
+from configs import default as default_config
 from lpdec.layout import NodeLayout
 from lpdec.layout import make_layout
 from train_lib import optimizers
@@ -30,6 +31,24 @@ from train_lib import tables
 from train_lib.errors import ConfigError
 
 PRECISIONS = ("fp32", "int8")
+#: configs/default.py's values: the one place a field's default (its "off") is written.
+DEFAULTS = default_config.get_config()
+#: DiLoCo's fields: a run of another algorithm leaves them at their defaults.
+LOCAL_STEP_FIELDS = (
+    "local_steps",
+    "overlap",
+    "error_feedback",
+    "mean_rounds",
+    "error_decay",
+    "outer_warmup_rounds",
+    "sync_steps",
+)
+#: An elastic run's own fields and their values.
+ELASTIC_CHOICES = {
+    "elastic_data": ("shard", "whole"),
+    "elastic_mean": ("contributors", "slots"),
+    "elastic_budget": ("rounds", "samples"),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,10 +157,12 @@ def build(config: ml_collections.ConfigDict) -> Experiment:
         # nested vmap axis the workers inside each.
         axis_name, local_axis = layout.mesh_axis, layout.local_axis
         gossip_nodes = layout.mesh.size
+    # The topology is checked here, not in check_values: it joins gossip_nodes nodes
+    # (the machines of a hierarchical run), which the layout decides.
     topology = tables.build(
         config, "topology", registry.TOPOLOGIES, overrides={"num_nodes": gossip_nodes}
     )
-    compressor = tables.build(config, "compressor", registry.COMPRESSORS)
+    compressor = tables.build(config, "compressor", registry.COMPRESSORS, checked=True)
 
     dataset = load_dataset(config)
     partitions = lpdec.data.skew_partition(
@@ -314,20 +335,25 @@ def check_values(config: ml_collections.ConfigDict) -> None:
             f"config.divergence_patience={config.divergence_patience!r} must be a positive "
             "integer (log intervals in a row)."
         )
+    for field, values in ELASTIC_CHOICES.items():
+        if config[field] not in values:
+            _fail(f"config.{field}={config[field]!r} must be one of: {', '.join(values)}.")
     if config.checkpoint_every % config.log_every:
         _fail(
             f"config.checkpoint_every={config.checkpoint_every} must be a multiple of "
             f"config.log_every={config.log_every} (steps run in chunks of log_every)."
         )
-    # Every name, and the chosen entries' own rules, before any object: a typo fails at once.
+    # Every name, and the chosen entries' own rules, before any object: a typo fails at
+    # once, and `build` checks none of them again (the topology's rules it checks there,
+    # at the machine count the layout gives).
     for field, table in (
         ("algorithm", registry.ALGORITHMS),
         ("lr_schedule", optimizers.SCHEDULES),
         ("optimizer", optimizers.OPTIMIZERS),
-        ("topology", registry.TOPOLOGIES),
         ("compressor", registry.COMPRESSORS),
     ):
         tables.check(config, field, table)
+    tables.choose(config, "topology", registry.TOPOLOGIES)
     _check_local_steps(config)
     devices = jax.device_count()
     if config.devices and jax.process_count() > 1 and config.devices != devices:
@@ -395,16 +421,8 @@ def _check_local_steps(config: ml_collections.ConfigDict) -> None:
     if registry.ALGORITHMS[config.algorithm].role == "whole":
         tables.check(config, "exchange", registry.EXCHANGES)
         return
-    for field, off in (
-        ("local_steps", 1),
-        ("overlap", False),
-        ("error_feedback", False),
-        ("mean_rounds", 2),
-        ("error_decay", 1.0),
-        ("outer_warmup_rounds", 0),
-        ("sync_steps", 0),
-    ):
-        if config[field] != off:
+    for field in LOCAL_STEP_FIELDS:
+        if config[field] != DEFAULTS[field]:
             _fail(
                 f"config.{field}={config[field]!r} needs config.algorithm='diloco' "
                 f"(local steps with an outer optimizer); got {config.algorithm!r}."

@@ -80,13 +80,16 @@ def build(
     table: dict[str, Entry],
     *args,
     overrides: dict[str, Any] | None = None,
+    checked: bool = False,
 ):
     """Checks and builds `table[config[field]]`; a ValueError/TypeError becomes one ConfigError.
 
     `overrides` replaces config values the entry reads (a hierarchical run sizes the
-    topology to its machines: ``overrides={"num_nodes": machines}``).
+    topology to its machines: ``overrides={"num_nodes": machines}``). `checked`: the
+    caller ran `check` on these values already (`setup.check_values` checks every
+    choice once, before anything is built), so only the build runs.
     """
-    entry = check(config, field, table, overrides)
+    entry = choose(config, field, table) if checked else check(config, field, table, overrides)
     values = {f: field_value(config, f) for f in entry.fields} | dict(overrides or {})
     try:
         return entry.build(fields_view(values, entry.fields), *args)
