@@ -71,6 +71,18 @@ flags.DEFINE_string(
     None,
     "Elastic: a file holding the run's secret (or set LPDEC_ELASTIC_TOKEN); never logged.",
 )
+flags.DEFINE_string(
+    "elastic_credentials",
+    None,
+    "Elastic: the run's credentials directory (`python -m lpdec.elastic credentials DIR`): "
+    "this machine's certificate and the run's CA, for mutual TLS with the service.",
+)
+flags.DEFINE_bool(
+    "elastic_private_network",
+    False,
+    "Elastic: the service is off loopback without credentials, and only the run's machines "
+    "reach it (else such a run is refused).",
+)
 flags.DEFINE_integer(
     "elastic_local_steps", 0, "Elastic: this machine's local steps per round (0: config's)."
 )

@@ -132,6 +132,8 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
             connect_timeout=flag_values.elastic_connect_timeout,
             slowdown=flag_values.elastic_slowdown,
             min_round_s=flag_values.elastic_min_round_s,
+            credentials=flag_values.elastic_credentials or "",
+            private_network=flag_values.elastic_private_network,
         )
         log_devices()
         summary = elastic.train_elastic(flag_values.config, flag_values.workdir, options)

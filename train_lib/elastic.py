@@ -112,6 +112,10 @@ class ElasticOptions:
       slowdown: a testing aid: each round's local steps take this many times as long
         (the machine sleeps the difference); 1 = full speed.
       min_round_s: a testing aid: each round's local steps take at least this long.
+      credentials: the run's credentials directory (`python -m lpdec.elastic
+        credentials`): mutual TLS with the service ("" = none).
+      private_network: the user's word that only the run's machines reach the
+        service (needed off loopback without credentials).
     """
 
     service: str
@@ -125,6 +129,14 @@ class ElasticOptions:
     connect_timeout: int = 300
     slowdown: float = 1.0
     min_round_s: float = 0.0
+    credentials: str = ""
+    private_network: bool = False
+
+    def machine_credentials(self) -> elastic.credentials.Credentials | None:
+        """This machine's credentials (None without a directory); one-line ValueError."""
+        if not self.credentials:
+            return None
+        return elastic.credentials.load(self.credentials, self.machine)
 
 
 def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
@@ -164,6 +176,11 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
         raise ConfigError("--elastic_deadline and --elastic_join_timeout must be > 0 s.")
     if not options.slowdown >= 1:
         raise ConfigError(f"--elastic_slowdown={options.slowdown} must be >= 1.")
+    try:
+        creds = options.machine_credentials()
+        elastic.credentials.check(options.service, creds, options.private_network)
+    except ValueError as error:
+        raise ConfigError(f"--elastic_service={options.service}: {error}") from None
 
 
 def _takes_local_steps(config: ml_collections.ConfigDict) -> bool:
@@ -273,6 +290,8 @@ class ElasticTrainer:
             fingerprint(config),
             heartbeat_timeout=options.heartbeat_timeout,
             connect_timeout=options.connect_timeout,
+            credentials=options.machine_credentials(),
+            private_network=options.private_network,
         )
         self.evaluator = evaluation.Evaluator(exp, self.programs, anchor=False, identical=True)
         self._encode = jax.jit(self._encode_fn)

@@ -11,6 +11,7 @@ token, `store` the service it meets at (jax's, or one in memory for tests),
 `train.py --elastic_service=...` runs it (see docs/training.md).
 """
 
+from lpdec.elastic import credentials
 from lpdec.elastic.codec import nesterov_step
 from lpdec.elastic.codec import pack
 from lpdec.elastic.codec import signature
@@ -32,6 +33,7 @@ from lpdec.elastic.store import ServiceStore
 from lpdec.elastic.store import Store
 
 __all__ = [
+    "credentials",
     "Behind",
     "Contribution",
     "ElasticGroup",

@@ -35,3 +35,21 @@ def check_address(address: str, what: str) -> None:
     host, sep, port = str(address).rpartition(":")
     if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
         raise ValueError(f"{what}={address!r} must be host:port (e.g. 127.0.0.1:29600).")
+
+
+def mtls_supported() -> bool:
+    """Whether jaxlib's service and client take mutual TLS (`mtls_*`; jax >= 0.11.2)."""
+    runtime = jax_runtime()
+    return all("mtls_cert_file" in (getattr(runtime, name).__doc__ or "") for name in _NEEDED)
+
+
+def require_mtls() -> None:
+    """One line if this jaxlib cannot use credentials."""
+    if not mtls_supported():
+        import jax  # noqa: PLC0415
+
+        raise ValueError(
+            f"credentials need mutual TLS in jax's coordination service (jax >= 0.11.2); this "
+            f"is jax {jax.__version__}. Upgrade jax, or run without credentials on loopback or "
+            "a private network (--private_network)."
+        )

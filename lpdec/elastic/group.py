@@ -49,6 +49,7 @@ import time
 from collections.abc import Callable
 
 from lpdec.elastic import joins
+from lpdec.elastic.credentials import Credentials
 from lpdec.elastic.joins import JoinRefused
 from lpdec.elastic.signing import Signer
 from lpdec.elastic.signing import digest
@@ -120,6 +121,8 @@ class ElasticGroup:
       poll_s: how often a waiting machine looks at the store.
       store: the service to meet at (default: a `ServiceStore` on `address`;
         tests pass a `store.MemoryStore`).
+      credentials, private_network: the `ServiceStore`'s (mutual TLS; or a
+        network the user says is private, for an address off loopback).
     """
 
     def __init__(
@@ -134,6 +137,8 @@ class ElasticGroup:
         connect_timeout: int = 300,
         poll_s: float = 0.05,
         store: Store | None = None,
+        credentials: Credentials | None = None,
+        private_network: bool = False,
     ):
         if not (isinstance(machines, int) and machines >= 1):
             raise ValueError(f"machines={machines!r} must be an integer >= 1.")
@@ -147,6 +152,8 @@ class ElasticGroup:
                 heartbeat_timeout=heartbeat_timeout,
                 connect_timeout=connect_timeout,
                 poll_s=poll_s,
+                credentials=credentials,
+                private_network=private_network,
             )
         self.address, self.machine, self.machines = address, machine, machines
         self.store = store

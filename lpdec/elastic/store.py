@@ -22,6 +22,8 @@ from typing import Any
 from typing import Protocol
 
 from lpdec.elastic import _runtime
+from lpdec.elastic.credentials import Credentials
+from lpdec.elastic.credentials import check as check_credentials
 
 
 class ServiceLost(RuntimeError):
@@ -87,6 +89,9 @@ class ServiceStore:
       connect_timeout: seconds to wait for the service (a fresh start waits for
         every slot to register).
       poll_s: how often the liveness thread asks.
+      credentials: this machine's (`credentials.load(DIR, machine)`): mutual TLS
+        with the service. Without them `address` must be loopback unless
+        `private_network`.
     """
 
     def __init__(
@@ -98,8 +103,12 @@ class ServiceStore:
         heartbeat_timeout: int = 10,
         connect_timeout: int = 300,
         poll_s: float = 0.05,
+        credentials: Credentials | None = None,
+        private_network: bool = False,
     ):
         _runtime.check_address(address, "address")
+        check_credentials(address, credentials, private_network)
+        self.credentials = credentials
         self.address, self.machine, self.machines = address, machine, machines
         self.heartbeat_timeout = int(heartbeat_timeout)
         self.connect_timeout = int(connect_timeout)
@@ -122,6 +131,7 @@ class ServiceStore:
             # line when the service has declared this machine lost. train.py's
             # supervisor restarts it, and the new process joins.
             shutdown_on_destruction=False,
+            **(self.credentials.jax_kwargs() if self.credentials else {}),
         )
         try:
             self.client.connect()
