@@ -50,7 +50,7 @@ from bench import _sections
 from bench import harness
 from bench import netns
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parent.parent.parent
 MARKER = "faults"
 STEPS, EVERY = 60, 10
 TRAIN_FLAGS = (
@@ -1327,7 +1327,3 @@ def main(argv=None) -> int:
     lost = sum(r["tried"] - r["survived"] for r in rows)
     print(f"{sum(r['tried'] for r in rows)} tries, {lost} lost")
     return 1 if lost else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
