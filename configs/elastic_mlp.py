@@ -25,7 +25,8 @@ MNIST-1D, an MLP with two hidden layers of 256 (84,746 parameters), 3 machines
 of one worker each (`num_nodes` = machines x workers), batch 32, Nesterov SGD at
 0.1 for 10 local steps, then the 4-bit min-max mean of the pseudo-gradients with
 error feedback and DiLoCo's outer Nesterov step (lr 0.7, momentum 0.9); 300 steps.
-`bench/faults.py --elastic` measures it under faults (BENCHMARKS.md, "Elastic").
+`python -m bench.faults --elastic` (bench/faults/elastic.py) measures it under faults
+(BENCHMARKS.md, "Elastic").
 """
 
 from configs import link_mlp

@@ -147,7 +147,7 @@ TINY_FLAGS = [
 ]
 
 
-# The 60-step run of bench/faults.py (its TRAIN_FLAGS), whose uninterrupted run
+# The 60-step run of bench/faults/common.py (its TRAIN_FLAGS), whose uninterrupted run
 # tests/test_faults.py shares (straight_process_run).
 PROCESS_FLAGS = TINY_FLAGS[:-5] + [
     "--config.algorithm=choco",
