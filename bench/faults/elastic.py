@@ -128,6 +128,8 @@ class Cluster:
                     *self._in(0), sys.executable, "-m", "lpdec.elastic", "serve",
                     "--bind", self.address, "--machines", str(ELASTIC_MACHINES),
                     "--heartbeat_timeout", str(ELASTIC_HEARTBEAT),
+                    # Namespaces this harness made: only its machines reach the service.
+                    "--private_network",
                 ],
                 1,
                 self.root / "service.log",
@@ -143,6 +145,7 @@ class Cluster:
             f"--workdir={self.workdir(m)}",
             *ELASTIC_FLAGS,
             f"--elastic_service={self.address}",
+            "--elastic_private_network",
             f"--elastic_machines={ELASTIC_MACHINES}",
             f"--elastic_machine={m}",
             f"--elastic_token_file={self.token}",
