@@ -96,11 +96,22 @@ def test_off_loopback_without_credentials_is_refused_unless_the_network_is_priva
     elastic.ElasticGroup("127.0.0.1:29600", 0, 3, b"t", "fp")
     elastic.ElasticGroup("10.11.12.13:29600", 0, 3, b"t", "fp", private_network=True)
     elastic_lib.check(elastic_mlp.get_config(), dataclasses.replace(options, private_network=True))
-    # The machine's credentials are read before anything starts: a slot they lack fails.
-    credentials.make(str(tmp_path / "run"), 3)
+    # The machine's credentials are read before anything starts: a directory without
+    # them fails, and so does a token other than the one they were made with.
+    credentials.make(str(tmp_path / "run"), 3, token=b"the run's token")
     lacking = dataclasses.replace(options, machine=2, credentials=str(tmp_path / "nothing"))
     with pytest.raises(ConfigError, match="run.json is missing"):
         elastic_lib.check(elastic_mlp.get_config(), lacking)
+    if _runtime.mtls_supported():
+        mine = dataclasses.replace(options, machine=2, credentials=str(tmp_path / "run"))
+        right = dataclasses.replace(mine, token=b"the run's token")
+        elastic_lib.check(elastic_mlp.get_config(), right)
+        with pytest.raises(ConfigError, match="token is not the run's"):
+            elastic_lib.check(elastic_mlp.get_config(), mine)  # token b"t"
+    creds = credentials.load(str(tmp_path / "run"), 1)
+    credentials.check_token(creds, b"the run's token")
+    with pytest.raises(ValueError, match="token is not the run's"):
+        credentials.check_token(creds, b"another")
 
 
 def test_credentials_on_a_jax_without_mutual_tls_are_refused_in_one_line(tmp_path, monkeypatch):

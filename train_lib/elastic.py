@@ -179,6 +179,8 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
     try:
         creds = options.machine_credentials()
         elastic.credentials.check(options.service, creds, options.private_network)
+        if creds is not None:
+            elastic.credentials.check_token(creds, options.token)
     except ValueError as error:
         raise ConfigError(f"--elastic_service={options.service}: {error}") from None
 

@@ -1,6 +1,6 @@
 """`python -m lpdec.elastic serve|credentials ...`: an elastic run's service, its credentials.
 
-python -m lpdec.elastic credentials DIR --machines M [--days D]
+python -m lpdec.elastic credentials DIR --machines M [--days D] [--token_file F]
 python -m lpdec.elastic serve --bind HOST:PORT --machines M [--credentials DIR]
     [--private_network] [--heartbeat_timeout S]
 """
@@ -31,10 +31,22 @@ def main(argv: list[str] | None = None) -> int:
     make.add_argument("directory")
     make.add_argument("--machines", type=int, required=True, help="machine slots")
     make.add_argument("--days", type=int, default=365, help="days the certificates are valid")
+    make.add_argument(
+        "--token_file", help="the run's token: a machine with another stops before it registers"
+    )
     args = parser.parse_args(argv)
     try:
         if args.command == "credentials":
-            prefix = credentials.make(args.directory, args.machines, days=args.days)
+            token = None
+            if args.token_file:
+                try:
+                    with open(args.token_file, "rb") as f:
+                        token = f.read().strip()
+                except OSError as error:
+                    raise ValueError(
+                        f"--token_file={args.token_file!r}: {error.strerror}"
+                    ) from None
+            prefix = credentials.make(args.directory, args.machines, days=args.days, token=token)
             print(
                 f"lpdec.elastic: credentials for {args.machines} machines in {args.directory} "
                 f"(peer prefix {prefix}); give each machine ca.pem and its machine-<m>*.pem, "

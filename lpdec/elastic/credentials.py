@@ -29,6 +29,8 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
+import hashlib
+import hmac
 import ipaddress
 import json
 import os
@@ -50,12 +52,15 @@ class Credentials:
       key_file: its private key (PEM).
       ca_file: the run's CA certificate (PEM).
       peer_prefix: the URI SAN prefix every peer's certificate must carry.
+      token_sha256: SHA-256 of the run's token, if `make` was given it: a machine
+        with another token stops before it registers (`check_token`).
     """
 
     cert_file: str
     key_file: str
     ca_file: str
     peer_prefix: str
+    token_sha256: str | None = None
 
     def jax_kwargs(self) -> dict[str, str]:
         """The `mtls_*` keyword arguments of jaxlib's service and client."""
@@ -71,11 +76,14 @@ def _name(role: str | int) -> str:
     return "service" if role == "service" else f"machine-{int(role)}"
 
 
-def make(directory: str, machines: int, *, days: int = 365) -> str:
+def make(directory: str, machines: int, *, days: int = 365, token: bytes | None = None) -> str:
     """Writes a new run's CA and certificates into `directory`; returns its peer prefix.
 
-    Refuses (ValueError) a directory that already holds a run's CA: a second CA
-    would lock out the machines that hold the first one's certificates.
+    `token`: the run's token, whose SHA-256 goes into run.json, so that a machine
+    started with another token stops in one line before it registers a slot (a
+    live machine's slot, claimed again, would be ended by jaxlib). Refuses
+    (ValueError) a directory that already holds a run's CA: a second CA would
+    lock out the machines that hold the first one's certificates.
     """
     from cryptography import x509  # noqa: PLC0415 - an optional dependency, on demand
     from cryptography.hazmat.primitives import hashes  # noqa: PLC0415
@@ -163,9 +171,10 @@ def make(directory: str, machines: int, *, days: int = 365) -> str:
         )
         (out / f"{_name(role)}.pem").write_bytes(cert.public_bytes(serialization.Encoding.PEM))
         write_key(out / f"{_name(role)}-key.pem", key)
-    (out / RUN).write_text(
-        json.dumps({"run_id": run_id, "peer_prefix": prefix, "machines": machines}) + "\n"
-    )
+    run = {"run_id": run_id, "peer_prefix": prefix, "machines": machines}
+    if token is not None:
+        run["token_sha256"] = hashlib.sha256(bytes(token)).hexdigest()
+    (out / RUN).write_text(json.dumps(run) + "\n")
     return prefix
 
 
@@ -195,7 +204,19 @@ def load(directory: str, role: str | int) -> Credentials:
     if role != "service" and not 0 <= int(role) < machines:
         raise ValueError(f"credentials {directory!r} are for {machines} machines, not slot {role}")
     cert, key = need(root / f"{_name(role)}.pem"), need(root / f"{_name(role)}-key.pem")
-    return Credentials(str(cert), str(key), str(need(root / CA)), prefix)
+    token_sha256 = run.get("token_sha256")
+    return Credentials(str(cert), str(key), str(need(root / CA)), prefix, token_sha256)
+
+
+def check_token(credentials: Credentials, token: bytes) -> None:
+    """One-line ValueError if `token` is not the one the credentials were made with."""
+    if credentials.token_sha256 is not None and not hmac.compare_digest(
+        hashlib.sha256(bytes(token)).hexdigest(), credentials.token_sha256
+    ):
+        raise ValueError(
+            "this machine's token is not the run's (its credentials were made with "
+            "another): it stops before it registers, leaving the run's machines alone"
+        )
 
 
 def is_loopback(address: str) -> bool:
