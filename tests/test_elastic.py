@@ -137,10 +137,10 @@ class _Procs:
         self.procs.append(proc)
         return proc
 
-    def service(self, machines: int, heartbeat: int = 2) -> str:
-        address = f"127.0.0.1:{harness.free_port()}"
+    def service(self, machines: int, heartbeat: int = 2, address: str = "", name="service") -> str:
+        address = address or f"127.0.0.1:{harness.free_port()}"
         self.start(
-            "service", sys.executable, "-m", "lpdec.elastic", "serve", "--bind", address,
+            name, sys.executable, "-m", "lpdec.elastic", "serve", "--bind", address,
             "--machines", str(machines), "--heartbeat_timeout", str(heartbeat),
         )  # fmt: skip
         time.sleep(1.0)
@@ -365,6 +365,45 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     for key in finals.files:
         np.testing.assert_array_equal(finals[key], rejoined[key])
     assert summaries["m0"]["final"]["train_loss"] < 1.0  # it trained (2.3 at the start)
+
+
+def test_train_py_machines_go_on_from_their_saved_round_when_the_service_starts_again(
+    procs, tmp_path
+):
+    """The service killed mid-run and started again on its address: jaxlib ends every
+    machine, their supervisors restart them, they find a fresh service and go on from
+    the round of the state each saved after every round (not from round 0), and end
+    with the same parameters."""
+    token = tmp_path / "token"
+    token.write_text("run-secret\n")
+    address = procs.service(3)
+    flag = f"--elastic_token_file={token}"
+    steps = "--config.num_steps=1500"
+    runs = [_train(procs, f"s{m}", address, m, tmp_path / f"m{m}", flag, steps) for m in range(3)]
+    exchanges = tmp_path / "m0" / "exchanges.csv"
+    _wait_for(
+        lambda: exchanges.exists() and len(exchanges.read_text().splitlines()) > 15,
+        120,
+        "15 rounds",
+    )
+    harness.kill_group(procs.procs[0])  # the service, SIGKILL
+    time.sleep(3)
+    procs.service(3, address=address, name="service2")
+    for proc in runs:
+        assert proc.wait(timeout=300) == 0, proc.out_path.read_text()[-3000:]
+        assert "restarting it to rejoin the run" in proc.out_path.read_text()
+    summaries = [json.loads((tmp_path / f"m{m}" / "summary.json").read_text()) for m in range(3)]
+    # Each went on from its saved state, or (one round behind) joined those that did.
+    went_on = [s["resumed_at_rounds"] + s["joined_at_rounds"] for s in summaries]
+    assert all(len(rounds) == 1 and rounds[0] >= 15 for rounds in went_on), went_on
+    with open(exchanges) as f:
+        rounds = [int(row["round"]) for row in csv.DictReader(f)]
+    assert rounds == sorted(rounds) and len(set(rounds)) == len(rounds)  # never from 0 again
+    assert len({s["final_anchor_digest"] for s in summaries}) == 1
+    finals = [np.load(tmp_path / f"m{m}" / "final_params.npz") for m in range(3)]
+    for key in finals[0].files:
+        for other in finals[1:]:
+            np.testing.assert_array_equal(finals[0][key], other[key])
 
 
 def test_a_diverging_elastic_run_counts_its_nan_steps_and_exits_3_on_every_machine(procs, tmp_path):

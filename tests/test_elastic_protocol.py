@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import threading
+import time
 
 import pytest
 
@@ -159,3 +160,19 @@ def test_a_write_the_service_refuses_is_service_lost():
         _contribute(m0, 0)
     service.kill(0)
     assert m0.lost()
+
+
+def test_resume_collects_every_live_machines_signed_round_and_ignores_forged_ones():
+    """On a fresh service each machine posts the round of its saved state: `resume`
+    returns once every live machine's record is in (or at its timeout), and a record
+    not signed with the run's token does not count."""
+    service, (m0, m1, m2) = _run()
+    stranger = _group(service, 2, token=b"guessed")
+    stranger.resume(99, "forged", timeout=0.0)  # the slot's record, forged: ignored
+    m1.store.put("resume/1", b"not json")
+    assert m0.resume(7, "d7", timeout=0.0) == {0: (7, "d7")}  # timed out: only its own
+    assert m1.resume(7, "d7", timeout=0.0) == {0: (7, "d7"), 1: (7, "d7")}
+    # The last live machine's record completes the set: no waiting for the timeout.
+    started = time.monotonic()
+    assert m2.resume(6, "d6", timeout=30.0) == {0: (7, "d7"), 1: (7, "d7"), 2: (6, "d6")}
+    assert time.monotonic() - started < 5

@@ -40,8 +40,10 @@ it hears the service again; `train.py`'s supervisor (`cli.run_elastic`)
 restarts it and it joins like any restarted machine. A call to the service that
 fails without that (`ServiceLost`) reconnects and joins in place. Data and
 random streams follow from the machine's slot and the round, so a rejoin
-replays what the machine would have seen. Nothing is checkpointed to disk: the
-live machines hold the state (if every machine is lost, the run is lost; see
+replays what the machine would have seen. After every round each machine writes
+the state it goes on from to its workdir (`STATE_FILE`): a service killed and
+started again finds every machine back (their supervisors restart them) with its
+saved round, and the run goes on from the highest (`ElasticTrainer._resume`; see
 docs/machines.md).
 """
 
@@ -60,9 +62,11 @@ import jax
 import ml_collections
 import numpy as np
 from absl import logging
+from flax import serialization
 
 import lpdec
 from lpdec import elastic
+from lpdec.elastic.signing import digest
 from train_lib import checkpoint
 from train_lib import evaluation
 from train_lib import loop
@@ -74,6 +78,9 @@ from train_lib import workdir as workdir_lib
 from train_lib.errors import ConfigError
 from train_lib.errors import RunError
 
+#: The state to go on from after the last decided round, rewritten after every round:
+#: a service started again resumes the run from it (`ElasticTrainer._resume`).
+STATE_FILE = "elastic_state.msgpack"
 EXCHANGE_FIELDS = (
     "round",
     "step",
@@ -249,7 +256,7 @@ def train_elastic(
 class ElasticTrainer:
     """One machine of an elastic run, plugged into `train_lib.loop.run`: it advances by
     rounds (local steps, then the exchange through the service), evaluates the anchor,
-    keeps nothing on disk (the live machines hold the state) and exports its anchor."""
+    writes the state it goes on from after every round and exports its anchor."""
 
     exports = True
 
@@ -284,12 +291,13 @@ class ElasticTrainer:
             per_node=False,
         )
         self.model_sig = elastic.signature(self.anchor)
+        self.fingerprint = fingerprint(config)
         self.group = elastic.ElasticGroup(
             options.service,
             options.machine,
             options.machines,
             options.token,
-            fingerprint(config),
+            self.fingerprint,
             heartbeat_timeout=options.heartbeat_timeout,
             connect_timeout=options.connect_timeout,
             credentials=options.machine_credentials(),
@@ -308,6 +316,7 @@ class ElasticTrainer:
         self.nonfinite_received = 0
         self.round = 0
         self.joins: list[int] = []
+        self.resumed: list[int] = []  # rounds this machine went on from its saved state
         self.history: list[dict] = []
         self.train_time = 0.0
         self.exchanges_path = os.path.join(workdir, "exchanges.csv")
@@ -347,8 +356,8 @@ class ElasticTrainer:
             }
         )
 
-    def _load_state(self, blob: bytes) -> int:
-        like = {
+    def _state_like(self) -> dict:
+        return {
             "round": np.int64(0),
             "machine_steps": np.int64(0),
             "anchor": self.anchor,
@@ -356,7 +365,9 @@ class ElasticTrainer:
             "inner": self._node0(self.opt_state),
             "model_state": self.model_state,
         }
-        state = elastic.unpack(blob, like)
+
+    def _load_state(self, blob: bytes) -> int:
+        state = elastic.unpack(blob, self._state_like())
         self.anchor, self.momentum = state["anchor"], state["momentum"]
         self.machine_steps = int(state["machine_steps"])
         self.model_state = state["model_state"]
@@ -369,22 +380,89 @@ class ElasticTrainer:
     # -- joining ---------------------------------------------------------------
 
     def _start(self) -> int:
-        """Connects; returns the round to start from (0, or a live machine's)."""
+        """Connects; returns the round to start from (0, a saved one, or a live machine's)."""
         self.group.connect()
         # For train.py's supervisor: this process took part, so a later abnormal end
         # (jaxlib ending a client the service declared lost) is worth a restart.
         with open(os.path.join(self.workdir, workdir_lib.ELASTIC_CONNECTED), "w") as f:
             f.write(f"{self.group.incarnation}\n")
-        latest = self.group.latest_round()
-        if latest is None:
-            if not self.options.token:
-                raise RunError(
-                    "an elastic run needs its secret: --elastic_token_file or "
-                    "LPDEC_ELASTIC_TOKEN (a machine without it can only be refused)"
-                )
-            logging.info("elastic: machine %d starts the run", self.options.machine)
+        return self._enter()
+
+    def _enter(self) -> int:
+        """The round to go on from, once connected: a run in progress is joined; on a
+        fresh service the machines' saved states decide (`_resume`)."""
+        if self.group.latest_round() is not None:
+            return self._join()
+        if not self.options.token:
+            raise RunError(
+                "an elastic run needs its secret: --elastic_token_file or "
+                "LPDEC_ELASTIC_TOKEN (a machine without it can only be refused)"
+            )
+        return self._resume()
+
+    # -- the state on disk: a service that restarts -----------------------------
+
+    def _state_path(self) -> str:
+        return os.path.join(self.workdir, STATE_FILE)
+
+    def _persist(self) -> None:
+        """Writes the state to start round `self.round` from (atomically): what the run
+        goes on from if the service is lost and started again (`_resume`)."""
+        record = {"fingerprint": self.fingerprint, "state": self._state_bytes(self.round)}
+        tmp = self._state_path() + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(serialization.msgpack_serialize(record))
+        os.replace(tmp, self._state_path())
+
+    def _saved(self) -> bytes | None:
+        """This run's saved state (None: none, or another run's)."""
+        try:
+            with open(self._state_path(), "rb") as f:
+                record = serialization.msgpack_restore(f.read())
+        except (OSError, ValueError):
+            return None
+        if not isinstance(record, dict) or record.get("fingerprint") != self.fingerprint:
+            return None
+        return bytes(record["state"])
+
+    def _resume(self) -> int:
+        """A fresh service: every machine posts the round of its saved state; the holders
+        of the highest round (the lowest one's bytes) go on from it, the others join
+        them; with no saved state anywhere the run starts at round 0."""
+        me = self.options.machine
+        blob = self._saved()
+        mine = (-1, "")
+        if blob is not None:
+            try:
+                mine = (int(elastic.unpack(blob, self._state_like())["round"]), digest(blob))
+            except ValueError:  # another model's state: this run cannot go on from it
+                blob = None
+        records = self.group.resume(mine[0], mine[1], self.options.join_timeout)
+        best = max((r for r, _ in records.values()), default=-1)
+        if best < 0:
+            logging.info("elastic: machine %d starts the run", me)
             self.group.mark_active()
             return 0
+        seed = min(m for m, (r, _) in records.items() if r == best)
+        if mine == records[seed]:
+            round_ = self._load_state(blob)
+            logging.warning(
+                "elastic: machine %d goes on from its saved state at round %d (the service "
+                "started again; machines %s hold that round)",
+                me,
+                round_,
+                sorted(m for m, r in records.items() if r == records[seed]),
+            )
+            self.resumed.append(round_)
+            self.group.mark_active()
+            return round_
+        logging.warning(
+            "elastic: machine %d's saved state is at round %d; the run goes on from round %d: "
+            "joining",
+            me,
+            mine[0],
+            best,
+        )
         return self._join()
 
     def _join(self) -> int:
@@ -421,7 +499,7 @@ class ElasticTrainer:
         while True:
             try:
                 self.group.connect()
-                return self._join()
+                return self._enter()
             except elastic.ServiceLost as again:
                 if time.monotonic() > deadline:
                     raise ElasticLost(
@@ -511,6 +589,7 @@ class ElasticTrainer:
                     "elastic: round %d's members started from different anchors", self.round
                 )
             self.round += 1
+            self._persist()
             if self._step(self.round) % log_every < self.H:
                 break
         # Joined for the run's final state after its last round: that state is logged.
@@ -532,7 +611,7 @@ class ElasticTrainer:
         return updates, self.nonfinite_received, theta
 
     def save(self, step: int, meta: dict[str, Any]) -> None:
-        """Nothing on disk: the live machines hold the state (module docstring)."""
+        """Nothing more: `advance` writes the state after every round (`_persist`)."""
 
     def end(self, step: int, diverged: bool) -> dict[str, Any]:
         if not diverged:
@@ -550,6 +629,7 @@ class ElasticTrainer:
             "machines": options.machines,
             "local_steps": self.h,
             "joined_at_rounds": self.joins,
+            "resumed_at_rounds": self.resumed,
             "rounds_included": sum(int(r["included"]) for r in history),
             "rounds_seen": len(history),
             "rounds_short": sum(len(r["members"].split()) < options.machines for r in history),

@@ -222,6 +222,37 @@ class ElasticGroup:
         """Declares this incarnation a trainer: exchanges wait for its contributions."""
         self.store.put(f"active/{self.machine}", str(self.incarnation).encode())
 
+    def resume(self, round_: int, state_digest: str, timeout: float) -> dict[int, tuple[int, str]]:
+        """On a fresh service (no round decided): where each machine's saved state is.
+
+        Posts this machine's signed record (the round its saved state starts, -1 for
+        none, and the state's digest), then waits until every machine the service
+        hears has posted one, or `timeout` seconds. Returns {machine: (round,
+        digest)} of the records that verify: the machines holding the highest round
+        (with the lowest one's digest) go on from their own state, the others join.
+
+        Raises:
+          ServiceLost: the service went away.
+        """
+        record = {"machine": self.machine, "round": int(round_), "digest": state_digest}
+        record["mac"] = self.signer.sign("r", self.machine, int(round_), state_digest)
+        self.store.put(f"resume/{self.machine}", json.dumps(record).encode())
+        started = time.monotonic()
+        while True:
+            self.check_lost()
+            records = {}
+            for name, raw in self.store.dir("resume").items():
+                try:
+                    r = json.loads(raw)
+                    m, at, dig = int(r["machine"]), int(r["round"]), str(r["digest"])
+                except (ValueError, KeyError, TypeError):
+                    continue
+                if m == int(name) and self.signer.verify(r.get("mac"), "r", m, at, dig):
+                    records[m] = (at, dig)
+            if set(self.live()) <= set(records) or time.monotonic() - started >= timeout:
+                return records
+            time.sleep(self.poll_s)
+
     def expected(self) -> set[int]:
         """The machines an exchange waits for: alive, and training under that incarnation."""
         active = {int(m): int(v) for m, v in self.store.dir("active").items()}
