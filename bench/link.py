@@ -599,6 +599,12 @@ def table(
             reached = time_to_target(base["rates"][rate]["curve"], final, lower)
             if reached:
                 equal = f"{reached / at['curve'][-1][0]:.2f}x"
+                # Its ceiling: the same over the method's whole time on the unshaped link.
+                if free and ttt is None:
+                    equal += (
+                        f" (ceiling {reached / free[-1][0]:.2f}x, "
+                        f"{free[-1][0] / at['curve'][-1][0]:.0%} of it)"
+                    )
         evaluation = "—"
         if at.get("clock_curve") and at["curve"]:
             evaluation = f"+{at['clock_curve'][-1][0] / at['curve'][-1][0] - 1:.1%}"
@@ -657,7 +663,9 @@ def section(all_results: dict, args, command: str) -> str:
         f"target: training time until the node-averaged model reaches the target "
         f"{workload.metric_name} ({target_text}; compilation not counted); at equal "
         f"{workload.metric_name}: the all-reduce's training time to this method's final value "
-        "over this method's whole training time (for methods that end short of the target); "
+        "over this method's whole training time (for methods that end short of the target), "
+        "with its ceiling: the same over the method's whole time on the unshaped link, and "
+        "the fraction of it reached; "
         "ceiling: the all-reduce's time to target on this link over the method's on the "
         "unshaped link (the speed-up these cores allow if the link cost nothing), and of "
         "ceiling: the speed-up over it; "

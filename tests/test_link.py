@@ -238,6 +238,16 @@ def test_target_final_is_the_baseline_final_accuracy_per_link():
     assert "| 1.0 s | 20.00x | 40.00x | 50% |" in rows[3], rows
     with pytest.raises(ValueError, match="needs the baseline"):
         link.targets([fast], ["100mbit"], None)
+    # A method that ends short of the target (0.65 < 0.7): the all-reduce reaches 0.65
+    # at 20 s on this link; the method's whole run took 2 s here and 0.8 s unshaped:
+    # 10x at equal accuracy, its ceiling 20 / 0.8 = 25x, reached 0.8 / 2 = 40%.
+    short = result(
+        "diloco2",
+        {"unshaped": 0.65, "100mbit": 0.65},
+        {"unshaped": [(0.4, 0.6), (0.8, 0.65)], "100mbit": [(1.0, 0.6), (2.0, 0.65)]},
+    )
+    rows = link.table([base, short], "100mbit", 0.7).splitlines()
+    assert "| not reached | — | — | — | 10.00x (ceiling 25.00x, 40% of it) |" in rows[3], rows
 
 
 @pytest.mark.parametrize(
