@@ -378,7 +378,7 @@ def test_train_py_machines_go_on_from_their_saved_round_when_the_service_starts_
     token.write_text("run-secret\n")
     address = procs.service(3)
     flag = f"--elastic_token_file={token}"
-    steps = "--config.num_steps=1500"
+    steps = "--config.num_steps=800"  # 80 rounds: the service is killed after 15
     runs = [_train(procs, f"s{m}", address, m, tmp_path / f"m{m}", flag, steps) for m in range(3)]
     exchanges = tmp_path / "m0" / "exchanges.csv"
     _wait_for(
