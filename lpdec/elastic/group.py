@@ -12,6 +12,8 @@ number. Everything else goes through the service's key-value store, under
     r<R>/d              the round's decision: which contributions the mean is over
     latest              the newest decided round
     join/<m>            a join request;  reply/<m>/<nonce>: its answer
+    finished, done/<m>  the run's last round; the machines that finished it
+    resume/<m>          on a fresh service: the round of m's saved state (`resume`)
 
 **The exchange of round R** (`exchange`). A machine writes its contribution,
 then waits until every *expected* machine has contributed (alive, with the
