@@ -120,7 +120,8 @@ def main(argv=None) -> int:
             f"`{command}`",
             "",
             f"From the link bytes `bench/link.py --workload lm` measured between 2 machines on "
-            f"`configs/lm_small.py` ({parameters:,} parameters, each machine's model sharded "
+            f"`{os.path.relpath(data['args']['config'], ROOT)}` ({parameters:,} parameters, "
+            "each machine's model sharded "
             "over its 4 workers): bytes per parameter per exchange, scaled to the model and "
             "the machine count (mean-based exchanges: x 2 (M - 1) / M; gossip on a ring: 2 "
             "neighbours from M = 3). Seconds per exchange on the link, and in parentheses "
