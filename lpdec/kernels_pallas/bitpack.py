@@ -16,6 +16,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lpdec.kernels_pallas import _blocks
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
 
@@ -91,16 +92,16 @@ def _unpack_kernel(packed_ref, out_ref, *, bits):
     out_ref[...] = _unpack_groups(packed_ref[...], bits)
 
 
-def _group_blocks(target, groups: int, bits: int, block_groups: int | None = None):
-    """(groups per block, padded groups, the blocks) of the [G, 8] <-> [G, bits] kernels.
+def _group_grid(target, groups: int, bits: int, block_groups: int | None = None):
+    """The grid of the [G, 8] <-> [G, bits] kernels.
 
     A group moves 8 codes in and `bits` bytes out (or back): the block size counts
     16 elements per group.
     """
-    bg = block_groups or target.block_rows(groups, 2 * _GROUP, (jnp.uint8,))
-    padded = platforms.num_rows(groups, bg) * bg
-    blocks = [((bg, _GROUP), (padded, _GROUP), jnp.uint8), ((bg, bits), (padded, bits), jnp.uint8)]
-    return bg, padded, blocks
+    operands = [(_GROUP, jnp.uint8), (bits, jnp.uint8)]
+    return _blocks.row_grid(
+        target, groups, operands, block_rows=block_groups, row_length=2 * _GROUP
+    )
 
 
 def pack_lowers(target, groups: int, bits: int) -> bool:
@@ -114,7 +115,7 @@ def pack_lowers(target, groups: int, bits: int) -> bool:
         return False
     if target.platform == "gpu":
         return platforms.pallas_triton is not None and groups * _GROUP < 2**31
-    return target.lowers(*_group_blocks(target, groups, bits)[2])
+    return target.lowers(*_group_grid(target, groups, bits).blocks)
 
 
 # ----------------------------------------------------------------------------
@@ -151,14 +152,14 @@ def _gpu_unpack_kernel(packed_ref, out_ref, *, bits, bg, width):
 
 def _gpu_call(kernel, flat, *, out_size: int, groups: int, bits: int, target, block_groups=None):
     width = 1 << (bits - 1).bit_length()
-    bg = block_groups or platforms.block_rows_for(groups, 2 * _GROUP, target.block_elements)
+    bg, steps = _blocks.flat_grid(target, groups, 2 * _GROUP, block_groups)
     return target.pallas_call(
         functools.partial(kernel, bits=bits, bg=bg, width=width),
         block_elements=bg * 2 * _GROUP,
-        grid=(platforms.num_rows(groups, bg),),
-        in_specs=[pl.BlockSpec((flat.size,), lambda i: (0,))],
-        out_specs=pl.BlockSpec((out_size,), lambda i: (0,)),
-        out_shape=platforms.out_struct((out_size,), jnp.uint8, flat),
+        grid=(steps,),
+        in_specs=[_blocks.whole(flat.size)],
+        out_specs=_blocks.whole(out_size),
+        out_shape=_blocks.out_struct((out_size,), jnp.uint8, flat),
     )(flat)
 
 
@@ -169,7 +170,7 @@ def _gpu_pack(codes, *, bits: int, target, block_groups=None):
         _gpu_pack_kernel,
         codes.reshape(-1).astype(jnp.uint8),
         out_size=packed_size(d, bits),
-        groups=platforms.num_rows(d, _GROUP),
+        groups=_blocks.num_rows(d, _GROUP),
         bits=bits,
         target=target,
         block_groups=block_groups,
@@ -182,7 +183,7 @@ def _gpu_unpack(packed, *, bits: int, num_elements: int, target, block_groups=No
         _gpu_unpack_kernel,
         packed.reshape(-1),
         out_size=num_elements,
-        groups=platforms.num_rows(num_elements, _GROUP),
+        groups=_blocks.num_rows(num_elements, _GROUP),
         bits=bits,
         target=target,
         block_groups=block_groups,
@@ -203,15 +204,16 @@ def _group_call(kernel, grouped, *, width_in, width_out, bits, block_groups, tar
                 block_groups=block_groups,
             )
         return out.reshape(groups, width_out)
-    bg, padded, _ = _group_blocks(target, groups, bits, block_groups)
+    grid = _group_grid(target, groups, bits, block_groups)
+    bg, padded = grid.block_rows, grid.padded
     out = target.pallas_call(
         functools.partial(kernel, bits=bits),
         block_elements=bg * 2 * _GROUP,
         grid=(padded // bg,),
-        in_specs=[pl.BlockSpec((bg, width_in), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((bg, width_out), lambda i: (i, 0)),
-        out_shape=platforms.out_struct((padded, width_out), jnp.uint8, grouped),
-    )(jnp.pad(grouped, ((0, padded - groups), (0, 0))))
+        in_specs=[_blocks.row_spec(bg, width_in)],
+        out_specs=_blocks.row_spec(bg, width_out),
+        out_shape=_blocks.out_struct((padded, width_out), jnp.uint8, grouped),
+    )(_blocks.pad_rows(grouped, padded))
     return out[:groups]
 
 
@@ -273,7 +275,7 @@ def _pack_bits_on(codes: jax.Array, *, bits: int, target) -> jax.Array:
     d = codes.shape[0]
     if bits == 8:
         return codes.astype(jnp.uint8)
-    groups = platforms.num_rows(d, _GROUP)
+    groups = _blocks.num_rows(d, _GROUP)
     if target is not None and target.platform == "gpu" and pack_lowers(target, groups, bits):
         return _gpu_pack(codes, bits=bits, target=target)
     grouped = jnp.pad(codes.astype(jnp.uint8), (0, groups * _GROUP - d)).reshape(groups, _GROUP)
@@ -294,7 +296,7 @@ def _unpack_bits_on(packed: jax.Array, *, bits: int, num_elements: int, target) 
         )
     if bits == 8:
         return packed
-    groups = platforms.num_rows(num_elements, _GROUP)
+    groups = _blocks.num_rows(num_elements, _GROUP)
     if target is not None and target.platform == "gpu" and pack_lowers(target, groups, bits):
         return _gpu_unpack(packed, bits=bits, num_elements=num_elements, target=target)
     grouped = jnp.pad(packed, (0, groups * bits - expected)).reshape(groups, bits)

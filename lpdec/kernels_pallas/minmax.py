@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lpdec.kernels_pallas import _blocks
 from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import minmax_gpu
 from lpdec.kernels_pallas import minmax_jnp
@@ -107,21 +108,11 @@ def _accumulate_kernel(weight_ref, acc_ref, codes_ref, lo_ref, unit_ref, out_ref
     )
 
 
-def _row_blocks(target, rows: int, chunk: int, dtypes, block_rows: int | None = None):
-    """(rows per block, padded rows, the row blocks) of a [rows, chunk] kernel.
-
-    Each row block is a (block, array, dtype) triple for `Target.lowers`: a
-    [br, chunk] block of every dtype in `dtypes` and the [br, 1] float32 scales.
-    """
-    br = block_rows or target.block_rows(rows, chunk, (*dtypes, jnp.float32))
-    padded = platforms.num_rows(rows, br) * br
-    blocks = [((br, chunk), (padded, chunk), d) for d in dtypes]
-    blocks.append(((br, 1), (padded, 1), jnp.float32))
-    return br, padded, blocks
-
-
-def _row_spec(br, width):
-    return pl.BlockSpec((br, width), lambda i: (i, 0))
+def _row_grid(target, rows: int, chunk: int, dtypes, block_rows: int | None = None):
+    """The grid of a [rows, chunk] kernel: [rows, chunk] operands of `dtypes`, [rows, 1]
+    float32 scales."""
+    operands = [*((chunk, d) for d in dtypes), (1, jnp.float32)]
+    return _blocks.row_grid(target, rows, operands, block_rows=block_rows)
 
 
 def quantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
@@ -135,7 +126,7 @@ def quantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
         return False
     if target.platform == "gpu":
         return minmax_gpu.lowers(rows * chunk)
-    return target.lowers(*_row_blocks(target, rows, chunk, (dtype, jnp.uint8))[2])
+    return target.lowers(*_row_grid(target, rows, chunk, (dtype, jnp.uint8)).blocks)
 
 
 def gpu_quantizes(target, rows: int, chunk: int, dtype) -> bool:
@@ -153,7 +144,7 @@ def dequantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
         return False
     if target.platform == "gpu":
         return minmax_gpu.lowers(rows * chunk)
-    return target.lowers(*_row_blocks(target, rows, chunk, (jnp.uint8, dtype))[2])
+    return target.lowers(*_row_grid(target, rows, chunk, (jnp.uint8, dtype)).blocks)
 
 
 @functools.partial(
@@ -198,7 +189,8 @@ def _quantize_call(x2d, seeds, *, bits, stochastic, block_rows, target):
             block_rows=block_rows,
         )
         return codes.reshape(rows, chunk), lo[:, None], unit[:, None]
-    br, padded, _ = _row_blocks(target, rows, chunk, (x2d.dtype, jnp.uint8), block_rows)
+    grid = _row_grid(target, rows, chunk, (x2d.dtype, jnp.uint8), block_rows)
+    br, padded = grid.block_rows, grid.padded
     # The CPU kernel reduces like the reference (one variadic reduce); Triton and
     # Mosaic know only reduce_min/reduce_max (same values, see minmax_jnp.row_min_max).
     kernel = functools.partial(
@@ -212,14 +204,14 @@ def _quantize_call(x2d, seeds, *, bits, stochastic, block_rows, target):
         kernel,
         block_elements=br * chunk,
         grid=(padded // br,),
-        in_specs=[target.scalar_spec((1, 2)), _row_spec(br, chunk)],
-        out_specs=[_row_spec(br, chunk), _row_spec(br, 1), _row_spec(br, 1)],
+        in_specs=[target.scalar_spec((1, 2)), _blocks.row_spec(br, chunk)],
+        out_specs=[_blocks.row_spec(br, chunk), _blocks.row_spec(br, 1), _blocks.row_spec(br, 1)],
         out_shape=[
-            platforms.out_struct((padded, chunk), jnp.uint8, x2d),
-            platforms.out_struct((padded, 1), jnp.float32, x2d),
-            platforms.out_struct((padded, 1), jnp.float32, x2d),
+            _blocks.out_struct((padded, chunk), jnp.uint8, x2d),
+            _blocks.out_struct((padded, 1), jnp.float32, x2d),
+            _blocks.out_struct((padded, 1), jnp.float32, x2d),
         ],
-    )(seeds, platforms.pad_rows(x2d, padded))
+    )(seeds, _blocks.pad_rows(x2d, padded))
     return codes[:rows], lo[:rows], unit[:rows]
 
 
@@ -254,18 +246,19 @@ def _dequantize_call(codes, lo, unit, *, dtype, block_rows, target):
             block_rows=block_rows,
         )
         return out.reshape(rows, chunk)
-    br, padded, _ = _row_blocks(target, rows, chunk, (jnp.uint8, dtype), block_rows)
+    grid = _row_grid(target, rows, chunk, (jnp.uint8, dtype), block_rows)
+    br, padded = grid.block_rows, grid.padded
     out = target.pallas_call(
         _dequantize_kernel,
         block_elements=br * chunk,
         grid=(padded // br,),
-        in_specs=[_row_spec(br, chunk), _row_spec(br, 1), _row_spec(br, 1)],
-        out_specs=_row_spec(br, chunk),
-        out_shape=platforms.out_struct((padded, chunk), dtype, codes),
+        in_specs=[_blocks.row_spec(br, chunk), _blocks.row_spec(br, 1), _blocks.row_spec(br, 1)],
+        out_specs=_blocks.row_spec(br, chunk),
+        out_shape=_blocks.out_struct((padded, chunk), dtype, codes),
     )(
-        platforms.pad_rows(codes, padded),
-        platforms.pad_rows(lo, padded),
-        platforms.pad_rows(unit, padded),
+        _blocks.pad_rows(codes, padded),
+        _blocks.pad_rows(lo, padded),
+        _blocks.pad_rows(unit, padded),
     )
     return out[:rows]
 
@@ -307,27 +300,28 @@ def _accumulate_call(acc, weight, codes, lo, unit, *, block_rows, target):
             block_rows=block_rows,
         )
         return out.reshape(rows, chunk)
-    br, padded, _ = _row_blocks(target, rows, chunk, (jnp.uint8, jnp.float32), block_rows)
+    grid = _row_grid(target, rows, chunk, (jnp.uint8, jnp.float32), block_rows)
+    br, padded = grid.block_rows, grid.padded
     out = target.pallas_call(
         _accumulate_kernel,
         block_elements=br * chunk,
         grid=(padded // br,),
         in_specs=[
             target.scalar_spec((1, 1)),
-            _row_spec(br, chunk),
-            _row_spec(br, chunk),
-            _row_spec(br, 1),
-            _row_spec(br, 1),
+            _blocks.row_spec(br, chunk),
+            _blocks.row_spec(br, chunk),
+            _blocks.row_spec(br, 1),
+            _blocks.row_spec(br, 1),
         ],
-        out_specs=_row_spec(br, chunk),
-        out_shape=platforms.out_struct((padded, chunk), jnp.float32, acc),
+        out_specs=_blocks.row_spec(br, chunk),
+        out_shape=_blocks.out_struct((padded, chunk), jnp.float32, acc),
         input_output_aliases={1: 0},
     )(
         weight,
-        platforms.pad_rows(acc.astype(jnp.float32), padded),
-        platforms.pad_rows(codes, padded),
-        platforms.pad_rows(lo, padded),
-        platforms.pad_rows(unit, padded),
+        _blocks.pad_rows(acc.astype(jnp.float32), padded),
+        _blocks.pad_rows(codes, padded),
+        _blocks.pad_rows(lo, padded),
+        _blocks.pad_rows(unit, padded),
     )
     return out[:rows]
 
@@ -347,7 +341,7 @@ def _layout(size: int, chunk: int | None, shape: tuple[int, ...]) -> tuple[int, 
     if chunk is None:
         chunk = shape[-1] if shape else 1
     chunk = max(1, chunk)
-    return platforms.num_rows(size, chunk), chunk
+    return _blocks.num_rows(size, chunk), chunk
 
 
 def _as_rows(x, rows: int, chunk: int, mode: str):

@@ -39,6 +39,7 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from lpdec.kernels_pallas import _blocks
 from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import minmax
 from lpdec.kernels_pallas import minmax_gpu
@@ -72,7 +73,7 @@ def _gpu_quantize_packed_tree(xs, seeds, *, chunk: int, bits: int, stochastic: b
     Returns [(packed codes, lo [rows, 1], unit [rows, 1]) per array].
     """
     sizes = [x.size for x in xs]
-    rows = [platforms.num_rows(d, chunk) for d in sizes]
+    rows = [_blocks.num_rows(d, chunk) for d in sizes]
     first_rows = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(int)
     buffer = jnp.concatenate(
         [
@@ -113,7 +114,7 @@ def _buffers(xs, chunk: int, target) -> list[list[int]]:
         return []
     buffers, open_buffer = [], {}  # dtype -> (indices, rows) of the buffer being filled
     for i, x in enumerate(xs):
-        rows = platforms.num_rows(x.size, chunk)
+        rows = _blocks.num_rows(x.size, chunk)
         if not x.size or not minmax.quantize_lowers(target, rows, chunk, x.dtype):
             continue
         index, filled = open_buffer.get(jnp.dtype(x.dtype), (None, 0))

@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lpdec.kernels_pallas import _blocks
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
 
@@ -68,12 +69,10 @@ def _encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochastic, 
     )
 
 
-def _row_blocks(target, rows: int, width: int, dtype, block_rows: int | None = None):
-    """(rows per block, padded rows, the blocks) of the encode kernel."""
-    br = block_rows or target.block_rows(rows, width, (dtype, jnp.uint8))
-    padded = platforms.num_rows(rows, br) * br
-    blocks = [((br, width), (padded, width), d) for d in (dtype, jnp.uint8)]
-    return br, padded, blocks
+def _row_grid(target, rows: int, width: int, dtype, block_rows: int | None = None):
+    """The grid of the encode kernel: [rows, width] `dtype` in, uint8 codes out."""
+    operands = [(width, dtype), (width, jnp.uint8)]
+    return _blocks.row_grid(target, rows, operands, block_rows=block_rows)
 
 
 def encode_lowers(target, rows: int, width: int, dtype) -> bool:
@@ -87,7 +86,7 @@ def encode_lowers(target, rows: int, width: int, dtype) -> bool:
         return False
     if target.platform == "gpu":
         return platforms.pallas_triton is not None and rows * width < 2**31
-    return target.lowers(*_row_blocks(target, rows, width, dtype)[2])
+    return target.lowers(*_row_grid(target, rows, width, dtype).blocks)
 
 
 def _gpu_encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochastic, rows):
@@ -107,16 +106,14 @@ def _gpu_encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochast
 def _gpu_encode(flat, seeds, scale, *, bits: int, stochastic: bool, target, block_rows=None):
     """GPU kernel: uint8 codes of a flat float array, no padding (see encode_lowers)."""
     d = flat.size
-    rows = platforms.num_rows(d, _ROW)
-    br = block_rows or platforms.block_rows_for(rows, _ROW, target.block_elements)
-    whole = pl.BlockSpec((d,), lambda i: (0,))
+    br, steps = _blocks.flat_grid(target, _blocks.num_rows(d, _ROW), _ROW, block_rows)
     return target.pallas_call(
         functools.partial(_gpu_encode_kernel, bits=bits, stochastic=stochastic, rows=br),
         block_elements=br * _ROW,
-        grid=(platforms.num_rows(rows, br),),
-        in_specs=[target.scalar_spec((1, 2)), target.scalar_spec((1, 1)), whole],
-        out_specs=whole,
-        out_shape=platforms.out_struct((d,), jnp.uint8, flat),
+        grid=(steps,),
+        in_specs=[target.scalar_spec((1, 2)), target.scalar_spec((1, 1)), _blocks.whole(d)],
+        out_specs=_blocks.whole(d),
+        out_shape=_blocks.out_struct((d,), jnp.uint8, flat),
     )(seeds, scale.reshape(1, 1), flat)
 
 
@@ -162,7 +159,8 @@ def _encode_call(x2d, seeds, scale, *, bits, stochastic, block_rows, target):
             block_rows=block_rows,
         )
         return codes.reshape(rows, width)
-    br, padded, _ = _row_blocks(target, rows, width, x2d.dtype, block_rows)
+    grid = _row_grid(target, rows, width, x2d.dtype, block_rows)
+    br, padded = grid.block_rows, grid.padded
     codes = target.pallas_call(
         functools.partial(_encode_kernel, bits=bits, stochastic=stochastic, rows=br),
         block_elements=br * width,
@@ -170,11 +168,11 @@ def _encode_call(x2d, seeds, scale, *, bits, stochastic, block_rows, target):
         in_specs=[
             target.scalar_spec((1, 2)),
             target.scalar_spec((1, 1)),
-            pl.BlockSpec((br, width), lambda i: (i, 0)),
+            _blocks.row_spec(br, width),
         ],
-        out_specs=pl.BlockSpec((br, width), lambda i: (i, 0)),
-        out_shape=platforms.out_struct((padded, width), jnp.uint8, x2d),
-    )(seeds, scale, platforms.pad_rows(x2d, padded))
+        out_specs=_blocks.row_spec(br, width),
+        out_shape=_blocks.out_struct((padded, width), jnp.uint8, x2d),
+    )(seeds, scale, _blocks.pad_rows(x2d, padded))
     return codes[:rows]
 
 
@@ -182,7 +180,7 @@ def _encode_on(x, seeds, scale, *, bits: int, stochastic: bool, target):
     """The encode `target` runs on x viewed as rows of `_ROW`: its kernel, or the jnp reference."""
     d = x.size
     width = max(1, min(_ROW, d))
-    rows = platforms.num_rows(d, width)
+    rows = _blocks.num_rows(d, width)
     flat = x.reshape(-1)
     if (
         target is not None

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lpdec.kernels_pallas import _blocks
 from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import mx_gpu
 from lpdec.kernels_pallas import mx_jnp
@@ -98,17 +99,9 @@ def _accumulate_kernel(weight_ref, acc_ref, codes_ref, scales_ref, out_ref, *, f
     )
 
 
-def _row_blocks(target, rows: int, dtypes):
-    """(rows per block, padded rows, the operand blocks) of a [rows, 32] kernel."""
-    br = target.block_rows(rows, BLOCK, (*dtypes, jnp.uint8))
-    padded = platforms.num_rows(rows, br) * br
-    blocks = [((br, BLOCK), (padded, BLOCK), d) for d in dtypes]
-    blocks.append(((br, 1), (padded, 1), jnp.uint8))
-    return br, padded, blocks
-
-
-def _row_spec(br, width):
-    return pl.BlockSpec((br, width), lambda i: (i, 0))
+def _row_grid(target, rows: int, dtypes):
+    """The grid of a [rows, 32] kernel: [rows, 32] operands of `dtypes`, [rows, 1] uint8 scales."""
+    return _blocks.row_grid(target, rows, [*((BLOCK, d) for d in dtypes), (1, jnp.uint8)])
 
 
 def kernel_lowers(target, rows: int, dtype) -> bool:
@@ -119,11 +112,7 @@ def kernel_lowers(target, rows: int, dtype) -> bool:
     """
     if target is None or not rows:
         return False
-    return target.lowers(*_row_blocks(target, rows, (dtype, jnp.uint8))[2])
-
-
-def _pad(x2d, padded):
-    return jnp.pad(x2d, ((0, padded - x2d.shape[0]), (0, 0)))
+    return target.lowers(*_row_grid(target, rows, (dtype, jnp.uint8)).blocks)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "stochastic", "interpret", "platform"))
@@ -147,19 +136,20 @@ def quantize_pallas(
 
 def _quantize_call(x2d, seeds, *, fmt, stochastic, target):
     rows = x2d.shape[0]
-    br, padded, _ = _row_blocks(target, rows, (x2d.dtype, jnp.uint8))
+    grid = _row_grid(target, rows, (x2d.dtype, jnp.uint8))
+    br, padded = grid.block_rows, grid.padded
     kernel = functools.partial(_quantize_kernel, fmt=fmt, stochastic=stochastic, rows=br)
     codes, scales = target.pallas_call(
         kernel,
         block_elements=br * BLOCK,
         grid=(padded // br,),
-        in_specs=[target.scalar_spec((1, 2)), _row_spec(br, BLOCK)],
-        out_specs=[_row_spec(br, BLOCK), _row_spec(br, 1)],
+        in_specs=[target.scalar_spec((1, 2)), _blocks.row_spec(br, BLOCK)],
+        out_specs=[_blocks.row_spec(br, BLOCK), _blocks.row_spec(br, 1)],
         out_shape=[
-            platforms.out_struct((padded, BLOCK), jnp.uint8, x2d),
-            platforms.out_struct((padded, 1), jnp.uint8, x2d),
+            _blocks.out_struct((padded, BLOCK), jnp.uint8, x2d),
+            _blocks.out_struct((padded, 1), jnp.uint8, x2d),
         ],
-    )(seeds, _pad(x2d, padded))
+    )(seeds, _blocks.pad_rows(x2d, padded))
     return codes[:rows], scales[:rows]
 
 
@@ -182,15 +172,16 @@ def dequantize_pallas(
 
 def _dequantize_call(codes, scales, *, fmt, dtype, target):
     rows = codes.shape[0]
-    br, padded, _ = _row_blocks(target, rows, (jnp.uint8, dtype))
+    grid = _row_grid(target, rows, (jnp.uint8, dtype))
+    br, padded = grid.block_rows, grid.padded
     out = target.pallas_call(
         functools.partial(_dequantize_kernel, fmt=fmt),
         block_elements=br * BLOCK,
         grid=(padded // br,),
-        in_specs=[_row_spec(br, BLOCK), _row_spec(br, 1)],
-        out_specs=_row_spec(br, BLOCK),
-        out_shape=platforms.out_struct((padded, BLOCK), dtype, codes),
-    )(_pad(codes, padded), _pad(scales, padded))
+        in_specs=[_blocks.row_spec(br, BLOCK), _blocks.row_spec(br, 1)],
+        out_specs=_blocks.row_spec(br, BLOCK),
+        out_shape=_blocks.out_struct((padded, BLOCK), dtype, codes),
+    )(_blocks.pad_rows(codes, padded), _blocks.pad_rows(scales, padded))
     return out[:rows]
 
 
@@ -215,21 +206,27 @@ def dequantize_accumulate_pallas(
 
 def _accumulate_call(acc, weight, codes, scales, *, fmt, target):
     rows = codes.shape[0]
-    br, padded, _ = _row_blocks(target, rows, (jnp.uint8, jnp.float32))
+    grid = _row_grid(target, rows, (jnp.uint8, jnp.float32))
+    br, padded = grid.block_rows, grid.padded
     out = target.pallas_call(
         functools.partial(_accumulate_kernel, fmt=fmt),
         block_elements=br * BLOCK,
         grid=(padded // br,),
         in_specs=[
             target.scalar_spec((1, 1)),
-            _row_spec(br, BLOCK),
-            _row_spec(br, BLOCK),
-            _row_spec(br, 1),
+            _blocks.row_spec(br, BLOCK),
+            _blocks.row_spec(br, BLOCK),
+            _blocks.row_spec(br, 1),
         ],
-        out_specs=_row_spec(br, BLOCK),
-        out_shape=platforms.out_struct((padded, BLOCK), jnp.float32, acc),
+        out_specs=_blocks.row_spec(br, BLOCK),
+        out_shape=_blocks.out_struct((padded, BLOCK), jnp.float32, acc),
         input_output_aliases={1: 0},
-    )(weight, _pad(acc.astype(jnp.float32), padded), _pad(codes, padded), _pad(scales, padded))
+    )(
+        weight,
+        _blocks.pad_rows(acc.astype(jnp.float32), padded),
+        _blocks.pad_rows(codes, padded),
+        _blocks.pad_rows(scales, padded),
+    )
     return out[:rows]
 
 
@@ -247,7 +244,7 @@ def _accumulate_call(acc, weight, codes, scales, *, fmt, target):
 
 def _as_blocks(x):
     flat = x.reshape(-1)
-    rows = platforms.num_rows(flat.size, BLOCK)
+    rows = _blocks.num_rows(flat.size, BLOCK)
     return jnp.pad(flat, (0, rows * BLOCK - flat.size)).reshape(rows, BLOCK)
 
 
