@@ -94,6 +94,68 @@ def row_grid(target, rows: int, operands, *, block_rows=None, row_length=None) -
     return RowGrid(rows, br, row_length, operands)
 
 
+def row_lowers(target, rows: int, operands, *, block_rows=None, row_length=None) -> bool:
+    """Whether `target` compiles a row kernel over these operands (see `row_grid`).
+
+    False for the jnp path (`target` None) and for no rows.
+    """
+    if target is None or not rows:
+        return False
+    grid = row_grid(target, rows, operands, block_rows=block_rows, row_length=row_length)
+    return target.lowers(*grid.blocks)
+
+
+def row_call(
+    kernel,
+    target,
+    *,
+    inputs,
+    outputs,
+    scalars=(),
+    block_rows: int | None = None,
+    row_length: int | None = None,
+    input_output_aliases=None,
+) -> list[jax.Array]:
+    """`kernel` on `target` over [rows, width] arrays, a block of whole rows a grid step.
+
+    The one `pallas_call` of every row kernel: min-max's and MX's quantize,
+    dequantize and dequantize-accumulate (data [rows, width] beside one scale
+    per row, [rows, 1]), modulo's encode and the bit packing. The inputs are
+    padded to whole blocks (`pad_rows`) and the outputs sliced back.
+
+    Args:
+      kernel: the body: a ref per scalar, per input, then per output. A block's
+        refs hold its rows: grid step i starts at row i * ref.shape[0].
+      target: the `platforms.Target` to build for.
+      inputs: [rows, width] arrays (the same rows).
+      outputs: (width, dtype) of each [rows, width] output.
+      scalars: small arrays every grid step reads whole, passed before the inputs
+        (hash seeds, a weight): `target.scalar_spec`.
+      block_rows, row_length: as `row_grid`'s.
+      input_output_aliases: as `pl.pallas_call`'s, counting the scalars first.
+
+    Returns:
+      the outputs, a list.
+    """
+    rows = inputs[0].shape[0]
+    operands = [*((x.shape[1], x.dtype) for x in inputs), *outputs]
+    grid = row_grid(target, rows, operands, block_rows=block_rows, row_length=row_length)
+    br = grid.block_rows
+    outs = target.pallas_call(
+        kernel,
+        block_elements=br * grid.row_length,
+        grid=(grid.steps,),
+        in_specs=[
+            *(target.scalar_spec(s.shape) for s in scalars),
+            *(row_spec(br, x.shape[1]) for x in inputs),
+        ],
+        out_specs=[row_spec(br, w) for w, _ in outputs],
+        out_shape=[out_struct((grid.padded, w), d, inputs[0]) for w, d in outputs],
+        input_output_aliases=input_output_aliases or {},
+    )(*scalars, *(pad_rows(x, grid.padded) for x in inputs))
+    return [out[:rows] for out in outs]
+
+
 def flat_grid(target, rows: int, row_length: int, block_rows: int | None = None):
     """(rows per grid step, grid steps) of a flat kernel over `rows` rows of `row_length`.
 

@@ -92,16 +92,9 @@ def _unpack_kernel(packed_ref, out_ref, *, bits):
     out_ref[...] = _unpack_groups(packed_ref[...], bits)
 
 
-def _group_grid(target, groups: int, bits: int, block_groups: int | None = None):
-    """The grid of the [G, 8] <-> [G, bits] kernels.
-
-    A group moves 8 codes in and `bits` bytes out (or back): the block size counts
-    16 elements per group.
-    """
-    operands = [(_GROUP, jnp.uint8), (bits, jnp.uint8)]
-    return _blocks.row_grid(
-        target, groups, operands, block_rows=block_groups, row_length=2 * _GROUP
-    )
+# A group moves 8 codes in and `bits` bytes out (or back): a block's size counts 16
+# elements a group.
+_GROUP_ELEMENTS = 2 * _GROUP
 
 
 def pack_lowers(target, groups: int, bits: int) -> bool:
@@ -115,7 +108,8 @@ def pack_lowers(target, groups: int, bits: int) -> bool:
         return False
     if target.platform == "gpu":
         return platforms.pallas_triton is not None and groups * _GROUP < 2**31
-    return target.lowers(*_group_grid(target, groups, bits).blocks)
+    operands = [(_GROUP, jnp.uint8), (bits, jnp.uint8)]
+    return _blocks.row_lowers(target, groups, operands, row_length=_GROUP_ELEMENTS)
 
 
 # ----------------------------------------------------------------------------
@@ -152,10 +146,10 @@ def _gpu_unpack_kernel(packed_ref, out_ref, *, bits, bg, width):
 
 def _gpu_call(kernel, flat, *, out_size: int, groups: int, bits: int, target, block_groups=None):
     width = 1 << (bits - 1).bit_length()
-    bg, steps = _blocks.flat_grid(target, groups, 2 * _GROUP, block_groups)
+    bg, steps = _blocks.flat_grid(target, groups, _GROUP_ELEMENTS, block_groups)
     return target.pallas_call(
         functools.partial(kernel, bits=bits, bg=bg, width=width),
-        block_elements=bg * 2 * _GROUP,
+        block_elements=bg * _GROUP_ELEMENTS,
         grid=(steps,),
         in_specs=[_blocks.whole(flat.size)],
         out_specs=_blocks.whole(out_size),
@@ -190,7 +184,7 @@ def _gpu_unpack(packed, *, bits: int, num_elements: int, target, block_groups=No
     )
 
 
-def _group_call(kernel, grouped, *, width_in, width_out, bits, block_groups, target):
+def _group_call(kernel, grouped, *, width_out, bits, block_groups, target):
     groups = grouped.shape[0]
     if target.platform == "gpu":  # [G, 8] <-> [G, bits] as the flat arrays they are
         if kernel is _pack_kernel:
@@ -204,17 +198,15 @@ def _group_call(kernel, grouped, *, width_in, width_out, bits, block_groups, tar
                 block_groups=block_groups,
             )
         return out.reshape(groups, width_out)
-    grid = _group_grid(target, groups, bits, block_groups)
-    bg, padded = grid.block_rows, grid.padded
-    out = target.pallas_call(
+    (out,) = _blocks.row_call(
         functools.partial(kernel, bits=bits),
-        block_elements=bg * 2 * _GROUP,
-        grid=(padded // bg,),
-        in_specs=[_blocks.row_spec(bg, width_in)],
-        out_specs=_blocks.row_spec(bg, width_out),
-        out_shape=_blocks.out_struct((padded, width_out), jnp.uint8, grouped),
-    )(_blocks.pad_rows(grouped, padded))
-    return out[:groups]
+        target,
+        inputs=[grouped],
+        outputs=[(width_out, jnp.uint8)],
+        block_rows=block_groups,
+        row_length=_GROUP_ELEMENTS,
+    )
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "block_groups", "interpret", "platform"))
@@ -235,7 +227,6 @@ def pack_pallas(
     body = functools.partial(
         _group_call,
         _pack_kernel,
-        width_in=_GROUP,
         width_out=bits,
         bits=bits,
         block_groups=block_groups,
@@ -258,7 +249,6 @@ def unpack_pallas(
     body = functools.partial(
         _group_call,
         _unpack_kernel,
-        width_in=bits,
         width_out=_GROUP,
         bits=bits,
         block_groups=block_groups,

@@ -82,10 +82,8 @@ __all__ = [
 # ----------------------------------------------------------------------------
 
 
-def _quantize_kernel(
-    seeds_ref, x_ref, codes_ref, lo_ref, unit_ref, *, bits, stochastic, rows, variadic
-):
-    row0 = pl.program_id(0) * rows
+def _quantize_kernel(seeds_ref, x_ref, codes_ref, lo_ref, unit_ref, *, bits, stochastic, variadic):
+    row0 = pl.program_id(0) * x_ref.shape[0]
     # The seeds are passed as the ref: `minmax_jnp.element_codes` reads seeds[0, 0] and
     # seeds[0, 1] as scalar loads (Triton cannot slice a loaded array).
     codes, lo, unit = minmax_jnp.quantize_rows(
@@ -108,11 +106,10 @@ def _accumulate_kernel(weight_ref, acc_ref, codes_ref, lo_ref, unit_ref, out_ref
     )
 
 
-def _row_grid(target, rows: int, chunk: int, dtypes, block_rows: int | None = None):
-    """The grid of a [rows, chunk] kernel: [rows, chunk] operands of `dtypes`, [rows, 1]
-    float32 scales."""
-    operands = [*((chunk, d) for d in dtypes), (1, jnp.float32)]
-    return _blocks.row_grid(target, rows, operands, block_rows=block_rows)
+def _row_lowers(target, rows: int, chunk: int, dtypes) -> bool:
+    """Whether `target` compiles a row kernel over [rows, chunk] operands of `dtypes`
+    and the [rows, 1] float32 scales."""
+    return _blocks.row_lowers(target, rows, [*((chunk, d) for d in dtypes), (1, jnp.float32)])
 
 
 def quantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
@@ -126,7 +123,7 @@ def quantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
         return False
     if target.platform == "gpu":
         return minmax_gpu.lowers(rows * chunk)
-    return target.lowers(*_row_grid(target, rows, chunk, (dtype, jnp.uint8)).blocks)
+    return _row_lowers(target, rows, chunk, (dtype, jnp.uint8))
 
 
 def gpu_quantizes(target, rows: int, chunk: int, dtype) -> bool:
@@ -144,7 +141,7 @@ def dequantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
         return False
     if target.platform == "gpu":
         return minmax_gpu.lowers(rows * chunk)
-    return target.lowers(*_row_grid(target, rows, chunk, (jnp.uint8, dtype)).blocks)
+    return _row_lowers(target, rows, chunk, (jnp.uint8, dtype))
 
 
 @functools.partial(
@@ -189,30 +186,20 @@ def _quantize_call(x2d, seeds, *, bits, stochastic, block_rows, target):
             block_rows=block_rows,
         )
         return codes.reshape(rows, chunk), lo[:, None], unit[:, None]
-    grid = _row_grid(target, rows, chunk, (x2d.dtype, jnp.uint8), block_rows)
-    br, padded = grid.block_rows, grid.padded
     # The CPU kernel reduces like the reference (one variadic reduce); Triton and
     # Mosaic know only reduce_min/reduce_max (same values, see minmax_jnp.row_min_max).
     kernel = functools.partial(
-        _quantize_kernel,
-        bits=bits,
-        stochastic=stochastic,
-        rows=br,
-        variadic=target.platform == "cpu",
+        _quantize_kernel, bits=bits, stochastic=stochastic, variadic=target.platform == "cpu"
     )
-    codes, lo, unit = target.pallas_call(
+    codes, lo, unit = _blocks.row_call(
         kernel,
-        block_elements=br * chunk,
-        grid=(padded // br,),
-        in_specs=[target.scalar_spec((1, 2)), _blocks.row_spec(br, chunk)],
-        out_specs=[_blocks.row_spec(br, chunk), _blocks.row_spec(br, 1), _blocks.row_spec(br, 1)],
-        out_shape=[
-            _blocks.out_struct((padded, chunk), jnp.uint8, x2d),
-            _blocks.out_struct((padded, 1), jnp.float32, x2d),
-            _blocks.out_struct((padded, 1), jnp.float32, x2d),
-        ],
-    )(seeds, _blocks.pad_rows(x2d, padded))
-    return codes[:rows], lo[:rows], unit[:rows]
+        target,
+        scalars=[seeds],
+        inputs=[x2d],
+        outputs=[(chunk, jnp.uint8), (1, jnp.float32), (1, jnp.float32)],
+        block_rows=block_rows,
+    )
+    return codes, lo, unit
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "block_rows", "interpret", "platform"))
@@ -246,21 +233,14 @@ def _dequantize_call(codes, lo, unit, *, dtype, block_rows, target):
             block_rows=block_rows,
         )
         return out.reshape(rows, chunk)
-    grid = _row_grid(target, rows, chunk, (jnp.uint8, dtype), block_rows)
-    br, padded = grid.block_rows, grid.padded
-    out = target.pallas_call(
+    (out,) = _blocks.row_call(
         _dequantize_kernel,
-        block_elements=br * chunk,
-        grid=(padded // br,),
-        in_specs=[_blocks.row_spec(br, chunk), _blocks.row_spec(br, 1), _blocks.row_spec(br, 1)],
-        out_specs=_blocks.row_spec(br, chunk),
-        out_shape=_blocks.out_struct((padded, chunk), dtype, codes),
-    )(
-        _blocks.pad_rows(codes, padded),
-        _blocks.pad_rows(lo, padded),
-        _blocks.pad_rows(unit, padded),
+        target,
+        inputs=[codes, lo, unit],
+        outputs=[(chunk, dtype)],
+        block_rows=block_rows,
     )
-    return out[:rows]
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("block_rows", "interpret", "platform"))
@@ -300,30 +280,16 @@ def _accumulate_call(acc, weight, codes, lo, unit, *, block_rows, target):
             block_rows=block_rows,
         )
         return out.reshape(rows, chunk)
-    grid = _row_grid(target, rows, chunk, (jnp.uint8, jnp.float32), block_rows)
-    br, padded = grid.block_rows, grid.padded
-    out = target.pallas_call(
+    (out,) = _blocks.row_call(
         _accumulate_kernel,
-        block_elements=br * chunk,
-        grid=(padded // br,),
-        in_specs=[
-            target.scalar_spec((1, 1)),
-            _blocks.row_spec(br, chunk),
-            _blocks.row_spec(br, chunk),
-            _blocks.row_spec(br, 1),
-            _blocks.row_spec(br, 1),
-        ],
-        out_specs=_blocks.row_spec(br, chunk),
-        out_shape=_blocks.out_struct((padded, chunk), jnp.float32, acc),
+        target,
+        scalars=[weight],
+        inputs=[acc.astype(jnp.float32), codes, lo, unit],
+        outputs=[(chunk, jnp.float32)],
+        block_rows=block_rows,
         input_output_aliases={1: 0},
-    )(
-        weight,
-        _blocks.pad_rows(acc.astype(jnp.float32), padded),
-        _blocks.pad_rows(codes, padded),
-        _blocks.pad_rows(lo, padded),
-        _blocks.pad_rows(unit, padded),
     )
-    return out[:rows]
+    return out
 
 
 # ----------------------------------------------------------------------------

@@ -62,17 +62,11 @@ def encode_reference(x2d, seeds, scale, *, bits: int, stochastic: bool):
     return _encode_rows(x2d, seeds, scale, 0, bits=bits, stochastic=stochastic)
 
 
-def _encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochastic, rows):
-    row0 = pl.program_id(0) * rows
+def _encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochastic):
+    row0 = pl.program_id(0) * x_ref.shape[0]
     codes_ref[...] = _encode_rows(
         x_ref[...], seeds_ref, scale_ref[0, 0], row0, bits=bits, stochastic=stochastic
     )
-
-
-def _row_grid(target, rows: int, width: int, dtype, block_rows: int | None = None):
-    """The grid of the encode kernel: [rows, width] `dtype` in, uint8 codes out."""
-    operands = [(width, dtype), (width, jnp.uint8)]
-    return _blocks.row_grid(target, rows, operands, block_rows=block_rows)
 
 
 def encode_lowers(target, rows: int, width: int, dtype) -> bool:
@@ -86,7 +80,7 @@ def encode_lowers(target, rows: int, width: int, dtype) -> bool:
         return False
     if target.platform == "gpu":
         return platforms.pallas_triton is not None and rows * width < 2**31
-    return target.lowers(*_row_grid(target, rows, width, dtype).blocks)
+    return _blocks.row_lowers(target, rows, [(width, dtype), (width, jnp.uint8)])
 
 
 def _gpu_encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochastic, rows):
@@ -159,21 +153,15 @@ def _encode_call(x2d, seeds, scale, *, bits, stochastic, block_rows, target):
             block_rows=block_rows,
         )
         return codes.reshape(rows, width)
-    grid = _row_grid(target, rows, width, x2d.dtype, block_rows)
-    br, padded = grid.block_rows, grid.padded
-    codes = target.pallas_call(
-        functools.partial(_encode_kernel, bits=bits, stochastic=stochastic, rows=br),
-        block_elements=br * width,
-        grid=(padded // br,),
-        in_specs=[
-            target.scalar_spec((1, 2)),
-            target.scalar_spec((1, 1)),
-            _blocks.row_spec(br, width),
-        ],
-        out_specs=_blocks.row_spec(br, width),
-        out_shape=_blocks.out_struct((padded, width), jnp.uint8, x2d),
-    )(seeds, scale, _blocks.pad_rows(x2d, padded))
-    return codes[:rows]
+    (codes,) = _blocks.row_call(
+        functools.partial(_encode_kernel, bits=bits, stochastic=stochastic),
+        target,
+        scalars=[seeds, scale],
+        inputs=[x2d],
+        outputs=[(width, jnp.uint8)],
+        block_rows=block_rows,
+    )
+    return codes
 
 
 def _encode_on(x, seeds, scale, *, bits: int, stochastic: bool, target):

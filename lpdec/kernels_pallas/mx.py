@@ -78,8 +78,8 @@ __all__ = [
 # ----------------------------------------------------------------------------
 
 
-def _quantize_kernel(seeds_ref, x_ref, codes_ref, scales_ref, *, fmt, stochastic, rows):
-    row0 = pl.program_id(0) * rows
+def _quantize_kernel(seeds_ref, x_ref, codes_ref, scales_ref, *, fmt, stochastic):
+    row0 = pl.program_id(0) * x_ref.shape[0]
     codes, scales = mx_jnp.quantize_rows(
         x_ref[...], seeds_ref, row0, fmt=fmt, stochastic=stochastic
     )
@@ -99,20 +99,14 @@ def _accumulate_kernel(weight_ref, acc_ref, codes_ref, scales_ref, out_ref, *, f
     )
 
 
-def _row_grid(target, rows: int, dtypes):
-    """The grid of a [rows, 32] kernel: [rows, 32] operands of `dtypes`, [rows, 1] uint8 scales."""
-    return _blocks.row_grid(target, rows, [*((BLOCK, d) for d in dtypes), (1, jnp.uint8)])
-
-
 def kernel_lowers(target, rows: int, dtype) -> bool:
     """Whether `target` runs the MX kernels on [rows, 32] blocks of `dtype` (and uint8 codes).
 
     Every block is [power of two, 32] or [power of two, 1], so Triton takes any
     row count; TPU takes it too (32 is the array's whole last dim).
     """
-    if target is None or not rows:
-        return False
-    return target.lowers(*_row_grid(target, rows, (dtype, jnp.uint8)).blocks)
+    operands = [(BLOCK, dtype), (BLOCK, jnp.uint8), (1, jnp.uint8)]
+    return _blocks.row_lowers(target, rows, operands)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "stochastic", "interpret", "platform"))
@@ -135,22 +129,15 @@ def quantize_pallas(
 
 
 def _quantize_call(x2d, seeds, *, fmt, stochastic, target):
-    rows = x2d.shape[0]
-    grid = _row_grid(target, rows, (x2d.dtype, jnp.uint8))
-    br, padded = grid.block_rows, grid.padded
-    kernel = functools.partial(_quantize_kernel, fmt=fmt, stochastic=stochastic, rows=br)
-    codes, scales = target.pallas_call(
-        kernel,
-        block_elements=br * BLOCK,
-        grid=(padded // br,),
-        in_specs=[target.scalar_spec((1, 2)), _blocks.row_spec(br, BLOCK)],
-        out_specs=[_blocks.row_spec(br, BLOCK), _blocks.row_spec(br, 1)],
-        out_shape=[
-            _blocks.out_struct((padded, BLOCK), jnp.uint8, x2d),
-            _blocks.out_struct((padded, 1), jnp.uint8, x2d),
-        ],
-    )(seeds, _blocks.pad_rows(x2d, padded))
-    return codes[:rows], scales[:rows]
+    return tuple(
+        _blocks.row_call(
+            functools.partial(_quantize_kernel, fmt=fmt, stochastic=stochastic),
+            target,
+            scalars=[seeds],
+            inputs=[x2d],
+            outputs=[(BLOCK, jnp.uint8), (1, jnp.uint8)],
+        )
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "dtype", "interpret", "platform"))
@@ -171,18 +158,13 @@ def dequantize_pallas(
 
 
 def _dequantize_call(codes, scales, *, fmt, dtype, target):
-    rows = codes.shape[0]
-    grid = _row_grid(target, rows, (jnp.uint8, dtype))
-    br, padded = grid.block_rows, grid.padded
-    out = target.pallas_call(
+    (out,) = _blocks.row_call(
         functools.partial(_dequantize_kernel, fmt=fmt),
-        block_elements=br * BLOCK,
-        grid=(padded // br,),
-        in_specs=[_blocks.row_spec(br, BLOCK), _blocks.row_spec(br, 1)],
-        out_specs=_blocks.row_spec(br, BLOCK),
-        out_shape=_blocks.out_struct((padded, BLOCK), dtype, codes),
-    )(_blocks.pad_rows(codes, padded), _blocks.pad_rows(scales, padded))
-    return out[:rows]
+        target,
+        inputs=[codes, scales],
+        outputs=[(BLOCK, dtype)],
+    )
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "interpret", "platform"))
@@ -205,29 +187,15 @@ def dequantize_accumulate_pallas(
 
 
 def _accumulate_call(acc, weight, codes, scales, *, fmt, target):
-    rows = codes.shape[0]
-    grid = _row_grid(target, rows, (jnp.uint8, jnp.float32))
-    br, padded = grid.block_rows, grid.padded
-    out = target.pallas_call(
+    (out,) = _blocks.row_call(
         functools.partial(_accumulate_kernel, fmt=fmt),
-        block_elements=br * BLOCK,
-        grid=(padded // br,),
-        in_specs=[
-            target.scalar_spec((1, 1)),
-            _blocks.row_spec(br, BLOCK),
-            _blocks.row_spec(br, BLOCK),
-            _blocks.row_spec(br, 1),
-        ],
-        out_specs=_blocks.row_spec(br, BLOCK),
-        out_shape=_blocks.out_struct((padded, BLOCK), jnp.float32, acc),
+        target,
+        scalars=[weight],
+        inputs=[acc.astype(jnp.float32), codes, scales],
+        outputs=[(BLOCK, jnp.float32)],
         input_output_aliases={1: 0},
-    )(
-        weight,
-        _blocks.pad_rows(acc.astype(jnp.float32), padded),
-        _blocks.pad_rows(codes, padded),
-        _blocks.pad_rows(scales, padded),
     )
-    return out[:rows]
+    return out
 
 
 # ----------------------------------------------------------------------------
