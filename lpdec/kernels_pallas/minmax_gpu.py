@@ -24,7 +24,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from lpdec.kernels_pallas import _blocks
-from lpdec.kernels_pallas import bitpack
+from lpdec.kernels_pallas import bitpack_jnp
 from lpdec.kernels_pallas import minmax_jnp
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
@@ -192,7 +192,7 @@ def _codes_kernel(plain, packed, *, size: int, chunk: int, bits: int, pack: bool
         return plain, size
     if not packs_in_pass(bits, chunk):
         raise ValueError(f"{bits}-bit codes of {chunk}-element chunks do not pack in one pass.")
-    return packed, bitpack.packed_size(size, bits)
+    return packed, bitpack_jnp.packed_size(size, bits)
 
 
 def gpu_quantize(
@@ -210,7 +210,7 @@ def gpu_quantize(
     """GPU kernel: (codes [size], lo [rows], unit [rows]) of a flat float array.
 
     `pack`: the codes bit-packed in the same pass, [ceil(size * bits / 8)] bytes,
-    `bitpack.pack_reference` of the codes bit for bit (`packs_in_pass` must hold).
+    `bitpack_jnp.pack_reference` of the codes bit for bit (`packs_in_pass` must hold).
     `leaf_rows`: `flat` holds many arrays, each padded to whole chunks
     (`minmax_tree`), and this uint32[rows * TREE_ROW_FIELDS] table gives each row
     its array's (first offset, end, seed0, seed1); `seeds` is then unused. Each
@@ -335,7 +335,7 @@ def _gpu_pack_tile(
     Byte b of a chunk holds the codes of its elements b * per + j at bits
     [j * bits, (j + 1) * bits) (`bitpack`'s little-endian stream). min and max run
     over every view; elements past the array (or the chunk) give code 0, as the
-    zero-padded last group of `bitpack.pack_reference` does. Returns (codes per
+    zero-padded last group of `bitpack_jnp.pack_reference` does. Returns (codes per
     view, lo, unit) for a caller that also decodes.
     """
     rows, byte, byte_valid, views = geometry

@@ -27,6 +27,11 @@ rounded to an integer: to nearest even, or stochastically as floor(t + u) with
 u from the counter-based hash of (seeds, flat index) as in min-max. Everything
 is integer or power-of-two arithmetic, exact on every platform, so the jnp
 references and the kernels agree bit for bit.
+
+The modules: this one holds the public ops, each choosing per lowering platform
+(the GPU's kernels where `mx_gpu.lowers`, else the row kernels or jnp), and the
+[rows, 32] row kernels (TPU, and any platform interpreted); `mx_gpu` the GPU's
+flat kernels; `mx_jnp` the formats, the shared arithmetic and the references.
 """
 
 from __future__ import annotations
