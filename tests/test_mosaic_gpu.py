@@ -127,16 +127,16 @@ def test_interpreted_kernels_on_a_ragged_array():
     x = jnp.asarray(np.random.default_rng(2).standard_normal(size).astype(np.float32))
     rows = -(-size // chunk)
     codes, lo, unit = minmax_mosaic.quantize(
-        minmax._as_rows(x, rows, chunk, "edge"), SEEDS, bits=8, stochastic=True, interpret=True
+        minmax.as_rows(x, rows, chunk, "edge"), SEEDS, bits=8, stochastic=True, interpret=True
     )
     want = minmax.quantize(x, SEEDS, bits=8, stochastic=True, chunk=chunk, implementation="xla")
-    for g, w in zip((minmax._from_rows(codes, x.shape), lo, unit), want, strict=True):
+    for g, w in zip((minmax.from_rows(codes, x.shape), lo, unit), want, strict=True):
         assert_bits_equal(g, w)
     out = minmax_mosaic.dequantize(
-        minmax._as_rows(want[0], rows, chunk, "constant"), lo, unit, interpret=True
+        minmax.as_rows(want[0], rows, chunk, "constant"), lo, unit, interpret=True
     )
     want_x = minmax.dequantize(*want, chunk=chunk, implementation="xla")
-    assert_bits_equal(minmax._from_rows(out, x.shape), want_x)
+    assert_bits_equal(minmax.from_rows(out, x.shape), want_x)
 
 
 @needs_interpret
@@ -165,7 +165,7 @@ def test_without_triton_the_interpreted_gpu_encode_is_mosaic_gpu_bit_for_bit(
     gpu = platforms.Target("gpu", True)
     assert minmax.mosaic_quantizes(gpu, 4, chunk, dtype)
     got = jax.jit(
-        lambda x: minmax._quantize_on(x, seeds, chunk=chunk, bits=bits, stochastic=True, target=gpu)
+        lambda x: minmax.quantize_on(x, seeds, chunk=chunk, bits=bits, stochastic=True, target=gpu)
     )(x)
     want = minmax.quantize(x, seeds, bits=bits, stochastic=True, chunk=chunk, implementation="xla")
     for g, w in zip(got, want, strict=True):

@@ -11,6 +11,11 @@ The modules: this one holds the public ops (`pack_bits`, `unpack_bits`), each
 choosing per lowering platform, and the row kernels on [G, 8] codes and
 [G, b] bytes (TPU, and any platform interpreted); `bitpack_gpu` the GPU's flat
 kernels; `bitpack_jnp` the shared arithmetic, the references and the CPU path.
+
+Package-internal (not in `__all__`; for the ops that pack their codes, `minmax`
+and `mx`): `pack_bits_on` and `unpack_bits_on`, the ops for one
+`platforms.Target` (None: the jnp path), which the public ops run under
+`platforms.dispatch`.
 """
 
 from __future__ import annotations
@@ -154,7 +159,7 @@ def unpack_pallas(
     return body(packed, target=platforms.Target(platform, interpret))
 
 
-def _pack_bits_on(codes: jax.Array, *, bits: int, target) -> jax.Array:
+def pack_bits_on(codes: jax.Array, *, bits: int, target) -> jax.Array:
     """The `pack_bits` that `target` runs: its kernel, or the jnp reference (`pack_lowers`)."""
     if codes.ndim != 1:
         raise ValueError(f"codes must be 1-D; got shape {codes.shape}.")
@@ -167,7 +172,7 @@ def _pack_bits_on(codes: jax.Array, *, bits: int, target) -> jax.Array:
     return packed.reshape(-1)[: packed_size(d, bits)]
 
 
-def _unpack_bits_on(packed: jax.Array, *, bits: int, num_elements: int, target) -> jax.Array:
+def unpack_bits_on(packed: jax.Array, *, bits: int, num_elements: int, target) -> jax.Array:
     """The `unpack_bits` that `target` runs: its kernel, or the jnp reference."""
     expected = packed_size(num_elements, bits)
     if packed.shape != (expected,):
@@ -202,7 +207,7 @@ def pack_bits(
     Returns:
       uint8[ceil(d * bits / 8)].
     """
-    body = functools.partial(_pack_bits_on, bits=numerics.check_bits(bits))
+    body = functools.partial(pack_bits_on, bits=numerics.check_bits(bits))
     return platforms.dispatch(implementation, body, codes, interpret=interpret)
 
 
@@ -216,6 +221,6 @@ def unpack_bits(
 ) -> jax.Array:
     """Inverse of `pack_bits`: uint8[ceil(d * bits / 8)] -> uint8[d] codes."""
     body = functools.partial(
-        _unpack_bits_on, bits=numerics.check_bits(bits), num_elements=num_elements
+        unpack_bits_on, bits=numerics.check_bits(bits), num_elements=num_elements
     )
     return platforms.dispatch(implementation, body, packed, interpret=interpret)

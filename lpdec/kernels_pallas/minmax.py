@@ -25,6 +25,12 @@ quantize and dequantize (a GPU without Pallas Triton); `minmax_feedback` the
 error-feedback quantize; `minmax_tree` a model's leaves in one launch;
 `minmax_jnp` the shared arithmetic, the references and the CPU path.
 
+Package-internal (not in `__all__`; for `minmax_feedback`, `minmax_tree` and the
+tests): `quantize_on`, `quantize_packed_on`, `dequantize_on` and
+`dequantize_accumulate_on`, each op for one `platforms.Target` (None: the jnp
+path), which the public ops run under `platforms.dispatch`; `chunking`,
+`as_rows` and `from_rows`, an array's layout in chunks.
+
 On CPU there is no kernel: XLA runs the same math as two passes over x, one
 reduction producing each row's (min, max), then one element-wise loop producing
 the codes; both are written for that (`minmax_jnp.row_min_max`,
@@ -116,7 +122,7 @@ def _accumulate_kernel(weight_ref, acc_ref, codes_ref, lo_ref, unit_ref, out_ref
 # ----------------------------------------------------------------------------
 
 
-def _layout(size: int, chunk: int | None, shape: tuple[int, ...]) -> tuple[int, int]:
+def chunking(size: int, chunk: int | None, shape: tuple[int, ...]) -> tuple[int, int]:
     """(rows, chunk) of `size` elements; chunk None: the last axis of `shape` is a chunk."""
     if chunk is None:
         chunk = shape[-1] if shape else 1
@@ -124,7 +130,7 @@ def _layout(size: int, chunk: int | None, shape: tuple[int, ...]) -> tuple[int, 
     return _blocks.num_rows(size, chunk), chunk
 
 
-def _as_rows(x, rows: int, chunk: int, mode: str):
+def as_rows(x, rows: int, chunk: int, mode: str):
     """x flattened and padded (numpy pad `mode`) to [rows, chunk]."""
     flat = x.reshape(-1)
     if rows * chunk != flat.size:
@@ -132,7 +138,7 @@ def _as_rows(x, rows: int, chunk: int, mode: str):
     return flat.reshape(rows, chunk)
 
 
-def _from_rows(x2d, shape: tuple[int, ...]):
+def from_rows(x2d, shape: tuple[int, ...]):
     return x2d.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
@@ -233,11 +239,11 @@ def _quantize_with(
         kernel,
         target,
         scalars=[seeds],
-        inputs=[_as_rows(x, rows, chunk, "edge")],
+        inputs=[as_rows(x, rows, chunk, "edge")],
         outputs=[(chunk, jnp.uint8), (1, jnp.float32), (1, jnp.float32)],
         block_rows=block_rows,
     )
-    return _from_rows(codes, x.shape), lo, unit
+    return from_rows(codes, x.shape), lo, unit
 
 
 def _dequantize_with(codes, lo, unit, *, rows: int, chunk: int, dtype, target, block_rows=None):
@@ -257,14 +263,14 @@ def _dequantize_with(codes, lo, unit, *, rows: int, chunk: int, dtype, target, b
         _dequantize_kernel,
         target,
         inputs=[
-            _as_rows(codes, rows, chunk, "constant"),
+            as_rows(codes, rows, chunk, "constant"),
             lo.reshape(rows, 1),
             unit.reshape(rows, 1),
         ],
         outputs=[(chunk, dtype)],
         block_rows=block_rows,
     )
-    return _from_rows(out, codes.shape)
+    return from_rows(out, codes.shape)
 
 
 def _accumulate_with(
@@ -290,8 +296,8 @@ def _accumulate_with(
         target,
         scalars=[weight],
         inputs=[
-            _as_rows(acc, rows, chunk, "constant"),
-            _as_rows(codes, rows, chunk, "constant"),
+            as_rows(acc, rows, chunk, "constant"),
+            as_rows(codes, rows, chunk, "constant"),
             lo.reshape(rows, 1),
             unit.reshape(rows, 1),
         ],
@@ -299,7 +305,7 @@ def _accumulate_with(
         block_rows=block_rows,
         input_output_aliases={1: 0},
     )
-    return _from_rows(out, codes.shape)
+    return from_rows(out, codes.shape)
 
 
 # ----------------------------------------------------------------------------
@@ -395,19 +401,19 @@ def dequantize_accumulate_pallas(
 # ----------------------------------------------------------------------------
 
 
-def _quantize_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
+def quantize_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
     """The quantize `target` runs: its kernel, or the jnp path (see quantize_lowers)."""
-    rows, chunk = _layout(x.size, chunk, x.shape)
+    rows, chunk = chunking(x.size, chunk, x.shape)
     if mosaic_quantizes(target, rows, chunk, x.dtype):
         # Rows as the row kernels take them: a partial last chunk repeats its last element.
         codes, lo, unit = minmax_mosaic.quantize(
-            _as_rows(x, rows, chunk, "edge"),
+            as_rows(x, rows, chunk, "edge"),
             seeds,
             bits=bits,
             stochastic=stochastic,
             interpret=target.interpret,
         )
-        return _from_rows(codes, x.shape), lo, unit
+        return from_rows(codes, x.shape), lo, unit
     if not quantize_lowers(target, rows, chunk, x.dtype):
         return minmax_jnp.quantize_elementwise(
             x, seeds, chunk=chunk, bits=bits, stochastic=stochastic
@@ -417,9 +423,9 @@ def _quantize_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
     )
 
 
-def _dequantize_on(codes, lo, unit, *, chunk, dtype, target):
+def dequantize_on(codes, lo, unit, *, chunk, dtype, target):
     """The dequantize `target` runs: its kernel, or the jnp path."""
-    rows, chunk = _layout(codes.size, chunk, codes.shape)
+    rows, chunk = chunking(codes.size, chunk, codes.shape)
     if not dequantize_lowers(target, rows, chunk, dtype):
         return dequantize_reference(
             codes,
@@ -430,9 +436,9 @@ def _dequantize_on(codes, lo, unit, *, chunk, dtype, target):
     return _dequantize_with(codes, lo, unit, rows=rows, chunk=chunk, dtype=dtype, target=target)
 
 
-def _dequantize_accumulate_on(acc, weight, codes, lo, unit, *, chunk, target):
+def dequantize_accumulate_on(acc, weight, codes, lo, unit, *, chunk, target):
     """The dequantize-accumulate `target` runs: its kernel, or the jnp path."""
-    rows, chunk = _layout(codes.size, chunk, codes.shape)
+    rows, chunk = chunking(codes.size, chunk, codes.shape)
     if not dequantize_lowers(target, rows, chunk, jnp.float32):
         return minmax_jnp.accumulate_rows(
             acc.astype(jnp.float32),
@@ -444,10 +450,10 @@ def _dequantize_accumulate_on(acc, weight, codes, lo, unit, *, chunk, target):
     return _accumulate_with(acc, weight, codes, lo, unit, rows=rows, chunk=chunk, target=target)
 
 
-def _quantize_packed_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
+def quantize_packed_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
     """The quantize-and-pack `target` runs: one GPU pass where `minmax_gpu.packs_in_pass`, else
-    `_quantize_on` and then `bitpack`'s packing."""
-    rows, chunk = _layout(x.size, chunk, x.shape)
+    `quantize_on` and then `bitpack`'s packing."""
+    rows, chunk = chunking(x.size, chunk, x.shape)
     if gpu_quantizes(target, rows, chunk, x.dtype) and minmax_gpu.packs_in_pass(bits, chunk):
         packed, lo, unit = minmax_gpu.gpu_quantize(
             x.reshape(-1),
@@ -459,10 +465,10 @@ def _quantize_packed_on(x, seeds, *, chunk, bits: int, stochastic: bool, target)
             pack=True,
         )
         return packed, lo[:, None], unit[:, None]
-    codes, lo, unit = _quantize_on(
+    codes, lo, unit = quantize_on(
         x, seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
     )
-    return bitpack._pack_bits_on(codes.reshape(-1), bits=bits, target=target), lo, unit
+    return bitpack.pack_bits_on(codes.reshape(-1), bits=bits, target=target), lo, unit
 
 
 def quantize(
@@ -498,7 +504,7 @@ def quantize(
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     body = functools.partial(
-        _quantize_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
+        quantize_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
     )
     return platforms.dispatch(implementation, body, x, seeds, interpret=interpret)
 
@@ -526,7 +532,7 @@ def quantize_packed(
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     body = functools.partial(
-        _quantize_packed_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
+        quantize_packed_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
     )
     return platforms.dispatch(implementation, body, x, seeds, interpret=interpret)
 
@@ -538,7 +544,7 @@ def dequantize(
 
     `lo` and `unit` hold one value per chunk (any shape); `chunk` as in `quantize`.
     """
-    body = functools.partial(_dequantize_on, chunk=chunk, dtype=jnp.dtype(dtype))
+    body = functools.partial(dequantize_on, chunk=chunk, dtype=jnp.dtype(dtype))
     return platforms.dispatch(implementation, body, codes, lo, unit, interpret=interpret)
 
 
@@ -550,7 +556,7 @@ def dequantize_accumulate(
     `acc` has the codes' shape; `lo`, `unit` and `chunk` as in `dequantize`.
     """
     weight = jnp.asarray(weight, jnp.float32)
-    body = functools.partial(_dequantize_accumulate_on, chunk=chunk)
+    body = functools.partial(dequantize_accumulate_on, chunk=chunk)
     return platforms.dispatch(
         implementation, body, acc, weight, codes, lo, unit, interpret=interpret
     )

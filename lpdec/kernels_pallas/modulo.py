@@ -13,7 +13,9 @@ to code 0; the compressor flags them separately.
 The modules: this one holds the public op (`encode`), choosing per lowering
 platform, and the row kernel (TPU, and any platform interpreted); `modulo_gpu`
 the GPU's flat kernel; `modulo_jnp` the shared arithmetic and the reference,
-which is the CPU path.
+which is the CPU path. Package-internal (not in `__all__`): `encode_on`, the op
+for one `platforms.Target` (None: the jnp path), which `encode` runs under
+`platforms.dispatch`.
 """
 
 from __future__ import annotations
@@ -134,7 +136,7 @@ def encode_pallas(
     return body(x2d, seeds, scale, target=platforms.Target(platform, interpret))
 
 
-def _encode_on(x, seeds, scale, *, bits: int, stochastic: bool, target):
+def encode_on(x, seeds, scale, *, bits: int, stochastic: bool, target):
     """The encode `target` runs on x viewed as rows of `_ROW`: its kernel, or the jnp reference."""
     width = max(1, min(_ROW, x.size))
     rows = _blocks.num_rows(x.size, width)
@@ -179,5 +181,5 @@ def encode(
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     scale = jnp.asarray(scale, jnp.float32)
-    body = functools.partial(_encode_on, bits=numerics.check_bits(bits), stochastic=stochastic)
+    body = functools.partial(encode_on, bits=numerics.check_bits(bits), stochastic=stochastic)
     return platforms.dispatch(implementation, body, x, seeds, scale, interpret=interpret)

@@ -32,6 +32,12 @@ The modules: this one holds the public ops, each choosing per lowering platform
 (the GPU's kernels where `mx_gpu.lowers`, else the row kernels or jnp), and the
 [rows, 32] row kernels (TPU, and any platform interpreted); `mx_gpu` the GPU's
 flat kernels; `mx_jnp` the formats, the shared arithmetic and the references.
+
+Package-internal (not in `__all__`; for the tests): `quantize_on`,
+`quantize_packed_on`, `dequantize_on`, `dequantize_packed_on`,
+`dequantize_accumulate_on` and `dequantize_accumulate_packed_on`, each op for
+one `platforms.Target` (None: the jnp path), which the public ops run under
+`platforms.dispatch`.
 """
 
 from __future__ import annotations
@@ -225,7 +231,7 @@ def _from_blocks(x2d, shape):
     return x2d.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
-def _quantize_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
+def quantize_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
     if mx_gpu.lowers(target, x.size):
         codes, scales = mx_gpu.quantize(
             x.reshape(-1), seeds, fmt=fmt.name, stochastic=stochastic, target=target
@@ -246,16 +252,16 @@ def _quantize_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
     return _from_blocks(codes, x.shape), scales.reshape(-1)
 
 
-def _quantize_packed_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
+def quantize_packed_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
     if mx_gpu.lowers(target, x.size):
         return mx_gpu.quantize(
             x.reshape(-1), seeds, fmt=fmt.name, stochastic=stochastic, target=target, pack=True
         )
-    codes, scales = _quantize_on(x, seeds, fmt=fmt, stochastic=stochastic, target=target)
-    return bitpack._pack_bits_on(codes.reshape(-1), bits=fmt.bits, target=target), scales
+    codes, scales = quantize_on(x, seeds, fmt=fmt, stochastic=stochastic, target=target)
+    return bitpack.pack_bits_on(codes.reshape(-1), bits=fmt.bits, target=target), scales
 
 
-def _dequantize_on(codes, scales, *, fmt: ElementFormat, dtype, target):
+def dequantize_on(codes, scales, *, fmt: ElementFormat, dtype, target):
     if mx_gpu.lowers(target, codes.size):
         out = mx_gpu.dequantize(
             codes.reshape(-1),
@@ -290,7 +296,7 @@ def _check_packed(packed, shape, fmt: ElementFormat):
         )
 
 
-def _dequantize_packed_on(packed, scales, *, fmt: ElementFormat, shape, dtype, target):
+def dequantize_packed_on(packed, scales, *, fmt: ElementFormat, shape, dtype, target):
     _check_packed(packed, shape, fmt)
     size = math.prod(shape)
     if mx_gpu.lowers(target, size):
@@ -304,11 +310,11 @@ def _dequantize_packed_on(packed, scales, *, fmt: ElementFormat, shape, dtype, t
             packed=True,
         )
         return out.reshape(shape)
-    codes = bitpack._unpack_bits_on(packed, bits=fmt.bits, num_elements=size, target=target)
-    return _dequantize_on(codes.reshape(shape), scales, fmt=fmt, dtype=dtype, target=target)
+    codes = bitpack.unpack_bits_on(packed, bits=fmt.bits, num_elements=size, target=target)
+    return dequantize_on(codes.reshape(shape), scales, fmt=fmt, dtype=dtype, target=target)
 
 
-def _dequantize_accumulate_on(acc, weight, codes, scales, *, fmt: ElementFormat, target):
+def dequantize_accumulate_on(acc, weight, codes, scales, *, fmt: ElementFormat, target):
     if mx_gpu.lowers(target, codes.size):
         out = mx_gpu.dequantize_accumulate(
             acc.astype(jnp.float32).reshape(-1),
@@ -335,7 +341,7 @@ def _dequantize_accumulate_on(acc, weight, codes, scales, *, fmt: ElementFormat,
     return _from_blocks(out, codes.shape)
 
 
-def _dequantize_accumulate_packed_on(acc, weight, packed, scales, *, fmt: ElementFormat, target):
+def dequantize_accumulate_packed_on(acc, weight, packed, scales, *, fmt: ElementFormat, target):
     _check_packed(packed, acc.shape, fmt)
     if mx_gpu.lowers(target, acc.size):
         out = mx_gpu.dequantize_accumulate(
@@ -348,8 +354,8 @@ def _dequantize_accumulate_packed_on(acc, weight, packed, scales, *, fmt: Elemen
             packed=True,
         )
         return out.reshape(acc.shape)
-    codes = bitpack._unpack_bits_on(packed, bits=fmt.bits, num_elements=acc.size, target=target)
-    return _dequantize_accumulate_on(
+    codes = bitpack.unpack_bits_on(packed, bits=fmt.bits, num_elements=acc.size, target=target)
+    return dequantize_accumulate_on(
         acc, weight, codes.reshape(acc.shape), scales, fmt=fmt, target=target
     )
 
@@ -373,7 +379,7 @@ def quantize(x, seeds=None, *, fmt: str, stochastic: bool, implementation=None, 
     Returns:
       (uint8 codes in x's shape, one per element; uint8 E8M0 scales [ceil(size / 32)]).
     """
-    body = functools.partial(_quantize_on, fmt=check_format(fmt), stochastic=stochastic)
+    body = functools.partial(quantize_on, fmt=check_format(fmt), stochastic=stochastic)
     return platforms.dispatch(
         implementation, body, x, _seeds(seeds, stochastic), interpret=interpret
     )
@@ -390,7 +396,7 @@ def quantize_packed(
     Returns:
       (uint8 codes [ceil(size * bits / 8)], uint8 E8M0 scales [ceil(size / 32)]).
     """
-    body = functools.partial(_quantize_packed_on, fmt=check_format(fmt), stochastic=stochastic)
+    body = functools.partial(quantize_packed_on, fmt=check_format(fmt), stochastic=stochastic)
     return platforms.dispatch(
         implementation, body, x, _seeds(seeds, stochastic), interpret=interpret
     )
@@ -398,7 +404,7 @@ def quantize_packed(
 
 def dequantize(codes, scales, *, fmt: str, dtype=jnp.float32, implementation=None, interpret=False):
     """Values of MX codes (any shape) times their blocks' scales, cast to `dtype`."""
-    body = functools.partial(_dequantize_on, fmt=check_format(fmt), dtype=jnp.dtype(dtype))
+    body = functools.partial(dequantize_on, fmt=check_format(fmt), dtype=jnp.dtype(dtype))
     return platforms.dispatch(implementation, body, codes, scales, interpret=interpret)
 
 
@@ -407,7 +413,7 @@ def dequantize_packed(
 ):
     """`dequantize` of `quantize_packed`'s bytes, in `shape` (on GPU one kernel reads the bytes)."""
     body = functools.partial(
-        _dequantize_packed_on, fmt=check_format(fmt), shape=tuple(shape), dtype=jnp.dtype(dtype)
+        dequantize_packed_on, fmt=check_format(fmt), shape=tuple(shape), dtype=jnp.dtype(dtype)
     )
     return platforms.dispatch(implementation, body, packed, scales, interpret=interpret)
 
@@ -417,7 +423,7 @@ def dequantize_accumulate(
 ):
     """acc + weight * dequantize(codes, scales) in float32, in the codes' shape."""
     weight = jnp.asarray(weight, jnp.float32)
-    body = functools.partial(_dequantize_accumulate_on, fmt=check_format(fmt))
+    body = functools.partial(dequantize_accumulate_on, fmt=check_format(fmt))
     return platforms.dispatch(implementation, body, acc, weight, codes, scales, interpret=interpret)
 
 
@@ -426,7 +432,7 @@ def dequantize_accumulate_packed(
 ):
     """`dequantize_accumulate` of `quantize_packed`'s bytes of acc.size codes, in acc's shape."""
     weight = jnp.asarray(weight, jnp.float32)
-    body = functools.partial(_dequantize_accumulate_packed_on, fmt=check_format(fmt))
+    body = functools.partial(dequantize_accumulate_packed_on, fmt=check_format(fmt))
     return platforms.dispatch(
         implementation, body, acc, weight, packed, scales, interpret=interpret
     )
