@@ -65,20 +65,19 @@ def encode_lowers(target, rows: int, width: int, dtype) -> bool:
     return _blocks.row_lowers(target, rows, [(width, dtype), (width, jnp.uint8)])
 
 
-def _as_rows(x, width: int):
+def _as_rows(x, rows: int, width: int):
     """x flattened and zero-padded to [rows, width]."""
     flat = x.reshape(-1)
-    rows = _blocks.num_rows(flat.size, width)
     if rows * width != flat.size:
         flat = jnp.pad(flat, (0, rows * width - flat.size))
     return flat.reshape(rows, width)
 
 
 def _encode_with(
-    x, seeds, scale, *, width: int, bits: int, stochastic: bool, target, block_rows=None
+    x, seeds, scale, *, rows: int, width: int, bits: int, stochastic: bool, target, block_rows=None
 ):
     """x's codes by `target`'s kernel: the GPU's on the flat array as it is, else the row
-    kernel on x as rows of `width`."""
+    kernel on x as `rows` rows of `width`."""
     if target.platform == "gpu":  # no padded copy
         codes = modulo_gpu.encode(
             x.reshape(-1),
@@ -94,7 +93,7 @@ def _encode_with(
         functools.partial(_encode_kernel, bits=bits, stochastic=stochastic),
         target,
         scalars=[seeds, jnp.asarray(scale, jnp.float32).reshape(1, 1)],
-        inputs=[_as_rows(x, width)],
+        inputs=[_as_rows(x, rows, width)],
         outputs=[(width, jnp.uint8)],
         block_rows=block_rows,
     )
@@ -126,6 +125,7 @@ def encode_pallas(
     scale = jnp.asarray(scale, jnp.float32).reshape(1, 1)
     body = functools.partial(
         _encode_with,
+        rows=x2d.shape[0],
         width=x2d.shape[1],
         bits=bits,
         stochastic=stochastic,
@@ -142,9 +142,10 @@ def encode_on(x, seeds, scale, *, bits: int, stochastic: bool, target):
     rows = _blocks.num_rows(x.size, width)
     if encode_lowers(target, rows, width, x.dtype):
         return _encode_with(
-            x, seeds, scale, width=width, bits=bits, stochastic=stochastic, target=target
+            x, seeds, scale, rows=rows, width=width, bits=bits, stochastic=stochastic, target=target
         )
-    codes = encode_reference(_as_rows(x, width), seeds, scale, bits=bits, stochastic=stochastic)
+    x2d = _as_rows(x, rows, width)
+    codes = encode_reference(x2d, seeds, scale, bits=bits, stochastic=stochastic)
     return codes.reshape(-1)[: x.size].reshape(x.shape)
 
 
