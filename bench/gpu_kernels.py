@@ -21,7 +21,7 @@ jitted, warmed up, and timed (median of `--repeats` calls, each synchronised):
   device, when torch sees it;
 * the backends side by side on the same [rows, 2048] array (8-bit codes, one byte
   per element, before bit packing): the Triton kernels (`minmax.quantize_pallas`,
-  the dispatch's GPU choice today), the Mosaic GPU kernels (`mosaic_gpu`) and XLA's
+  the dispatch's GPU choice today), the Mosaic GPU kernels (`minmax_mosaic`) and XLA's
   fusion of the jnp reference, each checked bit for bit against the reference on
   the device. This is the measurement the per-jax-version backend choice rests on;
 * ``--parts tune``: the flat GPU kernels (8-bit quantize, 4-bit quantize packed in
@@ -59,7 +59,7 @@ from bench import harness  # noqa: E402
 from lpdec import kernels_pallas as kernels  # noqa: E402
 from lpdec.kernels_pallas import minmax  # noqa: E402
 from lpdec.kernels_pallas import minmax_gpu  # noqa: E402
-from lpdec.kernels_pallas import mosaic_gpu  # noqa: E402
+from lpdec.kernels_pallas import minmax_mosaic  # noqa: E402
 from lpdec.kernels_pallas import platforms  # noqa: E402
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -315,10 +315,10 @@ def backend_candidates(on_gpu: bool) -> dict:
             lambda c, lo, u: minmax.dequantize_pallas(c, lo, u, platform="gpu", interpret=interp),
         ),
     }
-    if mosaic_gpu.available() and (on_gpu or mosaic_gpu.interpret_available()):
+    if minmax_mosaic.available() and (on_gpu or minmax_mosaic.interpret_available()):
         out["mosaic"] = (
-            lambda x, s, st: mosaic_gpu.quantize(x, s, bits=8, stochastic=st, interpret=interp),
-            lambda c, lo, u: mosaic_gpu.dequantize(c, lo, u, interpret=interp),
+            lambda x, s, st: minmax_mosaic.quantize(x, s, bits=8, stochastic=st, interpret=interp),
+            lambda c, lo, u: minmax_mosaic.dequantize(c, lo, u, interpret=interp),
         )
     return out
 

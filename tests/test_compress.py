@@ -598,7 +598,7 @@ def test_minmax_fused_feedback_kernel_matches_the_unfused_path(rng, chunk_size, 
 
     def run(target):
         return jax.jit(
-            lambda u, e: minmax_feedback._quantize_feedback_on(
+            lambda u, e: minmax_feedback.quantize_feedback_on(
                 u,
                 e,
                 jnp.float32(0.3),
@@ -630,7 +630,7 @@ def test_minmax_encode_leaves_equals_leaf_by_leaf_encode(rng, bits, rounding):
     got = jax.jit(lambda xs, ks: comp.encode_leaves(xs, ks))(leaves, keys)
     seeds = jnp.concatenate([lpdec.kernels_pallas.seeds_from_key(k) for k in keys])
     on_gpu = jax.jit(
-        lambda xs: minmax_tree._quantize_leaves_on(
+        lambda xs: minmax_tree.quantize_leaves_on(
             xs,
             seeds,
             chunks=(1000,) * len(xs),

@@ -244,16 +244,16 @@ def test_without_pallas_triton_the_gpu_quantizes_with_mosaic_gpu(
     """A jax without the Triton lowering (deprecated from 0.11) quantizes with the Mosaic
     GPU row kernel (`minmax.mosaic_quantizes`): chunks of whole warpgroups up to 4096
     elements; other chunks, the bit packing and the decode take the jnp path."""
-    from lpdec.kernels_pallas import mosaic_gpu
+    from lpdec.kernels_pallas import minmax_mosaic
 
-    if not mosaic_gpu.available():
+    if not minmax_mosaic.available():
         pytest.skip(f"jax {jax.__version__} has no plgpu.kernel")
     monkeypatch.setattr(platforms, "pallas_triton", None)
     comp = lpdec.minmax(bits, "stochastic", chunk_size=chunk_size)
     x = jax.ShapeDtypeStruct((SIZES[1],), jnp.float32)
     text = lowered_text(trace(lambda x: comp.decode(comp.encode(x, KEY)), x), "cuda")
     assert "stablehlo.while" not in text
-    assert text.count(mosaic_gpu.CUSTOM_CALL_TARGET) == mosaic_kernels
+    assert text.count(minmax_mosaic.CUSTOM_CALL_TARGET) == mosaic_kernels
     assert _TRITON not in text
     tpu = kernel_calls(trace(lambda x: comp.encode(x, KEY), x), "tpu")
     assert tpu >= 1  # TPU keeps its kernels
@@ -276,14 +276,14 @@ def test_gpu_backend_is_the_measured_choice():
     feedback, MX, bit packing); a jax without it quantizes with Mosaic GPU (test above).
     Changing the GPU backend means measuring again and changing this test.
     """
-    from lpdec.kernels_pallas import mosaic_gpu
+    from lpdec.kernels_pallas import minmax_mosaic
 
     assert platforms.pallas_triton is not None, f"jax {jax.__version__} has no Pallas Triton"
     x = jax.ShapeDtypeStruct((SIZES[1],), jnp.float32)
     comp = lpdec.minmax(8, "stochastic")
     text = lowered_text(trace(lambda x: comp.encode(x, KEY), x), "cuda")
     assert text.count(_TRITON) == 1
-    assert mosaic_gpu.CUSTOM_CALL_TARGET not in text
+    assert minmax_mosaic.CUSTOM_CALL_TARGET not in text
 
 
 def test_gpu_warps_default_by_block_size_and_a_target_can_override_them():

@@ -1,4 +1,4 @@
-"""The Mosaic GPU min-max kernels (lpdec/kernels_pallas/mosaic_gpu.py) and their use without Triton.
+"""The Mosaic GPU min-max kernels (kernels_pallas/minmax_mosaic.py) and their use without Triton.
 
 Two checks, both on this CPU-only machine:
 
@@ -22,13 +22,13 @@ import pytest
 
 import lpdec
 from lpdec.kernels_pallas import minmax
-from lpdec.kernels_pallas import mosaic_gpu
+from lpdec.kernels_pallas import minmax_mosaic
 
 pytestmark = pytest.mark.skipif(
-    not mosaic_gpu.available(), reason=f"jax {jax.__version__} has no plgpu.kernel"
+    not minmax_mosaic.available(), reason=f"jax {jax.__version__} has no plgpu.kernel"
 )
 needs_interpret = pytest.mark.skipif(
-    not mosaic_gpu.interpret_available(),
+    not minmax_mosaic.interpret_available(),
     reason=f"jax {jax.__version__} has no Mosaic GPU interpret mode",
 )
 
@@ -46,7 +46,7 @@ def lowered(fn, *args) -> str:
 
 def assert_one_kernel(text: str):
     assert "stablehlo.while" not in text, "an interpreted kernel was lowered"
-    assert text.count(mosaic_gpu.CUSTOM_CALL_TARGET) == 1
+    assert text.count(minmax_mosaic.CUSTOM_CALL_TARGET) == 1
 
 
 @pytest.mark.parametrize("stochastic", [False, True], ids=["nearest", "stochastic"])
@@ -54,7 +54,7 @@ def assert_one_kernel(text: str):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_quantize_lowers_to_one_mosaic_gpu_kernel(shape, dtype, stochastic):
     def fn(x, seeds):
-        return mosaic_gpu.quantize(x, seeds, bits=8, stochastic=stochastic)
+        return minmax_mosaic.quantize(x, seeds, bits=8, stochastic=stochastic)
 
     x = jax.ShapeDtypeStruct(shape, dtype)
     assert_one_kernel(lowered(fn, x, jax.ShapeDtypeStruct((1, 2), jnp.uint32)))
@@ -65,16 +65,16 @@ def test_quantize_lowers_to_one_mosaic_gpu_kernel(shape, dtype, stochastic):
 def test_dequantize_lowers_to_one_mosaic_gpu_kernel(shape, dtype):
     scale = jax.ShapeDtypeStruct((shape[0], 1), jnp.float32)
     codes = jax.ShapeDtypeStruct(shape, jnp.uint8)
-    fn = lambda c, lo, u: mosaic_gpu.dequantize(c, lo, u, dtype=dtype)  # noqa: E731
+    fn = lambda c, lo, u: minmax_mosaic.dequantize(c, lo, u, dtype=dtype)  # noqa: E731
     assert_one_kernel(lowered(fn, codes, scale, scale))
 
 
 @pytest.mark.parametrize("chunk", [1000, 64, 200])
 def test_the_kernel_itself_needs_whole_warpgroups(chunk):
     """Only the wrappers take any row length: the kernel wants multiples of 128."""
-    assert not mosaic_gpu.lowers(chunk)
+    assert not minmax_mosaic.lowers(chunk)
     with pytest.raises(ValueError, match="multiple of 128"):
-        mosaic_gpu.quantize_kernel(
+        minmax_mosaic.quantize_kernel(
             jnp.zeros((2, chunk), jnp.float32), SEEDS, bits=8, stochastic=False
         )
 
@@ -103,7 +103,7 @@ def assert_bits_equal(got, want):
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_interpreted_quantize_matches_the_reference(shape, stochastic, bits):
     x = jnp.asarray(awkward_rows(shape))
-    got = mosaic_gpu.quantize(x, SEEDS, bits=bits, stochastic=stochastic, interpret=True)
+    got = minmax_mosaic.quantize(x, SEEDS, bits=bits, stochastic=stochastic, interpret=True)
     want = minmax.quantize_reference(x, SEEDS, bits=bits, stochastic=stochastic)
     for g, w in zip(got, want, strict=True):
         assert_bits_equal(g, w)
@@ -116,7 +116,7 @@ def test_interpreted_dequantize_matches_the_reference(shape, dtype):
     codes, lo, unit = minmax.quantize_reference(
         jnp.asarray(awkward_rows(shape, seed=1)), SEEDS, bits=8, stochastic=True
     )
-    got = mosaic_gpu.dequantize(codes, lo, unit, dtype=dtype, interpret=True)
+    got = minmax_mosaic.dequantize(codes, lo, unit, dtype=dtype, interpret=True)
     assert_bits_equal(got, minmax.dequantize_reference(codes, lo, unit, dtype=dtype))
 
 
@@ -126,17 +126,17 @@ def test_interpreted_kernels_on_a_ragged_array():
     chunk, size = 256, 256 * 5 + 37
     x = jnp.asarray(np.random.default_rng(2).standard_normal(size).astype(np.float32))
     rows = -(-size // chunk)
-    codes, lo, unit = mosaic_gpu.quantize(
-        minmax._as_rows(x, rows, chunk, "edge"), SEEDS, bits=8, stochastic=True, interpret=True
+    codes, lo, unit = minmax_mosaic.quantize(
+        minmax.as_rows(x, rows, chunk, "edge"), SEEDS, bits=8, stochastic=True, interpret=True
     )
     want = minmax.quantize(x, SEEDS, bits=8, stochastic=True, chunk=chunk, implementation="xla")
-    for g, w in zip((minmax._from_rows(codes, x.shape), lo, unit), want, strict=True):
+    for g, w in zip((minmax.from_rows(codes, x.shape), lo, unit), want, strict=True):
         assert_bits_equal(g, w)
-    out = mosaic_gpu.dequantize(
-        minmax._as_rows(want[0], rows, chunk, "constant"), lo, unit, interpret=True
+    out = minmax_mosaic.dequantize(
+        minmax.as_rows(want[0], rows, chunk, "constant"), lo, unit, interpret=True
     )
     want_x = minmax.dequantize(*want, chunk=chunk, implementation="xla")
-    assert_bits_equal(minmax._from_rows(out, x.shape), want_x)
+    assert_bits_equal(minmax.from_rows(out, x.shape), want_x)
 
 
 @needs_interpret
@@ -165,7 +165,7 @@ def test_without_triton_the_interpreted_gpu_encode_is_mosaic_gpu_bit_for_bit(
     gpu = platforms.Target("gpu", True)
     assert minmax.mosaic_quantizes(gpu, 4, chunk, dtype)
     got = jax.jit(
-        lambda x: minmax._quantize_on(x, seeds, chunk=chunk, bits=bits, stochastic=True, target=gpu)
+        lambda x: minmax.quantize_on(x, seeds, chunk=chunk, bits=bits, stochastic=True, target=gpu)
     )(x)
     want = minmax.quantize(x, seeds, bits=bits, stochastic=True, chunk=chunk, implementation="xla")
     for g, w in zip(got, want, strict=True):
@@ -182,13 +182,13 @@ on_a_gpu = pytest.mark.skipif(jax.default_backend() != "gpu", reason="needs a GP
 def test_compiled_kernels_match_the_reference(shape, stochastic, bits):
     """The same checks compiled for the GPU: its own rounding of each operation."""
     x = jnp.asarray(awkward_rows(shape))
-    got = mosaic_gpu.quantize(x, SEEDS, bits=bits, stochastic=stochastic)
+    got = minmax_mosaic.quantize(x, SEEDS, bits=bits, stochastic=stochastic)
     want = minmax.quantize_reference(x, SEEDS, bits=bits, stochastic=stochastic)
     for g, w in zip(got, want, strict=True):
         assert_bits_equal(g, w)
     for dtype in (jnp.float32, jnp.bfloat16):
         assert_bits_equal(
-            mosaic_gpu.dequantize(*want, dtype=dtype),
+            minmax_mosaic.dequantize(*want, dtype=dtype),
             minmax.dequantize_reference(*want, dtype=dtype),
         )
 

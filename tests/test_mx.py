@@ -405,8 +405,8 @@ def test_public_ops_on_gpu_take_the_flat_kernels(rng, fmt):
     x = jnp.asarray(mixed_values(rng, 3 * 77).reshape(shape))
     seeds = random_seeds(rng)
     f = mx_kernels.FORMATS[fmt]
-    codes, scales = mx_kernels._quantize_on(x, seeds, fmt=f, stochastic=True, target=GPU)
-    packed, packed_scales = mx_kernels._quantize_packed_on(
+    codes, scales = mx_kernels.quantize_on(x, seeds, fmt=f, stochastic=True, target=GPU)
+    packed, packed_scales = mx_kernels.quantize_packed_on(
         x, seeds, fmt=f, stochastic=True, target=GPU
     )
     want = mx_kernels.quantize(x, seeds, fmt=fmt, stochastic=True, implementation="xla")
@@ -420,21 +420,21 @@ def test_public_ops_on_gpu_take_the_flat_kernels(rng, fmt):
         acc, 0.5, codes, scales, fmt=fmt, implementation="xla"
     )
     same_bits(
-        mx_kernels._dequantize_on(codes, scales, fmt=f, dtype=jnp.float32, target=GPU), want_values
+        mx_kernels.dequantize_on(codes, scales, fmt=f, dtype=jnp.float32, target=GPU), want_values
     )
     same_bits(
-        mx_kernels._dequantize_packed_on(
+        mx_kernels.dequantize_packed_on(
             packed, scales, fmt=f, shape=shape, dtype=jnp.float32, target=GPU
         ),
         want_values,
     )
     weight = jnp.float32(0.5)
     same_bits(
-        mx_kernels._dequantize_accumulate_on(acc, weight, codes, scales, fmt=f, target=GPU),
+        mx_kernels.dequantize_accumulate_on(acc, weight, codes, scales, fmt=f, target=GPU),
         want_acc,
     )
     same_bits(
-        mx_kernels._dequantize_accumulate_packed_on(acc, weight, packed, scales, fmt=f, target=GPU),
+        mx_kernels.dequantize_accumulate_packed_on(acc, weight, packed, scales, fmt=f, target=GPU),
         want_acc,
     )
 

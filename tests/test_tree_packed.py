@@ -81,7 +81,7 @@ def test_packed_kernel_is_leaf_by_leaf_encode(rng, bits, rounding):
             [lpdec.kernels_pallas.seeds_from_key(k) for k in jax.random.split(key, len(leaves))]
         )
     got = jax.jit(
-        lambda xs, s: minmax_tree._quantize_tree_packed_on(
+        lambda xs, s: minmax_tree.quantize_tree_packed_on(
             xs, s, chunk=CHUNK, bits=bits, stochastic=comp.needs_key, target=GPU
         )
     )(leaves, seeds)
@@ -106,7 +106,7 @@ def test_encode_tree_with_the_packed_layout_runs_the_gpu_kernel(rng, monkeypatch
 
     monkeypatch.setattr(platforms, "dispatch", on_the_gpu)
     got = jax.jit(lambda t: compress.encode_tree(comp, t, key))(tree)
-    assert calls == ["_quantize_tree_packed_on"]
+    assert calls == ["quantize_tree_packed_on"]
     assert_same_payloads(got, want)
 
 
@@ -131,9 +131,9 @@ def test_buffers_split_by_dtype_and_skip_empty_leaves():
             ((9,), jnp.bfloat16),
         ]
     ]
-    assert minmax_tree._buffers(xs, CHUNK, GPU) == [[0, 3], [1, 4]]
-    assert minmax_tree._buffers(xs, CHUNK, platforms.Target("tpu", True)) == []
-    assert minmax_tree._buffers(xs, CHUNK, None) == []
+    assert minmax_tree.packed_buffers(xs, CHUNK, GPU) == [[0, 3], [1, 4]]
+    assert minmax_tree.packed_buffers(xs, CHUNK, platforms.Target("tpu", True)) == []
+    assert minmax_tree.packed_buffers(xs, CHUNK, None) == []
 
 
 def test_a_buffer_past_int32_offsets_starts_another(monkeypatch):
@@ -143,7 +143,7 @@ def test_a_buffer_past_int32_offsets_starts_another(monkeypatch):
     monkeypatch.setattr(minmax_gpu, "lowers", lambda size: size < 1000)
     xs = [jax.ShapeDtypeStruct((n,), jnp.float32) for n in (600, 300, 10, 700, 2000)]
     # Padded to 256: 768, 512, 256, 768; 2048 fits no buffer and is encoded alone.
-    assert minmax_tree._buffers(xs, CHUNK, GPU) == [[0], [1, 2], [3]]
+    assert minmax_tree.packed_buffers(xs, CHUNK, GPU) == [[0], [1, 2], [3]]
 
 
 @pytest.mark.parametrize("bad", [{"tree_layout": "flat"}, {"tree_layout": None}])

@@ -17,6 +17,13 @@ Beside them are the rules every caller shares: `check_bits` (code widths 1..8),
 `check_implementation` (`IMPLEMENTATIONS`), the hash seeds of stochastic
 rounding (`seeds_from_key`), and the rounding helpers that keep arithmetic
 outside a kernel bit-exact (`rounded`, `round_up_significand`).
+
+Each op has the same modules (docs/DESIGN.md, "Layers"): `<op>.py` (the public op
+and its row kernels), `<op>_gpu.py` (the GPU's flat kernels) and `<op>_jnp.py`
+(the shared arithmetic and the reference). Inside the package the modules
+compose each other's `<op>_on` functions (an op for one `platforms.Target`) and
+`_blocks`' layout helpers: those are package-internal (each module's docstring
+names its own, and leaves them out of its `__all__`).
 """
 
 from lpdec.kernels_pallas.bitpack import pack_bits

@@ -6,6 +6,16 @@ exactly `b` bytes, so the kernels work on groups: a [G, 8] block of codes maps
 to a [G, b] block of bytes. Because the stream is contiguous, truncating the
 bytes of the last (zero-padded) group to ceil(d*b/8) keeps every real bit: a
 payload of d codes is exactly ceil(d*b/8) bytes.
+
+The modules: this one holds the public ops (`pack_bits`, `unpack_bits`), each
+choosing per lowering platform, and the row kernels on [G, 8] codes and
+[G, b] bytes (TPU, and any platform interpreted); `bitpack_gpu` the GPU's flat
+kernels; `bitpack_jnp` the shared arithmetic, the references and the CPU path.
+
+Package-internal (not in `__all__`; for the ops that pack their codes, `minmax`
+and `mx`): `pack_bits_on` and `unpack_bits_on`, the ops for one
+`platforms.Target` (None: the jnp path), which the public ops run under
+`platforms.dispatch`.
 """
 
 from __future__ import annotations
@@ -14,93 +24,39 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
+from lpdec.kernels_pallas import _blocks
+from lpdec.kernels_pallas import bitpack_gpu
+from lpdec.kernels_pallas import bitpack_jnp
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
+from lpdec.kernels_pallas.bitpack_jnp import GROUP
+from lpdec.kernels_pallas.bitpack_jnp import pack_reference
+from lpdec.kernels_pallas.bitpack_jnp import packed_size
+from lpdec.kernels_pallas.bitpack_jnp import unpack_reference
 
-_GROUP = 8
+__all__ = [
+    "pack_bits",
+    "pack_lowers",
+    "pack_pallas",
+    "pack_reference",
+    "packed_size",
+    "unpack_bits",
+    "unpack_pallas",
+    "unpack_reference",
+]
 
-
-def packed_size(num_elements: int, bits: int) -> int:
-    """Bytes of `num_elements` codes of `bits` bits: ceil(num_elements * bits / 8)."""
-    return -(-num_elements * bits // 8)
-
-
-def _or_disjoint(piece: jax.Array) -> jax.Array:
-    """uint8 bitwise or over the last axis of uint32 pieces < 256 with disjoint bits.
-
-    Disjoint bits make the or a sum. It is summed as int32: Mosaic (TPU) has no
-    reductions over unsigned integers.
-    """
-    return jnp.sum(piece.astype(jnp.int32), axis=-1, dtype=jnp.int32).astype(jnp.uint8)
-
-
-def _pack_groups(codes: jax.Array, bits: int, width: int | None = None) -> jax.Array:
-    """[G, 8] codes -> [G, bits] bytes. Shared by the reference and the kernels.
-
-    `width` > bits (the GPU kernel's power-of-two tile) adds bytes that stay 0.
-    """
-    c = (codes.astype(jnp.uint32) & jnp.uint32((1 << bits) - 1))[:, None, :]
-    shape = (1, width or bits, _GROUP)
-    j = jax.lax.broadcasted_iota(jnp.int32, shape, 1)  # output byte
-    k = jax.lax.broadcasted_iota(jnp.int32, shape, 2)  # input code
-    # Code k's bit t is stream bit k*b + t, i.e. bit (s + t) of byte j.
-    s = k * bits - 8 * j
-    valid = (s > -bits) & (s < 8)
-    shl = jnp.clip(s, 0, 31).astype(jnp.uint32)
-    shr = jnp.clip(-s, 0, 31).astype(jnp.uint32)
-    piece = jnp.where(valid, ((c >> shr) << shl) & jnp.uint32(0xFF), jnp.uint32(0))
-    return _or_disjoint(piece)
-
-
-def _unpack_groups(packed: jax.Array, bits: int) -> jax.Array:
-    """[G, bits] bytes -> [G, 8] codes. Shared by the reference and the kernels.
-
-    Bytes past the first `bits` of a row (the GPU kernel's tile) must be 0.
-    """
-    p = packed.astype(jnp.uint32)[:, None, :]
-    shape = (1, _GROUP, packed.shape[-1])
-    k = jax.lax.broadcasted_iota(jnp.int32, shape, 1)  # output code
-    j = jax.lax.broadcasted_iota(jnp.int32, shape, 2)  # input byte
-    # Byte j's bit t is stream bit 8j + t, i.e. bit (s + t) of code k.
-    s = 8 * j - k * bits
-    valid = (s > -8) & (s < bits)
-    shl = jnp.clip(s, 0, 31).astype(jnp.uint32)
-    shr = jnp.clip(-s, 0, 31).astype(jnp.uint32)
-    mask = jnp.uint32((1 << bits) - 1)
-    piece = jnp.where(valid, ((p >> shr) << shl) & mask, jnp.uint32(0))
-    return _or_disjoint(piece)
-
-
-def pack_reference(codes: jax.Array, *, bits: int) -> jax.Array:
-    """jnp reference: [G, 8] uint8 codes -> [G, bits] uint8 bytes."""
-    return _pack_groups(codes, bits)
-
-
-def unpack_reference(packed: jax.Array, *, bits: int) -> jax.Array:
-    """jnp reference: [G, bits] uint8 bytes -> [G, 8] uint8 codes."""
-    return _unpack_groups(packed, bits)
+# A group moves 8 codes in and `bits` bytes out (or back): a block's size counts
+# 16 elements a group.
+_GROUP_ELEMENTS = 2 * GROUP
 
 
 def _pack_kernel(codes_ref, out_ref, *, bits):
-    out_ref[...] = _pack_groups(codes_ref[...], bits)
+    out_ref[...] = bitpack_jnp.pack_groups(codes_ref[...], bits)
 
 
 def _unpack_kernel(packed_ref, out_ref, *, bits):
-    out_ref[...] = _unpack_groups(packed_ref[...], bits)
-
-
-def _group_blocks(target, groups: int, bits: int, block_groups: int | None = None):
-    """(groups per block, padded groups, the blocks) of the [G, 8] <-> [G, bits] kernels.
-
-    A group moves 8 codes in and `bits` bytes out (or back): the block size counts
-    16 elements per group.
-    """
-    bg = block_groups or target.block_rows(groups, 2 * _GROUP, (jnp.uint8,))
-    padded = platforms.num_rows(groups, bg) * bg
-    blocks = [((bg, _GROUP), (padded, _GROUP), jnp.uint8), ((bg, bits), (padded, bits), jnp.uint8)]
-    return bg, padded, blocks
+    out_ref[...] = bitpack_jnp.unpack_groups(packed_ref[...], bits)
 
 
 def pack_lowers(target, groups: int, bits: int) -> bool:
@@ -108,111 +64,47 @@ def pack_lowers(target, groups: int, bits: int) -> bool:
 
     False for the jnp path (`target` None), for no groups, and where the platform's
     compiler rejects the blocks. The GPU kernels address the flat arrays
-    themselves (`_gpu_pack`): every width, any size below 2**31 codes.
+    themselves (`bitpack_gpu`): every width, any size below 2**31 codes.
     """
     if target is None or not groups:
         return False
     if target.platform == "gpu":
-        return platforms.pallas_triton is not None and groups * _GROUP < 2**31
-    return target.lowers(*_group_blocks(target, groups, bits)[2])
+        return bitpack_gpu.lowers(groups * GROUP)
+    operands = [(GROUP, jnp.uint8), (bits, jnp.uint8)]
+    return _blocks.row_lowers(target, groups, operands, row_length=_GROUP_ELEMENTS)
 
 
-# ----------------------------------------------------------------------------
-# GPU (Triton) kernels on the flat arrays. A grid step takes `bg` groups: codes
-# at offsets 8g + k, bytes at bits * g + j for j below the power-of-two tile
-# width; loads and stores past the arrays (and past `bits` bytes of a group) are
-# masked, so every width compiles and nothing is padded (minmax's GPU kernels
-# do the same for chunks).
-# ----------------------------------------------------------------------------
-
-
-def _gpu_group_offsets(bg: int, width: int, stride: int, limit: int):
-    group = pl.program_id(0) * bg + jax.lax.broadcasted_iota(jnp.int32, (bg, width), 0)
-    col = jax.lax.broadcasted_iota(jnp.int32, (bg, width), 1)
-    offsets = group * stride + col
-    return offsets, (col < stride) & (offsets < limit)
-
-
-def _gpu_pack_kernel(codes_ref, out_ref, *, bits, bg, width):
-    code_offsets, code_valid = _gpu_group_offsets(bg, _GROUP, _GROUP, codes_ref.shape[0])
-    codes = platforms.pallas_triton.load(codes_ref.at[code_offsets], mask=code_valid, other=0)
-    packed = _pack_groups(codes, bits, width)
-    offsets, valid = _gpu_group_offsets(bg, width, bits, out_ref.shape[0])
-    platforms.pallas_triton.store(out_ref.at[offsets], packed, mask=valid)
-
-
-def _gpu_unpack_kernel(packed_ref, out_ref, *, bits, bg, width):
-    offsets, valid = _gpu_group_offsets(bg, width, bits, packed_ref.shape[0])
-    packed = platforms.pallas_triton.load(packed_ref.at[offsets], mask=valid, other=0)
-    codes = _unpack_groups(packed, bits)
-    code_offsets, code_valid = _gpu_group_offsets(bg, _GROUP, _GROUP, out_ref.shape[0])
-    platforms.pallas_triton.store(out_ref.at[code_offsets], codes, mask=code_valid)
-
-
-def _gpu_call(kernel, flat, *, out_size: int, groups: int, bits: int, target, block_groups=None):
-    width = 1 << (bits - 1).bit_length()
-    bg = block_groups or platforms.block_rows_for(groups, 2 * _GROUP, target.block_elements)
-    return target.pallas_call(
-        functools.partial(kernel, bits=bits, bg=bg, width=width),
-        block_elements=bg * 2 * _GROUP,
-        grid=(platforms.num_rows(groups, bg),),
-        in_specs=[pl.BlockSpec((flat.size,), lambda i: (0,))],
-        out_specs=pl.BlockSpec((out_size,), lambda i: (0,)),
-        out_shape=platforms.out_struct((out_size,), jnp.uint8, flat),
-    )(flat)
-
-
-def _gpu_pack(codes, *, bits: int, target, block_groups=None):
-    """GPU kernel: uint8[d] codes -> uint8[ceil(d * bits / 8)] bytes."""
-    d = codes.size
-    return _gpu_call(
-        _gpu_pack_kernel,
-        codes.reshape(-1).astype(jnp.uint8),
-        out_size=packed_size(d, bits),
-        groups=platforms.num_rows(d, _GROUP),
-        bits=bits,
-        target=target,
-        block_groups=block_groups,
+def _pack_with(codes, *, bits: int, target, block_groups=None):
+    """uint8[d] codes -> bytes by `target`'s kernel: the GPU's on the flat arrays, else
+    the row kernel on groups."""
+    if target.platform == "gpu":
+        return bitpack_gpu.pack(codes, bits=bits, target=target, block_groups=block_groups)
+    (out,) = _blocks.row_call(
+        functools.partial(_pack_kernel, bits=bits),
+        target,
+        inputs=[bitpack_jnp.code_groups(codes)],
+        outputs=[(bits, jnp.uint8)],
+        block_rows=block_groups,
+        row_length=_GROUP_ELEMENTS,
     )
+    return out.reshape(-1)[: packed_size(codes.shape[0], bits)]
 
 
-def _gpu_unpack(packed, *, bits: int, num_elements: int, target, block_groups=None):
-    """GPU kernel: uint8[ceil(d * bits / 8)] bytes -> uint8[d] codes."""
-    return _gpu_call(
-        _gpu_unpack_kernel,
-        packed.reshape(-1),
-        out_size=num_elements,
-        groups=platforms.num_rows(num_elements, _GROUP),
-        bits=bits,
-        target=target,
-        block_groups=block_groups,
+def _unpack_with(packed, *, bits: int, num_elements: int, target, block_groups=None):
+    """Bytes -> uint8[num_elements] codes by `target`'s kernel (see `_pack_with`)."""
+    if target.platform == "gpu":
+        return bitpack_gpu.unpack(
+            packed, bits=bits, num_elements=num_elements, target=target, block_groups=block_groups
+        )
+    (out,) = _blocks.row_call(
+        functools.partial(_unpack_kernel, bits=bits),
+        target,
+        inputs=[bitpack_jnp.byte_groups(packed, bits=bits, num_elements=num_elements)],
+        outputs=[(GROUP, jnp.uint8)],
+        block_rows=block_groups,
+        row_length=_GROUP_ELEMENTS,
     )
-
-
-def _group_call(kernel, grouped, *, width_in, width_out, bits, block_groups, target):
-    groups = grouped.shape[0]
-    if target.platform == "gpu":  # [G, 8] <-> [G, bits] as the flat arrays they are
-        if kernel is _pack_kernel:
-            out = _gpu_pack(grouped, bits=bits, target=target, block_groups=block_groups)
-        else:
-            out = _gpu_unpack(
-                grouped,
-                bits=bits,
-                num_elements=groups * _GROUP,
-                target=target,
-                block_groups=block_groups,
-            )
-        return out.reshape(groups, width_out)
-    bg, padded, _ = _group_blocks(target, groups, bits, block_groups)
-    out = target.pallas_call(
-        functools.partial(kernel, bits=bits),
-        block_elements=bg * 2 * _GROUP,
-        grid=(padded // bg,),
-        in_specs=[pl.BlockSpec((bg, width_in), lambda i: (i, 0))],
-        out_specs=pl.BlockSpec((bg, width_out), lambda i: (i, 0)),
-        out_shape=platforms.out_struct((padded, width_out), jnp.uint8, grouped),
-    )(jnp.pad(grouped, ((0, padded - groups), (0, 0))))
-    return out[:groups]
+    return out.reshape(-1)[:num_elements]
 
 
 @functools.partial(jax.jit, static_argnames=("bits", "block_groups", "interpret", "platform"))
@@ -230,14 +122,11 @@ def pack_pallas(
     (`platforms.Target`); None takes the lowering platform's, interpreted on CPU.
     `interpret` interprets it.
     """
-    body = functools.partial(
-        _group_call,
-        _pack_kernel,
-        width_in=_GROUP,
-        width_out=bits,
-        bits=bits,
-        block_groups=block_groups,
-    )
+
+    def body(codes, *, target):
+        packed = _pack_with(codes.reshape(-1), bits=bits, target=target, block_groups=block_groups)
+        return packed.reshape(codes.shape[0], bits)
+
     if platform is None:
         return platforms.on_each_platform(body, codes, interpret=interpret)
     return body(codes, target=platforms.Target(platform, interpret))
@@ -253,38 +142,37 @@ def unpack_pallas(
     platform: platforms.Platform | None = None,
 ) -> jax.Array:
     """Pallas kernel: [G, bits] uint8 bytes -> [G, 8] uint8 codes (see pack_pallas)."""
-    body = functools.partial(
-        _group_call,
-        _unpack_kernel,
-        width_in=bits,
-        width_out=_GROUP,
-        bits=bits,
-        block_groups=block_groups,
-    )
+
+    def body(packed, *, target):
+        groups = packed.shape[0]
+        codes = _unpack_with(
+            packed.reshape(-1),
+            bits=bits,
+            num_elements=groups * GROUP,
+            target=target,
+            block_groups=block_groups,
+        )
+        return codes.reshape(groups, GROUP)
+
     if platform is None:
         return platforms.on_each_platform(body, packed, interpret=interpret)
     return body(packed, target=platforms.Target(platform, interpret))
 
 
-def _pack_bits_on(codes: jax.Array, *, bits: int, target) -> jax.Array:
+def pack_bits_on(codes: jax.Array, *, bits: int, target) -> jax.Array:
     """The `pack_bits` that `target` runs: its kernel, or the jnp reference (`pack_lowers`)."""
     if codes.ndim != 1:
         raise ValueError(f"codes must be 1-D; got shape {codes.shape}.")
     d = codes.shape[0]
     if bits == 8:
         return codes.astype(jnp.uint8)
-    groups = platforms.num_rows(d, _GROUP)
-    if target is not None and target.platform == "gpu" and pack_lowers(target, groups, bits):
-        return _gpu_pack(codes, bits=bits, target=target)
-    grouped = jnp.pad(codes.astype(jnp.uint8), (0, groups * _GROUP - d)).reshape(groups, _GROUP)
-    if pack_lowers(target, groups, bits):
-        out = pack_pallas(grouped, bits=bits, interpret=target.interpret, platform=target.platform)
-    else:
-        out = pack_reference(grouped, bits=bits)
-    return out.reshape(-1)[: packed_size(d, bits)]
+    if pack_lowers(target, _blocks.num_rows(d, GROUP), bits):
+        return _pack_with(codes, bits=bits, target=target)
+    packed = pack_reference(bitpack_jnp.code_groups(codes), bits=bits)
+    return packed.reshape(-1)[: packed_size(d, bits)]
 
 
-def _unpack_bits_on(packed: jax.Array, *, bits: int, num_elements: int, target) -> jax.Array:
+def unpack_bits_on(packed: jax.Array, *, bits: int, num_elements: int, target) -> jax.Array:
     """The `unpack_bits` that `target` runs: its kernel, or the jnp reference."""
     expected = packed_size(num_elements, bits)
     if packed.shape != (expected,):
@@ -294,17 +182,10 @@ def _unpack_bits_on(packed: jax.Array, *, bits: int, num_elements: int, target) 
         )
     if bits == 8:
         return packed
-    groups = platforms.num_rows(num_elements, _GROUP)
-    if target is not None and target.platform == "gpu" and pack_lowers(target, groups, bits):
-        return _gpu_unpack(packed, bits=bits, num_elements=num_elements, target=target)
-    grouped = jnp.pad(packed, (0, groups * bits - expected)).reshape(groups, bits)
-    if pack_lowers(target, groups, bits):
-        out = unpack_pallas(
-            grouped, bits=bits, interpret=target.interpret, platform=target.platform
-        )
-    else:
-        out = unpack_reference(grouped, bits=bits)
-    return out.reshape(-1)[:num_elements]
+    if pack_lowers(target, _blocks.num_rows(num_elements, GROUP), bits):
+        return _unpack_with(packed, bits=bits, num_elements=num_elements, target=target)
+    grouped = bitpack_jnp.byte_groups(packed, bits=bits, num_elements=num_elements)
+    return unpack_reference(grouped, bits=bits).reshape(-1)[:num_elements]
 
 
 def pack_bits(
@@ -326,7 +207,7 @@ def pack_bits(
     Returns:
       uint8[ceil(d * bits / 8)].
     """
-    body = functools.partial(_pack_bits_on, bits=numerics.check_bits(bits))
+    body = functools.partial(pack_bits_on, bits=numerics.check_bits(bits))
     return platforms.dispatch(implementation, body, codes, interpret=interpret)
 
 
@@ -340,6 +221,6 @@ def unpack_bits(
 ) -> jax.Array:
     """Inverse of `pack_bits`: uint8[ceil(d * bits / 8)] -> uint8[d] codes."""
     body = functools.partial(
-        _unpack_bits_on, bits=numerics.check_bits(bits), num_elements=num_elements
+        unpack_bits_on, bits=numerics.check_bits(bits), num_elements=num_elements
     )
     return platforms.dispatch(implementation, body, packed, interpret=interpret)

@@ -20,9 +20,16 @@ by every kernel, so they agree bit for bit.
 The modules: this one holds the public ops on one array (`quantize`,
 `quantize_packed`, `dequantize`, `dequantize_accumulate`), each choosing per
 lowering platform, and the row kernels (TPU, and any platform interpreted);
-`minmax_gpu` the GPU's flat kernels; `minmax_feedback` the error-feedback
-quantize; `minmax_tree` a model's leaves in one launch; `minmax_jnp` the shared
-arithmetic, the references and the CPU path.
+`minmax_gpu` the GPU's flat Triton kernels; `minmax_mosaic` the Mosaic GPU row
+quantize and dequantize (a GPU without Pallas Triton); `minmax_feedback` the
+error-feedback quantize; `minmax_tree` a model's leaves in one launch;
+`minmax_jnp` the shared arithmetic, the references and the CPU path.
+
+Package-internal (not in `__all__`; for `minmax_feedback`, `minmax_tree` and the
+tests): `quantize_on`, `quantize_packed_on`, `dequantize_on` and
+`dequantize_accumulate_on`, each op for one `platforms.Target` (None: the jnp
+path), which the public ops run under `platforms.dispatch`; `chunking`,
+`as_rows` and `from_rows`, an array's layout in chunks.
 
 On CPU there is no kernel: XLA runs the same math as two passes over x, one
 reduction producing each row's (min, max), then one element-wise loop producing
@@ -49,10 +56,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lpdec.kernels_pallas import _blocks
 from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import minmax_gpu
 from lpdec.kernels_pallas import minmax_jnp
-from lpdec.kernels_pallas import mosaic_gpu
+from lpdec.kernels_pallas import minmax_mosaic
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
 from lpdec.kernels_pallas.minmax_jnp import dequantize_accumulate_reference
@@ -77,14 +85,12 @@ __all__ = [
 ]
 
 # ----------------------------------------------------------------------------
-# Pallas kernels.
+# The row kernels: a block of whole chunks (rows) per grid step.
 # ----------------------------------------------------------------------------
 
 
-def _quantize_kernel(
-    seeds_ref, x_ref, codes_ref, lo_ref, unit_ref, *, bits, stochastic, rows, variadic
-):
-    row0 = pl.program_id(0) * rows
+def _quantize_kernel(seeds_ref, x_ref, codes_ref, lo_ref, unit_ref, *, bits, stochastic, variadic):
+    row0 = pl.program_id(0) * x_ref.shape[0]
     # The seeds are passed as the ref: `minmax_jnp.element_codes` reads seeds[0, 0] and
     # seeds[0, 1] as scalar loads (Triton cannot slice a loaded array).
     codes, lo, unit = minmax_jnp.quantize_rows(
@@ -107,35 +113,63 @@ def _accumulate_kernel(weight_ref, acc_ref, codes_ref, lo_ref, unit_ref, out_ref
     )
 
 
-def _row_blocks(target, rows: int, chunk: int, dtypes, block_rows: int | None = None):
-    """(rows per block, padded rows, the row blocks) of a [rows, chunk] kernel.
-
-    Each row block is a (block, array, dtype) triple for `Target.lowers`: a
-    [br, chunk] block of every dtype in `dtypes` and the [br, 1] float32 scales.
-    """
-    br = block_rows or target.block_rows(rows, chunk, (*dtypes, jnp.float32))
-    padded = platforms.num_rows(rows, br) * br
-    blocks = [((br, chunk), (padded, chunk), d) for d in dtypes]
-    blocks.append(((br, 1), (padded, 1), jnp.float32))
-    return br, padded, blocks
+# ----------------------------------------------------------------------------
+# The layout. The ops quantize an array of any shape in chunks of `chunk`
+# consecutive (row-major) elements, the last one possibly shorter: the row
+# kernels see the chunks as the rows of a padded [rows, chunk] view, the GPU's
+# kernels the flat array as it is, the jnp path the caller's shape (see the CPU
+# path above). All give the bits of the references.
+# ----------------------------------------------------------------------------
 
 
-def _row_spec(br, width):
-    return pl.BlockSpec((br, width), lambda i: (i, 0))
+def chunking(size: int, chunk: int | None, shape: tuple[int, ...]) -> tuple[int, int]:
+    """(rows, chunk) of `size` elements; chunk None: the last axis of `shape` is a chunk."""
+    if chunk is None:
+        chunk = shape[-1] if shape else 1
+    chunk = max(1, chunk)
+    return _blocks.num_rows(size, chunk), chunk
 
 
-def quantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
-    """Whether `target` runs the quantize kernel on a [rows, chunk] `dtype` array.
+def as_rows(x, rows: int, chunk: int, mode: str):
+    """x flattened and padded (numpy pad `mode`) to [rows, chunk]."""
+    flat = x.reshape(-1)
+    if rows * chunk != flat.size:
+        flat = jnp.pad(flat, (0, rows * chunk - flat.size), mode=mode)
+    return flat.reshape(rows, chunk)
+
+
+def from_rows(x2d, shape: tuple[int, ...]):
+    return x2d.reshape(-1)[: math.prod(shape)].reshape(shape)
+
+
+# ----------------------------------------------------------------------------
+# Which kernel runs where.
+# ----------------------------------------------------------------------------
+
+
+def _kernel_lowers(target, rows: int, chunk: int, dtypes) -> bool:
+    """Whether `target` runs a kernel on [rows, chunk] operands of `dtypes`.
 
     False for the jnp path (`target` None), for no rows, and where the platform's
     compiler rejects the blocks. The GPU kernels address the flat array
-    themselves (`minmax_gpu.gpu_quantize`): any chunk and size below 2**31 elements.
+    themselves (`minmax_gpu`): any chunk and size below 2**31 elements. The row
+    kernels' blocks hold the operands and the [rows, 1] float32 scales.
     """
     if target is None or not rows:
         return False
     if target.platform == "gpu":
         return minmax_gpu.lowers(rows * chunk)
-    return target.lowers(*_row_blocks(target, rows, chunk, (dtype, jnp.uint8))[2])
+    return _blocks.row_lowers(target, rows, [*((chunk, d) for d in dtypes), (1, jnp.float32)])
+
+
+def quantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
+    """Whether `target` runs the quantize kernel on a [rows, chunk] `dtype` array."""
+    return _kernel_lowers(target, rows, chunk, (dtype, jnp.uint8))
+
+
+def dequantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
+    """Whether `target` runs the dequantize (-accumulate) kernel writing `dtype`."""
+    return _kernel_lowers(target, rows, chunk, (jnp.uint8, dtype))
 
 
 def gpu_quantizes(target, rows: int, chunk: int, dtype) -> bool:
@@ -147,13 +181,136 @@ def gpu_quantizes(target, rows: int, chunk: int, dtype) -> bool:
     )
 
 
-def dequantize_lowers(target, rows: int, chunk: int, dtype) -> bool:
-    """Whether `target` runs the dequantize (-accumulate) kernel writing `dtype`."""
-    if target is None or not rows:
-        return False
+# The chunks Mosaic GPU's row quantize takes without a padded copy (whole warpgroups)
+# and with at most 32 values per lane in registers; measured at 2048 (BENCHMARKS.md).
+_MOSAIC_CHUNKS = range(minmax_mosaic.LANES, 4096 + 1, minmax_mosaic.LANES)
+
+
+def mosaic_quantizes(target, rows: int, chunk: int, dtype) -> bool:
+    """Whether the GPU quantize runs Mosaic GPU's row kernel: only on a jax without
+    Pallas Triton, for chunks of `_MOSAIC_CHUNKS` and float32 or bfloat16 input.
+
+    On an H100 (jax 0.11.2) that kernel quantized [rows, 2048] float32 at 94-99 % of
+    copy bandwidth from 64M elements, as fast as Triton's and 1.7x XLA's fusion of
+    the jnp path (BENCHMARKS.md, GPU section); XLA dequantizes as fast as either, so
+    dequantize keeps the jnp path there.
+    """
+    return (
+        target is not None
+        and target.platform == "gpu"
+        and platforms.pallas_triton is None
+        and minmax_mosaic.available()
+        and (not target.interpret or minmax_mosaic.interpret_available())
+        and 0 < rows * chunk < 2**31
+        and chunk in _MOSAIC_CHUNKS
+        and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+    )
+
+
+# ----------------------------------------------------------------------------
+# The kernel a target runs: where the GPU's flat kernels and the row kernels part,
+# for the `*_pallas` entries and the public ops alike.
+# ----------------------------------------------------------------------------
+
+
+def _quantize_with(
+    x, seeds, *, rows: int, chunk: int, bits: int, stochastic: bool, target, block_rows=None
+):
+    """(codes in x's shape, lo [rows, 1], unit [rows, 1]) of x's `rows` chunks by `target`'s
+    kernel."""
+    if target.platform == "gpu":  # the flat array as it is: no padded copy
+        codes, lo, unit = minmax_gpu.gpu_quantize(
+            x.reshape(-1),
+            seeds,
+            chunk=chunk,
+            bits=bits,
+            stochastic=stochastic,
+            target=target,
+            block_rows=block_rows,
+        )
+        return codes.reshape(x.shape), lo[:, None], unit[:, None]
+    # The CPU kernel reduces like the reference (one variadic reduce); Triton and
+    # Mosaic know only reduce_min/reduce_max (same values, see minmax_jnp.row_min_max).
+    kernel = functools.partial(
+        _quantize_kernel, bits=bits, stochastic=stochastic, variadic=target.platform == "cpu"
+    )
+    # Repeat the last element: a partial chunk's min and max are unchanged.
+    codes, lo, unit = _blocks.row_call(
+        kernel,
+        target,
+        scalars=[seeds],
+        inputs=[as_rows(x, rows, chunk, "edge")],
+        outputs=[(chunk, jnp.uint8), (1, jnp.float32), (1, jnp.float32)],
+        block_rows=block_rows,
+    )
+    return from_rows(codes, x.shape), lo, unit
+
+
+def _dequantize_with(codes, lo, unit, *, rows: int, chunk: int, dtype, target, block_rows=None):
+    """lo + codes * unit in the codes' shape by `target`'s kernel."""
     if target.platform == "gpu":
-        return minmax_gpu.lowers(rows * chunk)
-    return target.lowers(*_row_blocks(target, rows, chunk, (jnp.uint8, dtype))[2])
+        out = minmax_gpu.gpu_dequantize(
+            codes.reshape(-1),
+            lo.reshape(-1),
+            unit.reshape(-1),
+            chunk=chunk,
+            dtype=dtype,
+            target=target,
+            block_rows=block_rows,
+        )
+        return out.reshape(codes.shape)
+    (out,) = _blocks.row_call(
+        _dequantize_kernel,
+        target,
+        inputs=[
+            as_rows(codes, rows, chunk, "constant"),
+            lo.reshape(rows, 1),
+            unit.reshape(rows, 1),
+        ],
+        outputs=[(chunk, dtype)],
+        block_rows=block_rows,
+    )
+    return from_rows(out, codes.shape)
+
+
+def _accumulate_with(
+    acc, weight, codes, lo, unit, *, rows: int, chunk: int, target, block_rows=None
+):
+    """acc + weight * (lo + codes * unit), float32 in the codes' shape, by `target`'s kernel."""
+    acc = acc.astype(jnp.float32)
+    weight = jnp.asarray(weight, jnp.float32).reshape(1, 1)
+    if target.platform == "gpu":
+        out = minmax_gpu.gpu_dequantize_accumulate(
+            acc.reshape(-1),
+            weight,
+            codes.reshape(-1),
+            lo.reshape(-1),
+            unit.reshape(-1),
+            chunk=chunk,
+            target=target,
+            block_rows=block_rows,
+        )
+        return out.reshape(codes.shape)
+    (out,) = _blocks.row_call(
+        _accumulate_kernel,
+        target,
+        scalars=[weight],
+        inputs=[
+            as_rows(acc, rows, chunk, "constant"),
+            as_rows(codes, rows, chunk, "constant"),
+            lo.reshape(rows, 1),
+            unit.reshape(rows, 1),
+        ],
+        outputs=[(chunk, jnp.float32)],
+        block_rows=block_rows,
+        input_output_aliases={1: 0},
+    )
+    return from_rows(out, codes.shape)
+
+
+# ----------------------------------------------------------------------------
+# The kernels on the [rows, chunk] layout, for tests and benchmarks.
+# ----------------------------------------------------------------------------
 
 
 @functools.partial(
@@ -178,49 +335,16 @@ def quantize_pallas(
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     body = functools.partial(
-        _quantize_call, bits=bits, stochastic=stochastic, block_rows=block_rows
+        _quantize_with,
+        rows=x2d.shape[0],
+        chunk=x2d.shape[1],
+        bits=bits,
+        stochastic=stochastic,
+        block_rows=block_rows,
     )
     if platform is None:
         return platforms.on_each_platform(body, x2d, seeds, interpret=interpret)
     return body(x2d, seeds, target=platforms.Target(platform, interpret))
-
-
-def _quantize_call(x2d, seeds, *, bits, stochastic, block_rows, target):
-    rows, chunk = x2d.shape
-    if target.platform == "gpu":
-        codes, lo, unit = minmax_gpu.gpu_quantize(
-            x2d.reshape(-1),
-            seeds,
-            chunk=chunk,
-            bits=bits,
-            stochastic=stochastic,
-            target=target,
-            block_rows=block_rows,
-        )
-        return codes.reshape(rows, chunk), lo[:, None], unit[:, None]
-    br, padded, _ = _row_blocks(target, rows, chunk, (x2d.dtype, jnp.uint8), block_rows)
-    # The CPU kernel reduces like the reference (one variadic reduce); Triton and
-    # Mosaic know only reduce_min/reduce_max (same values, see minmax_jnp.row_min_max).
-    kernel = functools.partial(
-        _quantize_kernel,
-        bits=bits,
-        stochastic=stochastic,
-        rows=br,
-        variadic=target.platform == "cpu",
-    )
-    codes, lo, unit = target.pallas_call(
-        kernel,
-        block_elements=br * chunk,
-        grid=(padded // br,),
-        in_specs=[target.scalar_spec((1, 2)), _row_spec(br, chunk)],
-        out_specs=[_row_spec(br, chunk), _row_spec(br, 1), _row_spec(br, 1)],
-        out_shape=[
-            platforms.out_struct((padded, chunk), jnp.uint8, x2d),
-            platforms.out_struct((padded, 1), jnp.float32, x2d),
-            platforms.out_struct((padded, 1), jnp.float32, x2d),
-        ],
-    )(seeds, platforms.pad_rows(x2d, padded))
-    return codes[:rows], lo[:rows], unit[:rows]
 
 
 @functools.partial(jax.jit, static_argnames=("dtype", "block_rows", "interpret", "platform"))
@@ -235,39 +359,16 @@ def dequantize_pallas(
     platform: platforms.Platform | None = None,
 ):
     """Pallas kernel: lo + codes * unit per row (`platform`, `interpret`: see quantize_pallas)."""
-    body = functools.partial(_dequantize_call, dtype=jnp.dtype(dtype), block_rows=block_rows)
+    body = functools.partial(
+        _dequantize_with,
+        rows=codes.shape[0],
+        chunk=codes.shape[1],
+        dtype=jnp.dtype(dtype),
+        block_rows=block_rows,
+    )
     if platform is None:
         return platforms.on_each_platform(body, codes, lo, unit, interpret=interpret)
     return body(codes, lo, unit, target=platforms.Target(platform, interpret))
-
-
-def _dequantize_call(codes, lo, unit, *, dtype, block_rows, target):
-    rows, chunk = codes.shape
-    if target.platform == "gpu":
-        out = minmax_gpu.gpu_dequantize(
-            codes.reshape(-1),
-            lo.reshape(-1),
-            unit.reshape(-1),
-            chunk=chunk,
-            dtype=dtype,
-            target=target,
-            block_rows=block_rows,
-        )
-        return out.reshape(rows, chunk)
-    br, padded, _ = _row_blocks(target, rows, chunk, (jnp.uint8, dtype), block_rows)
-    out = target.pallas_call(
-        _dequantize_kernel,
-        block_elements=br * chunk,
-        grid=(padded // br,),
-        in_specs=[_row_spec(br, chunk), _row_spec(br, 1), _row_spec(br, 1)],
-        out_specs=_row_spec(br, chunk),
-        out_shape=platforms.out_struct((padded, chunk), dtype, codes),
-    )(
-        platforms.pad_rows(codes, padded),
-        platforms.pad_rows(lo, padded),
-        platforms.pad_rows(unit, padded),
-    )
-    return out[:rows]
 
 
 @functools.partial(jax.jit, static_argnames=("block_rows", "interpret", "platform"))
@@ -287,144 +388,44 @@ def dequantize_accumulate_pallas(
     `platform`, `interpret`: see quantize_pallas.
     """
     weight = jnp.asarray(weight, jnp.float32).reshape(1, 1)
-    body = functools.partial(_accumulate_call, block_rows=block_rows)
+    body = functools.partial(
+        _accumulate_with, rows=codes.shape[0], chunk=codes.shape[1], block_rows=block_rows
+    )
     if platform is None:
         return platforms.on_each_platform(body, acc, weight, codes, lo, unit, interpret=interpret)
     return body(acc, weight, codes, lo, unit, target=platforms.Target(platform, interpret))
 
 
-def _accumulate_call(acc, weight, codes, lo, unit, *, block_rows, target):
-    rows, chunk = codes.shape
-    if target.platform == "gpu":
-        out = minmax_gpu.gpu_dequantize_accumulate(
-            acc.astype(jnp.float32).reshape(-1),
-            weight,
-            codes.reshape(-1),
-            lo.reshape(-1),
-            unit.reshape(-1),
-            chunk=chunk,
-            target=target,
-            block_rows=block_rows,
-        )
-        return out.reshape(rows, chunk)
-    br, padded, _ = _row_blocks(target, rows, chunk, (jnp.uint8, jnp.float32), block_rows)
-    out = target.pallas_call(
-        _accumulate_kernel,
-        block_elements=br * chunk,
-        grid=(padded // br,),
-        in_specs=[
-            target.scalar_spec((1, 1)),
-            _row_spec(br, chunk),
-            _row_spec(br, chunk),
-            _row_spec(br, 1),
-            _row_spec(br, 1),
-        ],
-        out_specs=_row_spec(br, chunk),
-        out_shape=platforms.out_struct((padded, chunk), jnp.float32, acc),
-        input_output_aliases={1: 0},
-    )(
-        weight,
-        platforms.pad_rows(acc.astype(jnp.float32), padded),
-        platforms.pad_rows(codes, padded),
-        platforms.pad_rows(lo, padded),
-        platforms.pad_rows(unit, padded),
-    )
-    return out[:rows]
-
-
 # ----------------------------------------------------------------------------
 # Public ops with `implementation=` dispatch (`platforms.dispatch`).
-#
-# They quantize an array of any shape in chunks of `chunk` consecutive
-# (row-major) elements, the last one possibly shorter: the kernels see the
-# chunks as the rows of a padded [rows, chunk] view, the jnp path keeps the
-# caller's shape (see the CPU path above). Both give the bits of the references.
 # ----------------------------------------------------------------------------
 
 
-def _layout(size: int, chunk: int | None, shape: tuple[int, ...]) -> tuple[int, int]:
-    """(rows, chunk) of `size` elements; chunk None: the last axis of `shape` is a chunk."""
-    if chunk is None:
-        chunk = shape[-1] if shape else 1
-    chunk = max(1, chunk)
-    return platforms.num_rows(size, chunk), chunk
-
-
-def _as_rows(x, rows: int, chunk: int, mode: str):
-    """x flattened and padded (numpy pad `mode`) to [rows, chunk]."""
-    flat = x.reshape(-1)
-    if rows * chunk != flat.size:
-        flat = jnp.pad(flat, (0, rows * chunk - flat.size), mode=mode)
-    return flat.reshape(rows, chunk)
-
-
-def _from_rows(x2d, shape: tuple[int, ...]):
-    return x2d.reshape(-1)[: math.prod(shape)].reshape(shape)
-
-
-# The chunks Mosaic GPU's row quantize takes without a padded copy (whole warpgroups)
-# and with at most 32 values per lane in registers; measured at 2048 (BENCHMARKS.md).
-_MOSAIC_CHUNKS = range(mosaic_gpu.LANES, 4096 + 1, mosaic_gpu.LANES)
-
-
-def mosaic_quantizes(target, rows: int, chunk: int, dtype) -> bool:
-    """Whether the GPU quantize runs Mosaic GPU's row kernel: only on a jax without
-    Pallas Triton, for chunks of `_MOSAIC_CHUNKS` and float32 or bfloat16 input.
-
-    On an H100 (jax 0.11.2) that kernel quantized [rows, 2048] float32 at 94-99 % of
-    copy bandwidth from 64M elements, as fast as Triton's and 1.7x XLA's fusion of
-    the jnp path (BENCHMARKS.md, GPU section); XLA dequantizes as fast as either, so
-    dequantize keeps the jnp path there.
-    """
-    return (
-        target is not None
-        and target.platform == "gpu"
-        and platforms.pallas_triton is None
-        and mosaic_gpu.available()
-        and (not target.interpret or mosaic_gpu.interpret_available())
-        and 0 < rows * chunk < 2**31
-        and chunk in _MOSAIC_CHUNKS
-        and jnp.dtype(dtype) in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-    )
-
-
-def _quantize_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
+def quantize_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
     """The quantize `target` runs: its kernel, or the jnp path (see quantize_lowers)."""
-    rows, chunk = _layout(x.size, chunk, x.shape)
+    rows, chunk = chunking(x.size, chunk, x.shape)
     if mosaic_quantizes(target, rows, chunk, x.dtype):
         # Rows as the row kernels take them: a partial last chunk repeats its last element.
-        codes, lo, unit = mosaic_gpu.quantize(
-            _as_rows(x, rows, chunk, "edge"),
+        codes, lo, unit = minmax_mosaic.quantize(
+            as_rows(x, rows, chunk, "edge"),
             seeds,
             bits=bits,
             stochastic=stochastic,
             interpret=target.interpret,
         )
-        return _from_rows(codes, x.shape), lo, unit
+        return from_rows(codes, x.shape), lo, unit
     if not quantize_lowers(target, rows, chunk, x.dtype):
         return minmax_jnp.quantize_elementwise(
             x, seeds, chunk=chunk, bits=bits, stochastic=stochastic
         )
-    if target.platform == "gpu":  # the flat array as it is: no padded copy
-        codes, lo, unit = minmax_gpu.gpu_quantize(
-            x.reshape(-1), seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
-        )
-        return codes.reshape(x.shape), lo[:, None], unit[:, None]
-    # Repeat the last element: a partial chunk's min and max are unchanged.
-    codes, lo, unit = quantize_pallas(
-        _as_rows(x, rows, chunk, "edge"),
-        seeds,
-        bits=bits,
-        stochastic=stochastic,
-        interpret=target.interpret,
-        platform=target.platform,
+    return _quantize_with(
+        x, seeds, rows=rows, chunk=chunk, bits=bits, stochastic=stochastic, target=target
     )
-    return _from_rows(codes, x.shape), lo, unit
 
 
-def _dequantize_on(codes, lo, unit, *, chunk, dtype, target):
+def dequantize_on(codes, lo, unit, *, chunk, dtype, target):
     """The dequantize `target` runs: its kernel, or the jnp path."""
-    rows, chunk = _layout(codes.size, chunk, codes.shape)
+    rows, chunk = chunking(codes.size, chunk, codes.shape)
     if not dequantize_lowers(target, rows, chunk, dtype):
         return dequantize_reference(
             codes,
@@ -432,60 +433,42 @@ def _dequantize_on(codes, lo, unit, *, chunk, dtype, target):
             minmax_jnp.spread(unit, chunk, codes.shape),
             dtype=dtype,
         )
-    if target.platform == "gpu":
-        x = minmax_gpu.gpu_dequantize(
-            codes.reshape(-1),
-            lo.reshape(-1),
-            unit.reshape(-1),
-            chunk=chunk,
-            dtype=dtype,
-            target=target,
-        )
-        return x.reshape(codes.shape)
-    x = dequantize_pallas(
-        _as_rows(codes, rows, chunk, "constant"),
-        lo.reshape(rows, 1),
-        unit.reshape(rows, 1),
-        dtype=dtype,
-        interpret=target.interpret,
-        platform=target.platform,
-    )
-    return _from_rows(x, codes.shape)
+    return _dequantize_with(codes, lo, unit, rows=rows, chunk=chunk, dtype=dtype, target=target)
 
 
-def _dequantize_accumulate_on(acc, weight, codes, lo, unit, *, chunk, target):
+def dequantize_accumulate_on(acc, weight, codes, lo, unit, *, chunk, target):
     """The dequantize-accumulate `target` runs: its kernel, or the jnp path."""
-    rows, chunk = _layout(codes.size, chunk, codes.shape)
-    acc = acc.astype(jnp.float32)
+    rows, chunk = chunking(codes.size, chunk, codes.shape)
     if not dequantize_lowers(target, rows, chunk, jnp.float32):
         return minmax_jnp.accumulate_rows(
-            acc,
+            acc.astype(jnp.float32),
             weight,
             codes,
             minmax_jnp.spread(lo, chunk, codes.shape),
             minmax_jnp.spread(unit, chunk, codes.shape),
         )
-    if target.platform == "gpu":
-        out = minmax_gpu.gpu_dequantize_accumulate(
-            acc.reshape(-1),
-            weight.reshape(1, 1),
-            codes.reshape(-1),
-            lo.reshape(-1),
-            unit.reshape(-1),
+    return _accumulate_with(acc, weight, codes, lo, unit, rows=rows, chunk=chunk, target=target)
+
+
+def quantize_packed_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
+    """The quantize-and-pack `target` runs: one GPU pass where `minmax_gpu.packs_in_pass`, else
+    `quantize_on` and then `bitpack`'s packing."""
+    rows, chunk = chunking(x.size, chunk, x.shape)
+    if gpu_quantizes(target, rows, chunk, x.dtype) and minmax_gpu.packs_in_pass(bits, chunk):
+        packed, lo, unit = minmax_gpu.gpu_quantize(
+            x.reshape(-1),
+            seeds,
             chunk=chunk,
+            bits=bits,
+            stochastic=stochastic,
             target=target,
+            pack=True,
         )
-        return out.reshape(codes.shape)
-    out = dequantize_accumulate_pallas(
-        _as_rows(acc, rows, chunk, "constant"),
-        weight,
-        _as_rows(codes, rows, chunk, "constant"),
-        lo.reshape(rows, 1),
-        unit.reshape(rows, 1),
-        interpret=target.interpret,
-        platform=target.platform,
+        return packed, lo[:, None], unit[:, None]
+    codes, lo, unit = quantize_on(
+        x, seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
     )
-    return _from_rows(out, codes.shape)
+    return bitpack.pack_bits_on(codes.reshape(-1), bits=bits, target=target), lo, unit
 
 
 def quantize(
@@ -521,30 +504,9 @@ def quantize(
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     body = functools.partial(
-        _quantize_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
+        quantize_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
     )
     return platforms.dispatch(implementation, body, x, seeds, interpret=interpret)
-
-
-def _quantize_packed_on(x, seeds, *, chunk, bits: int, stochastic: bool, target):
-    """The quantize-and-pack `target` runs: one GPU pass where `minmax_gpu.packs_in_pass`, else
-    `_quantize_on` and then `bitpack`'s packing."""
-    rows, chunk = _layout(x.size, chunk, x.shape)
-    if gpu_quantizes(target, rows, chunk, x.dtype) and minmax_gpu.packs_in_pass(bits, chunk):
-        packed, lo, unit = minmax_gpu.gpu_quantize(
-            x.reshape(-1),
-            seeds,
-            chunk=chunk,
-            bits=bits,
-            stochastic=stochastic,
-            target=target,
-            pack=True,
-        )
-        return packed, lo[:, None], unit[:, None]
-    codes, lo, unit = _quantize_on(
-        x, seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
-    )
-    return bitpack._pack_bits_on(codes.reshape(-1), bits=bits, target=target), lo, unit
 
 
 def quantize_packed(
@@ -570,7 +532,7 @@ def quantize_packed(
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     body = functools.partial(
-        _quantize_packed_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
+        quantize_packed_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
     )
     return platforms.dispatch(implementation, body, x, seeds, interpret=interpret)
 
@@ -582,7 +544,7 @@ def dequantize(
 
     `lo` and `unit` hold one value per chunk (any shape); `chunk` as in `quantize`.
     """
-    body = functools.partial(_dequantize_on, chunk=chunk, dtype=jnp.dtype(dtype))
+    body = functools.partial(dequantize_on, chunk=chunk, dtype=jnp.dtype(dtype))
     return platforms.dispatch(implementation, body, codes, lo, unit, interpret=interpret)
 
 
@@ -594,7 +556,7 @@ def dequantize_accumulate(
     `acc` has the codes' shape; `lo`, `unit` and `chunk` as in `dequantize`.
     """
     weight = jnp.asarray(weight, jnp.float32)
-    body = functools.partial(_dequantize_accumulate_on, chunk=chunk)
+    body = functools.partial(dequantize_accumulate_on, chunk=chunk)
     return platforms.dispatch(
         implementation, body, acc, weight, codes, lo, unit, interpret=interpret
     )

@@ -5,6 +5,10 @@ encode with error feedback on every exchange. On GPU one kernel
 (`minmax_gpu.gpu_quantize_feedback`) reads the update and the residual once and
 writes the codes (packed in the same pass for 1, 2 and 4 bits) and the new
 residual; elsewhere the same bits come from `minmax.quantize` and `minmax.dequantize`.
+
+Package-internal (not in `__all__`; for the tests): `quantize_feedback_on` and
+`quantize_feedback_packed_on`, the ops for one `platforms.Target` (None: the
+jnp path), which the public ops run under `platforms.dispatch`.
 """
 
 from __future__ import annotations
@@ -19,10 +23,12 @@ from lpdec.kernels_pallas import minmax_gpu
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
 
+__all__ = ["quantize_feedback", "quantize_feedback_packed"]
 
-def _quantize_feedback_on(update, residual, decay, seeds, *, chunk, bits, stochastic, target):
+
+def quantize_feedback_on(update, residual, decay, seeds, *, chunk, bits, stochastic, target):
     """The error-feedback quantize `target` runs: the fused GPU kernel, or quantize + residual."""
-    rows, chunk = minmax._layout(update.size, chunk, update.shape)
+    rows, chunk = minmax.chunking(update.size, chunk, update.shape)
     if minmax.gpu_quantizes(target, rows, chunk, jnp.float32):
         codes, lo, unit, error = minmax_gpu.gpu_quantize_feedback(
             update.reshape(-1),
@@ -36,19 +42,17 @@ def _quantize_feedback_on(update, residual, decay, seeds, *, chunk, bits, stocha
         )
         return codes.reshape(update.shape), lo[:, None], unit[:, None], error.reshape(update.shape)
     v = numerics.feedback_sum(update, residual, decay)
-    codes, lo, unit = minmax._quantize_on(
+    codes, lo, unit = minmax.quantize_on(
         v, seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
     )
-    decoded = minmax._dequantize_on(codes, lo, unit, chunk=chunk, dtype=jnp.float32, target=target)
+    decoded = minmax.dequantize_on(codes, lo, unit, chunk=chunk, dtype=jnp.float32, target=target)
     return codes, lo, unit, v - decoded
 
 
-def _quantize_feedback_packed_on(
-    update, residual, decay, seeds, *, chunk, bits, stochastic, target
-):
-    """`_quantize_feedback_on` with the codes packed: one GPU pass where
+def quantize_feedback_packed_on(update, residual, decay, seeds, *, chunk, bits, stochastic, target):
+    """`quantize_feedback_on` with the codes packed: one GPU pass where
     `minmax_gpu.packs_in_pass`."""
-    rows, chunk = minmax._layout(update.size, chunk, update.shape)
+    rows, chunk = minmax.chunking(update.size, chunk, update.shape)
     if minmax.gpu_quantizes(target, rows, chunk, jnp.float32) and minmax_gpu.packs_in_pass(
         bits, chunk
     ):
@@ -64,10 +68,10 @@ def _quantize_feedback_packed_on(
             pack=True,
         )
         return packed, lo[:, None], unit[:, None], error.reshape(update.shape)
-    codes, lo, unit, error = _quantize_feedback_on(
+    codes, lo, unit, error = quantize_feedback_on(
         update, residual, decay, seeds, chunk=chunk, bits=bits, stochastic=stochastic, target=target
     )
-    packed = bitpack._pack_bits_on(codes.reshape(-1), bits=bits, target=target)
+    packed = bitpack.pack_bits_on(codes.reshape(-1), bits=bits, target=target)
     return packed, lo, unit, error
 
 
@@ -96,7 +100,7 @@ def quantize_feedback_packed(
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     body = functools.partial(
-        _quantize_feedback_packed_on,
+        quantize_feedback_packed_on,
         chunk=chunk,
         bits=numerics.check_bits(bits),
         stochastic=stochastic,
@@ -138,7 +142,7 @@ def quantize_feedback(
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     body = functools.partial(
-        _quantize_feedback_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
+        quantize_feedback_on, chunk=chunk, bits=numerics.check_bits(bits), stochastic=stochastic
     )
     return platforms.dispatch(
         implementation,

@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from lpdec.kernels_pallas import bitpack
+from lpdec.kernels_pallas import _blocks
+from lpdec.kernels_pallas import bitpack_jnp
 from lpdec.kernels_pallas import minmax_jnp
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
@@ -37,17 +38,12 @@ def lowers(size: int) -> bool:
     return platforms.pallas_triton is not None and size < 2**31
 
 
-def _gpu_tile(size: int, chunk: int, block_rows: int | None):
-    """(rows, rows per grid step, tile width) of `size` elements in chunks of `chunk`."""
-    rows = platforms.num_rows(size, chunk)
+def _gpu_tile(target, size: int, chunk: int, block_rows: int | None):
+    """(chunks per grid step, grid steps, tile width) of `size` elements in chunks of
+    `chunk`: a step's tile is [chunks, width], width the power of two >= chunk."""
     width = 1 << max(chunk - 1, 0).bit_length()
-    br = block_rows or block_rows_for_gpu(rows, width)
-    return rows, br, width
-
-
-def block_rows_for_gpu(rows: int, width: int) -> int:
-    """Chunks per GPU grid step: a power of two near 4096 / width (at least 1)."""
-    return platforms.block_rows_for(rows, width, platforms.Target("gpu").block_elements)
+    br, steps = _blocks.flat_grid(target, _blocks.num_rows(size, chunk), width, block_rows)
+    return br, steps, width
 
 
 def _gpu_offsets(br: int, width: int, chunk: int, size, step=None):
@@ -179,17 +175,12 @@ def _gpu_feedback_kernel(
     platforms.pallas_triton.store(out_residual_ref.at[offsets], error, mask=valid)
 
 
-def _whole(n: int):
-    """BlockSpec of a flat array every grid step addresses itself."""
-    return pl.BlockSpec((n,), lambda i: (0,))
-
-
 def _gpu_call(kernel, *, size, chunk, block_rows, target, **kwargs):
-    rows, br, width = _gpu_tile(size, chunk, block_rows)
+    br, steps, width = _gpu_tile(target, size, chunk, block_rows)
     return target.pallas_call(
         functools.partial(kernel, size=size, chunk=chunk, br=br, width=width),
         block_elements=br * width,
-        grid=(platforms.num_rows(rows, br),),
+        grid=(steps,),
         **kwargs,
     )
 
@@ -201,7 +192,7 @@ def _codes_kernel(plain, packed, *, size: int, chunk: int, bits: int, pack: bool
         return plain, size
     if not packs_in_pass(bits, chunk):
         raise ValueError(f"{bits}-bit codes of {chunk}-element chunks do not pack in one pass.")
-    return packed, bitpack.packed_size(size, bits)
+    return packed, bitpack_jnp.packed_size(size, bits)
 
 
 def gpu_quantize(
@@ -219,14 +210,14 @@ def gpu_quantize(
     """GPU kernel: (codes [size], lo [rows], unit [rows]) of a flat float array.
 
     `pack`: the codes bit-packed in the same pass, [ceil(size * bits / 8)] bytes,
-    `bitpack.pack_reference` of the codes bit for bit (`packs_in_pass` must hold).
+    `bitpack_jnp.pack_reference` of the codes bit for bit (`packs_in_pass` must hold).
     `leaf_rows`: `flat` holds many arrays, each padded to whole chunks
     (`minmax_tree`), and this uint32[rows * TREE_ROW_FIELDS] table gives each row
     its array's (first offset, end, seed0, seed1); `seeds` is then unused. Each
     row's codes and scales are those of quantizing its array alone.
     """
     size = flat.size
-    rows = platforms.num_rows(size, chunk)
+    rows = _blocks.num_rows(size, chunk)
     kernel, codes = _codes_kernel(
         _gpu_quantize_kernel,
         _gpu_packed_quantize_kernel,
@@ -239,19 +230,19 @@ def gpu_quantize(
     seeds_spec = target.scalar_spec((1, 2))
     if leaf_rows is not None:
         kernel = functools.partial(_gpu_tree_kernel, kernel=kernel)
-        seeds, seeds_spec = leaf_rows, _whole(leaf_rows.size)
+        seeds, seeds_spec = leaf_rows, _blocks.whole(leaf_rows.size)
     return _gpu_call(
         kernel,
         size=size,
         chunk=chunk,
         block_rows=block_rows,
         target=target,
-        in_specs=[seeds_spec, _whole(size)],
-        out_specs=[_whole(codes), _whole(rows), _whole(rows)],
+        in_specs=[seeds_spec, _blocks.whole(size)],
+        out_specs=[_blocks.whole(codes), _blocks.whole(rows), _blocks.whole(rows)],
         out_shape=[
-            platforms.out_struct((codes,), jnp.uint8, flat),
-            platforms.out_struct((rows,), jnp.float32, flat),
-            platforms.out_struct((rows,), jnp.float32, flat),
+            _blocks.out_struct((codes,), jnp.uint8, flat),
+            _blocks.out_struct((rows,), jnp.float32, flat),
+            _blocks.out_struct((rows,), jnp.float32, flat),
         ],
     )(seeds, flat)
 
@@ -276,7 +267,7 @@ def gpu_quantize_feedback(
     `pack`: the codes bit-packed in that pass too (as `gpu_quantize`'s).
     """
     size = update.size
-    rows = platforms.num_rows(size, chunk)
+    rows = _blocks.num_rows(size, chunk)
     kernel, codes = _codes_kernel(
         _gpu_feedback_kernel,
         _gpu_packed_feedback_kernel,
@@ -294,15 +285,20 @@ def gpu_quantize_feedback(
         in_specs=[
             target.scalar_spec((1, 2)),
             target.scalar_spec((1, 1)),
-            _whole(size),
-            _whole(size),
+            _blocks.whole(size),
+            _blocks.whole(size),
         ],
-        out_specs=[_whole(codes), _whole(rows), _whole(rows), _whole(size)],
+        out_specs=[
+            _blocks.whole(codes),
+            _blocks.whole(rows),
+            _blocks.whole(rows),
+            _blocks.whole(size),
+        ],
         out_shape=[
-            platforms.out_struct((codes,), jnp.uint8, update),
-            platforms.out_struct((rows,), jnp.float32, update),
-            platforms.out_struct((rows,), jnp.float32, update),
-            platforms.out_struct((size,), jnp.float32, update),
+            _blocks.out_struct((codes,), jnp.uint8, update),
+            _blocks.out_struct((rows,), jnp.float32, update),
+            _blocks.out_struct((rows,), jnp.float32, update),
+            _blocks.out_struct((size,), jnp.float32, update),
         ],
         input_output_aliases={3: 3},
     )(seeds, jnp.asarray(decay, jnp.float32).reshape(1, 1), update, residual)
@@ -339,7 +335,7 @@ def _gpu_pack_tile(
     Byte b of a chunk holds the codes of its elements b * per + j at bits
     [j * bits, (j + 1) * bits) (`bitpack`'s little-endian stream). min and max run
     over every view; elements past the array (or the chunk) give code 0, as the
-    zero-padded last group of `bitpack.pack_reference` does. Returns (codes per
+    zero-padded last group of `bitpack_jnp.pack_reference` does. Returns (codes per
     view, lo, unit) for a caller that also decodes.
     """
     rows, byte, byte_valid, views = geometry
@@ -492,24 +488,23 @@ def gpu_quantize_leaves(flats, seeds, *, chunks, bits, stochastic, target):
     """
     plans, start = [], 0
     for flat, chunk in zip(flats, chunks, strict=True):
-        rows, br, width = _gpu_tile(flat.size, chunk, None)
-        steps = platforms.num_rows(rows, br)
+        br, steps, width = _gpu_tile(target, flat.size, chunk, None)
         plans.append((start, steps, flat.size, chunk, br, width))
         start += steps
     sizes = [
-        (flat.size, platforms.num_rows(flat.size, c)) for flat, c in zip(flats, chunks, strict=True)
+        (flat.size, _blocks.num_rows(flat.size, c)) for flat, c in zip(flats, chunks, strict=True)
     ]
     out_shape = (
-        [platforms.out_struct((d,), jnp.uint8, flats[0]) for d, _ in sizes]
-        + [platforms.out_struct((r,), jnp.float32, flats[0]) for _, r in sizes]
-        + [platforms.out_struct((r,), jnp.float32, flats[0]) for _, r in sizes]
+        [_blocks.out_struct((d,), jnp.uint8, flats[0]) for d, _ in sizes]
+        + [_blocks.out_struct((r,), jnp.float32, flats[0]) for _, r in sizes]
+        + [_blocks.out_struct((r,), jnp.float32, flats[0]) for _, r in sizes]
     )
     outs = target.pallas_call(
         functools.partial(_gpu_leaves_kernel, plans=tuple(plans), bits=bits, stochastic=stochastic),
         block_elements=max(br * width for *_, br, width in plans),
         grid=(start,),
-        in_specs=[pl.BlockSpec(seeds.shape, lambda i: (0, 0))] + [_whole(f.size) for f in flats],
-        out_specs=[_whole(o.shape[0]) for o in out_shape],
+        in_specs=[_blocks.whole(seeds.shape)] + [_blocks.whole(f.size) for f in flats],
+        out_specs=[_blocks.whole(o.shape[0]) for o in out_shape],
         out_shape=out_shape,
     )(seeds, *flats)
     n = len(flats)
@@ -525,9 +520,9 @@ def gpu_dequantize(codes, lo, unit, *, chunk, dtype, target, block_rows=None):
         chunk=chunk,
         block_rows=block_rows,
         target=target,
-        in_specs=[_whole(size), _whole(rows), _whole(rows)],
-        out_specs=_whole(size),
-        out_shape=platforms.out_struct((size,), dtype, codes),
+        in_specs=[_blocks.whole(size), _blocks.whole(rows), _blocks.whole(rows)],
+        out_specs=_blocks.whole(size),
+        out_shape=_blocks.out_struct((size,), dtype, codes),
     )(codes, lo, unit)
 
 
@@ -542,12 +537,12 @@ def gpu_dequantize_accumulate(acc, weight, codes, lo, unit, *, chunk, target, bl
         target=target,
         in_specs=[
             target.scalar_spec((1, 1)),
-            _whole(size),
-            _whole(size),
-            _whole(rows),
-            _whole(rows),
+            _blocks.whole(size),
+            _blocks.whole(size),
+            _blocks.whole(rows),
+            _blocks.whole(rows),
         ],
-        out_specs=_whole(size),
-        out_shape=platforms.out_struct((size,), jnp.float32, acc),
+        out_specs=_blocks.whole(size),
+        out_shape=_blocks.out_struct((size,), jnp.float32, acc),
         input_output_aliases={1: 0},
     )(weight, acc, codes, lo, unit)

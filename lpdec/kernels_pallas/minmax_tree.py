@@ -30,6 +30,11 @@ Only the GPU runs this layout; on CPU and TPU `quantize_tree_packed` encodes
 leaf by leaf (`minmax.quantize_packed`), which is also its reference. Whether
 it replaces `quantize_leaves` as the GPU default for `encode_tree` waits for
 the next GPU measurement (`bench/gpu_kernels.py`, trees).
+
+Package-internal (not in `__all__`; for the tests): `quantize_leaves_on` and
+`quantize_tree_packed_on`, the ops for one `platforms.Target` (None: the jnp
+path), which the public ops run under `platforms.dispatch`, and
+`packed_buffers`, how the packed layout groups the arrays into buffers.
 """
 
 from __future__ import annotations
@@ -39,11 +44,14 @@ import functools
 import jax.numpy as jnp
 import numpy as np
 
+from lpdec.kernels_pallas import _blocks
 from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import minmax
 from lpdec.kernels_pallas import minmax_gpu
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
+
+__all__ = ["leaf_chunk", "quantize_leaves", "quantize_tree_packed"]
 
 
 def leaf_chunk(size: int, chunk: int) -> int:
@@ -72,7 +80,7 @@ def _gpu_quantize_packed_tree(xs, seeds, *, chunk: int, bits: int, stochastic: b
     Returns [(packed codes, lo [rows, 1], unit [rows, 1]) per array].
     """
     sizes = [x.size for x in xs]
-    rows = [platforms.num_rows(d, chunk) for d in sizes]
+    rows = [_blocks.num_rows(d, chunk) for d in sizes]
     first_rows = np.concatenate([[0], np.cumsum(rows)[:-1]]).astype(int)
     buffer = jnp.concatenate(
         [
@@ -98,12 +106,12 @@ def _gpu_quantize_packed_tree(xs, seeds, *, chunk: int, bits: int, stochastic: b
             byte = start * bits // 8
             leaf_codes = codes[byte : byte + bitpack.packed_size(d, bits)]
         else:
-            leaf_codes = bitpack._pack_bits_on(codes[start : start + d], bits=bits, target=target)
+            leaf_codes = bitpack.pack_bits_on(codes[start : start + d], bits=bits, target=target)
         out.append((leaf_codes, lo[first : first + r, None], unit[first : first + r, None]))
     return out
 
 
-def _buffers(xs, chunk: int, target) -> list[list[int]]:
+def packed_buffers(xs, chunk: int, target) -> list[list[int]]:
     """The arrays' indices, grouped into packed buffers: one dtype each, and each
     buffer small enough for the kernel (`minmax.quantize_lowers`: int32 offsets).
 
@@ -113,7 +121,7 @@ def _buffers(xs, chunk: int, target) -> list[list[int]]:
         return []
     buffers, open_buffer = [], {}  # dtype -> (indices, rows) of the buffer being filled
     for i, x in enumerate(xs):
-        rows = platforms.num_rows(x.size, chunk)
+        rows = _blocks.num_rows(x.size, chunk)
         if not x.size or not minmax.quantize_lowers(target, rows, chunk, x.dtype):
             continue
         index, filled = open_buffer.get(jnp.dtype(x.dtype), (None, 0))
@@ -125,10 +133,10 @@ def _buffers(xs, chunk: int, target) -> list[list[int]]:
     return buffers
 
 
-def _quantize_tree_packed_on(xs, seeds, *, chunk: int, bits: int, stochastic: bool, target):
-    """The encode `target` runs: packed buffers on GPU (`_buffers`), else array by array."""
+def quantize_tree_packed_on(xs, seeds, *, chunk: int, bits: int, stochastic: bool, target):
+    """The encode `target` runs: packed buffers on GPU (`packed_buffers`), else array by array."""
     out = [None] * len(xs)
-    for index in _buffers(xs, chunk, target):
+    for index in packed_buffers(xs, chunk, target):
         results = _gpu_quantize_packed_tree(
             [xs[i] for i in index],
             seeds[np.asarray(index)],
@@ -141,7 +149,7 @@ def _quantize_tree_packed_on(xs, seeds, *, chunk: int, bits: int, stochastic: bo
             out[i] = result
     for i, x in enumerate(xs):
         if out[i] is None:
-            out[i] = minmax._quantize_packed_on(
+            out[i] = minmax.quantize_packed_on(
                 x,
                 seeds[i : i + 1],
                 chunk=leaf_chunk(x.size, chunk),
@@ -193,7 +201,7 @@ def quantize_tree_packed(
     if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
         raise ValueError(f"chunk must be an integer >= 1; got {chunk!r}.")
     body = functools.partial(
-        _quantize_tree_packed_on,
+        quantize_tree_packed_on,
         chunk=chunk,
         bits=numerics.check_bits(bits),
         stochastic=stochastic,
@@ -201,16 +209,16 @@ def quantize_tree_packed(
     return platforms.dispatch(implementation, body, list(xs), seeds, interpret=interpret)
 
 
-def _quantize_leaves_on(xs, seeds, *, chunks, bits: int, stochastic: bool, target):
-    """`minmax._quantize_on` of each array; on GPU the arrays the kernel takes share one launch."""
+def quantize_leaves_on(xs, seeds, *, chunks, bits: int, stochastic: bool, target):
+    """`minmax.quantize_on` of each array; on GPU the arrays the kernel takes share one launch."""
     out = [None] * len(xs)
     batched = []
     for i, (x, chunk) in enumerate(zip(xs, chunks, strict=True)):
-        rows, chunk = minmax._layout(x.size, chunk, x.shape)
+        rows, chunk = minmax.chunking(x.size, chunk, x.shape)
         if minmax.gpu_quantizes(target, rows, chunk, x.dtype):
             batched.append((i, chunk))
         else:
-            out[i] = minmax._quantize_on(
+            out[i] = minmax.quantize_on(
                 x, seeds[i : i + 1], chunk=chunk, bits=bits, stochastic=stochastic, target=target
             )
     if batched:
@@ -249,7 +257,7 @@ def quantize_leaves(
       [(codes, lo, unit) per array], each as `quantize` returns it, bit for bit.
     """
     body = functools.partial(
-        _quantize_leaves_on,
+        quantize_leaves_on,
         chunks=tuple(chunks),
         bits=numerics.check_bits(bits),
         stochastic=stochastic,

@@ -9,6 +9,13 @@ nearest-rounding error on the circle at 2**-(bits+1) even for 1 bit.
 The kernel takes ``scale = 2**bits / B`` as a runtime float32 scalar, so a
 schedule for theta (hence B) needs no recompilation. Non-finite inputs encode
 to code 0; the compressor flags them separately.
+
+The modules: this one holds the public op (`encode`), choosing per lowering
+platform, and the row kernel (TPU, and any platform interpreted); `modulo_gpu`
+the GPU's flat kernel; `modulo_jnp` the shared arithmetic and the reference,
+which is the CPU path. Package-internal (not in `__all__`): `encode_on`, the op
+for one `platforms.Target` (None: the jnp path), which `encode` runs under
+`platforms.dispatch`.
 """
 
 from __future__ import annotations
@@ -19,61 +26,29 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lpdec.kernels_pallas import _blocks
+from lpdec.kernels_pallas import modulo_gpu
+from lpdec.kernels_pallas import modulo_jnp
 from lpdec.kernels_pallas import numerics
 from lpdec.kernels_pallas import platforms
+from lpdec.kernels_pallas.modulo_jnp import encode_reference
 
-# Adding 2**23 to a float32 in [0, 2**23) rounds it to an integer (ties to even)
-# held in the low mantissa bits: the sum's spacing is exactly 1.
-_MAGIC = 2.0**23
+__all__ = [
+    "encode",
+    "encode_lowers",
+    "encode_pallas",
+    "encode_reference",
+]
+
 # Row length of the kernel's view of x; modulo codes have no per-row scales, so any works.
 _ROW = 1024
 
 
-def _encode_rows(x, seeds, scale, row0, *, bits: int, stochastic: bool, index=None):
-    """[r, c] float -> uint8 codes [r, c]. Shared by the reference and the kernels.
-
-    `seeds` is a uint32[1, 2] array or ref and `scale` a float32 scalar or [1, 1]
-    array: the kernel reads both from refs as scalars (Triton cannot slice arrays).
-    `index`: each element's flat index (default: that of a [r, c] block at `row0`).
-    """
-    points = float(1 << bits)
-    mask = (1 << bits) - 1
-    # s is x / B measured in circle steps; m = s mod 2**bits lies in [0, 2**bits].
-    s = numerics.rounded(x.astype(jnp.float32) * scale)
-    m = s - jnp.float32(points) * jnp.floor(s * jnp.float32(1.0 / points))
-    if stochastic:
-        if index is None:
-            index = numerics.element_index(x.shape, row0, x.shape[1])
-        r = jnp.floor(m + numerics.hash_uniform(seeds[0, 0], seeds[0, 1], index))
-        r = jnp.where(jnp.isfinite(r), r, 0.0)
-        # r is in [0, 2**bits]; the mask maps the point 2**bits back to 0 (the circle wraps).
-        return (r.astype(jnp.int32) & mask).astype(jnp.uint8)
-    # Round half to even like jnp.round, which Triton does not lower: adding 2**23 to
-    # m in [0, 2**bits] leaves round(m) in the low mantissa bits, read with a bitcast.
-    m = jnp.where(jnp.isfinite(m), m, 0.0)
-    pattern = jax.lax.bitcast_convert_type(m + jnp.float32(_MAGIC), jnp.int32)
-    return (pattern & mask).astype(jnp.uint8)
-
-
-def encode_reference(x2d, seeds, scale, *, bits: int, stochastic: bool):
-    """jnp reference of the modulo encode; `scale` = 2**bits / B (float32 scalar)."""
-    scale = jnp.asarray(scale, jnp.float32).reshape(1, 1)
-    return _encode_rows(x2d, seeds, scale, 0, bits=bits, stochastic=stochastic)
-
-
-def _encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochastic, rows):
-    row0 = pl.program_id(0) * rows
-    codes_ref[...] = _encode_rows(
+def _encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochastic):
+    row0 = pl.program_id(0) * x_ref.shape[0]
+    codes_ref[...] = modulo_jnp.encode_rows(
         x_ref[...], seeds_ref, scale_ref[0, 0], row0, bits=bits, stochastic=stochastic
     )
-
-
-def _row_blocks(target, rows: int, width: int, dtype, block_rows: int | None = None):
-    """(rows per block, padded rows, the blocks) of the encode kernel."""
-    br = block_rows or target.block_rows(rows, width, (dtype, jnp.uint8))
-    padded = platforms.num_rows(rows, br) * br
-    blocks = [((br, width), (padded, width), d) for d in (dtype, jnp.uint8)]
-    return br, padded, blocks
 
 
 def encode_lowers(target, rows: int, width: int, dtype) -> bool:
@@ -81,43 +56,48 @@ def encode_lowers(target, rows: int, width: int, dtype) -> bool:
 
     False for the jnp path (`target` None), for no rows, and where the platform's
     compiler rejects the blocks. The GPU kernel addresses the flat array itself
-    (`_gpu_encode`): any width and size below 2**31 elements.
+    (`modulo_gpu`): any width and size below 2**31 elements.
     """
     if target is None or not rows:
         return False
     if target.platform == "gpu":
-        return platforms.pallas_triton is not None and rows * width < 2**31
-    return target.lowers(*_row_blocks(target, rows, width, dtype)[2])
+        return modulo_gpu.lowers(rows * width)
+    return _blocks.row_lowers(target, rows, [(width, dtype), (width, jnp.uint8)])
 
 
-def _gpu_encode_kernel(seeds_ref, scale_ref, x_ref, codes_ref, *, bits, stochastic, rows):
-    # Flat offsets of a [rows, _ROW] tile; a code depends only on its element and
-    # its flat index, so the tile need not match any view of x. Past the end: masked.
-    row = pl.program_id(0) * rows + jax.lax.broadcasted_iota(jnp.int32, (rows, _ROW), 0)
-    offsets = row * _ROW + jax.lax.broadcasted_iota(jnp.int32, (rows, _ROW), 1)
-    valid = offsets < x_ref.shape[0]
-    x = platforms.pallas_triton.load(x_ref.at[offsets], mask=valid, other=0)
-    index = offsets.astype(jnp.uint32)
-    codes = _encode_rows(
-        x, seeds_ref, scale_ref[0, 0], 0, bits=bits, stochastic=stochastic, index=index
+def _as_rows(x, rows: int, width: int):
+    """x flattened and zero-padded to [rows, width]."""
+    flat = x.reshape(-1)
+    if rows * width != flat.size:
+        flat = jnp.pad(flat, (0, rows * width - flat.size))
+    return flat.reshape(rows, width)
+
+
+def _encode_with(
+    x, seeds, scale, *, rows: int, width: int, bits: int, stochastic: bool, target, block_rows=None
+):
+    """x's codes by `target`'s kernel: the GPU's on the flat array as it is, else the row
+    kernel on x as `rows` rows of `width`."""
+    if target.platform == "gpu":  # no padded copy
+        codes = modulo_gpu.encode(
+            x.reshape(-1),
+            seeds,
+            scale,
+            bits=bits,
+            stochastic=stochastic,
+            target=target,
+            block_rows=block_rows,
+        )
+        return codes.reshape(x.shape)
+    (codes,) = _blocks.row_call(
+        functools.partial(_encode_kernel, bits=bits, stochastic=stochastic),
+        target,
+        scalars=[seeds, jnp.asarray(scale, jnp.float32).reshape(1, 1)],
+        inputs=[_as_rows(x, rows, width)],
+        outputs=[(width, jnp.uint8)],
+        block_rows=block_rows,
     )
-    platforms.pallas_triton.store(codes_ref.at[offsets], codes, mask=valid)
-
-
-def _gpu_encode(flat, seeds, scale, *, bits: int, stochastic: bool, target, block_rows=None):
-    """GPU kernel: uint8 codes of a flat float array, no padding (see encode_lowers)."""
-    d = flat.size
-    rows = platforms.num_rows(d, _ROW)
-    br = block_rows or platforms.block_rows_for(rows, _ROW, target.block_elements)
-    whole = pl.BlockSpec((d,), lambda i: (0,))
-    return target.pallas_call(
-        functools.partial(_gpu_encode_kernel, bits=bits, stochastic=stochastic, rows=br),
-        block_elements=br * _ROW,
-        grid=(platforms.num_rows(rows, br),),
-        in_specs=[target.scalar_spec((1, 2)), target.scalar_spec((1, 1)), whole],
-        out_specs=whole,
-        out_shape=platforms.out_struct((d,), jnp.uint8, flat),
-    )(seeds, scale.reshape(1, 1), flat)
+    return codes.reshape(-1)[: x.size].reshape(x.shape)
 
 
 @functools.partial(
@@ -143,70 +123,30 @@ def encode_pallas(
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     scale = jnp.asarray(scale, jnp.float32).reshape(1, 1)
-    body = functools.partial(_encode_call, bits=bits, stochastic=stochastic, block_rows=block_rows)
+    body = functools.partial(
+        _encode_with,
+        rows=x2d.shape[0],
+        width=x2d.shape[1],
+        bits=bits,
+        stochastic=stochastic,
+        block_rows=block_rows,
+    )
     if platform is None:
         return platforms.on_each_platform(body, x2d, seeds, scale, interpret=interpret)
     return body(x2d, seeds, scale, target=platforms.Target(platform, interpret))
 
 
-def _encode_call(x2d, seeds, scale, *, bits, stochastic, block_rows, target):
-    rows, width = x2d.shape
-    if target.platform == "gpu":
-        codes = _gpu_encode(
-            x2d.reshape(-1),
-            seeds,
-            scale,
-            bits=bits,
-            stochastic=stochastic,
-            target=target,
-            block_rows=block_rows,
-        )
-        return codes.reshape(rows, width)
-    br, padded, _ = _row_blocks(target, rows, width, x2d.dtype, block_rows)
-    codes = target.pallas_call(
-        functools.partial(_encode_kernel, bits=bits, stochastic=stochastic, rows=br),
-        block_elements=br * width,
-        grid=(padded // br,),
-        in_specs=[
-            target.scalar_spec((1, 2)),
-            target.scalar_spec((1, 1)),
-            pl.BlockSpec((br, width), lambda i: (i, 0)),
-        ],
-        out_specs=pl.BlockSpec((br, width), lambda i: (i, 0)),
-        out_shape=platforms.out_struct((padded, width), jnp.uint8, x2d),
-    )(seeds, scale, platforms.pad_rows(x2d, padded))
-    return codes[:rows]
-
-
-def _encode_on(x, seeds, scale, *, bits: int, stochastic: bool, target):
+def encode_on(x, seeds, scale, *, bits: int, stochastic: bool, target):
     """The encode `target` runs on x viewed as rows of `_ROW`: its kernel, or the jnp reference."""
-    d = x.size
-    width = max(1, min(_ROW, d))
-    rows = platforms.num_rows(d, width)
-    flat = x.reshape(-1)
-    if (
-        target is not None
-        and target.platform == "gpu"
-        and encode_lowers(target, rows, width, x.dtype)
-    ):
-        codes = _gpu_encode(flat, seeds, scale, bits=bits, stochastic=stochastic, target=target)
-        return codes.reshape(x.shape)
-    if rows * width != d:
-        flat = jnp.pad(flat, (0, rows * width - d))
-    x2d = flat.reshape(rows, width)
+    width = max(1, min(_ROW, x.size))
+    rows = _blocks.num_rows(x.size, width)
     if encode_lowers(target, rows, width, x.dtype):
-        codes = encode_pallas(
-            x2d,
-            seeds,
-            scale,
-            bits=bits,
-            stochastic=stochastic,
-            interpret=target.interpret,
-            platform=target.platform,
+        return _encode_with(
+            x, seeds, scale, rows=rows, width=width, bits=bits, stochastic=stochastic, target=target
         )
-    else:
-        codes = encode_reference(x2d, seeds, scale, bits=bits, stochastic=stochastic)
-    return codes.reshape(-1)[:d].reshape(x.shape)
+    x2d = _as_rows(x, rows, width)
+    codes = encode_reference(x2d, seeds, scale, bits=bits, stochastic=stochastic)
+    return codes.reshape(-1)[: x.size].reshape(x.shape)
 
 
 def encode(
@@ -242,5 +182,5 @@ def encode(
     if seeds is None:
         seeds = jnp.zeros((1, 2), jnp.uint32)
     scale = jnp.asarray(scale, jnp.float32)
-    body = functools.partial(_encode_on, bits=numerics.check_bits(bits), stochastic=stochastic)
+    body = functools.partial(encode_on, bits=numerics.check_bits(bits), stochastic=stochastic)
     return platforms.dispatch(implementation, body, x, seeds, scale, interpret=interpret)

@@ -27,6 +27,17 @@ rounded to an integer: to nearest even, or stochastically as floor(t + u) with
 u from the counter-based hash of (seeds, flat index) as in min-max. Everything
 is integer or power-of-two arithmetic, exact on every platform, so the jnp
 references and the kernels agree bit for bit.
+
+The modules: this one holds the public ops, each choosing per lowering platform
+(the GPU's kernels where `mx_gpu.lowers`, else the row kernels or jnp), and the
+[rows, 32] row kernels (TPU, and any platform interpreted); `mx_gpu` the GPU's
+flat kernels; `mx_jnp` the formats, the shared arithmetic and the references.
+
+Package-internal (not in `__all__`; for the tests): `quantize_on`,
+`quantize_packed_on`, `dequantize_on`, `dequantize_packed_on`,
+`dequantize_accumulate_on` and `dequantize_accumulate_packed_on`, each op for
+one `platforms.Target` (None: the jnp path), which the public ops run under
+`platforms.dispatch`.
 """
 
 from __future__ import annotations
@@ -38,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lpdec.kernels_pallas import _blocks
 from lpdec.kernels_pallas import bitpack
 from lpdec.kernels_pallas import mx_gpu
 from lpdec.kernels_pallas import mx_jnp
@@ -77,8 +89,8 @@ __all__ = [
 # ----------------------------------------------------------------------------
 
 
-def _quantize_kernel(seeds_ref, x_ref, codes_ref, scales_ref, *, fmt, stochastic, rows):
-    row0 = pl.program_id(0) * rows
+def _quantize_kernel(seeds_ref, x_ref, codes_ref, scales_ref, *, fmt, stochastic):
+    row0 = pl.program_id(0) * x_ref.shape[0]
     codes, scales = mx_jnp.quantize_rows(
         x_ref[...], seeds_ref, row0, fmt=fmt, stochastic=stochastic
     )
@@ -98,32 +110,14 @@ def _accumulate_kernel(weight_ref, acc_ref, codes_ref, scales_ref, out_ref, *, f
     )
 
 
-def _row_blocks(target, rows: int, dtypes):
-    """(rows per block, padded rows, the operand blocks) of a [rows, 32] kernel."""
-    br = target.block_rows(rows, BLOCK, (*dtypes, jnp.uint8))
-    padded = platforms.num_rows(rows, br) * br
-    blocks = [((br, BLOCK), (padded, BLOCK), d) for d in dtypes]
-    blocks.append(((br, 1), (padded, 1), jnp.uint8))
-    return br, padded, blocks
-
-
-def _row_spec(br, width):
-    return pl.BlockSpec((br, width), lambda i: (i, 0))
-
-
 def kernel_lowers(target, rows: int, dtype) -> bool:
     """Whether `target` runs the MX kernels on [rows, 32] blocks of `dtype` (and uint8 codes).
 
     Every block is [power of two, 32] or [power of two, 1], so Triton takes any
     row count; TPU takes it too (32 is the array's whole last dim).
     """
-    if target is None or not rows:
-        return False
-    return target.lowers(*_row_blocks(target, rows, (dtype, jnp.uint8))[2])
-
-
-def _pad(x2d, padded):
-    return jnp.pad(x2d, ((0, padded - x2d.shape[0]), (0, 0)))
+    operands = [(BLOCK, dtype), (BLOCK, jnp.uint8), (1, jnp.uint8)]
+    return _blocks.row_lowers(target, rows, operands)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "stochastic", "interpret", "platform"))
@@ -146,21 +140,15 @@ def quantize_pallas(
 
 
 def _quantize_call(x2d, seeds, *, fmt, stochastic, target):
-    rows = x2d.shape[0]
-    br, padded, _ = _row_blocks(target, rows, (x2d.dtype, jnp.uint8))
-    kernel = functools.partial(_quantize_kernel, fmt=fmt, stochastic=stochastic, rows=br)
-    codes, scales = target.pallas_call(
-        kernel,
-        block_elements=br * BLOCK,
-        grid=(padded // br,),
-        in_specs=[target.scalar_spec((1, 2)), _row_spec(br, BLOCK)],
-        out_specs=[_row_spec(br, BLOCK), _row_spec(br, 1)],
-        out_shape=[
-            platforms.out_struct((padded, BLOCK), jnp.uint8, x2d),
-            platforms.out_struct((padded, 1), jnp.uint8, x2d),
-        ],
-    )(seeds, _pad(x2d, padded))
-    return codes[:rows], scales[:rows]
+    return tuple(
+        _blocks.row_call(
+            functools.partial(_quantize_kernel, fmt=fmt, stochastic=stochastic),
+            target,
+            scalars=[seeds],
+            inputs=[x2d],
+            outputs=[(BLOCK, jnp.uint8), (1, jnp.uint8)],
+        )
+    )
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "dtype", "interpret", "platform"))
@@ -181,17 +169,13 @@ def dequantize_pallas(
 
 
 def _dequantize_call(codes, scales, *, fmt, dtype, target):
-    rows = codes.shape[0]
-    br, padded, _ = _row_blocks(target, rows, (jnp.uint8, dtype))
-    out = target.pallas_call(
+    (out,) = _blocks.row_call(
         functools.partial(_dequantize_kernel, fmt=fmt),
-        block_elements=br * BLOCK,
-        grid=(padded // br,),
-        in_specs=[_row_spec(br, BLOCK), _row_spec(br, 1)],
-        out_specs=_row_spec(br, BLOCK),
-        out_shape=platforms.out_struct((padded, BLOCK), dtype, codes),
-    )(_pad(codes, padded), _pad(scales, padded))
-    return out[:rows]
+        target,
+        inputs=[codes, scales],
+        outputs=[(BLOCK, dtype)],
+    )
+    return out
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "interpret", "platform"))
@@ -214,23 +198,15 @@ def dequantize_accumulate_pallas(
 
 
 def _accumulate_call(acc, weight, codes, scales, *, fmt, target):
-    rows = codes.shape[0]
-    br, padded, _ = _row_blocks(target, rows, (jnp.uint8, jnp.float32))
-    out = target.pallas_call(
+    (out,) = _blocks.row_call(
         functools.partial(_accumulate_kernel, fmt=fmt),
-        block_elements=br * BLOCK,
-        grid=(padded // br,),
-        in_specs=[
-            target.scalar_spec((1, 1)),
-            _row_spec(br, BLOCK),
-            _row_spec(br, BLOCK),
-            _row_spec(br, 1),
-        ],
-        out_specs=_row_spec(br, BLOCK),
-        out_shape=platforms.out_struct((padded, BLOCK), jnp.float32, acc),
+        target,
+        scalars=[weight],
+        inputs=[acc.astype(jnp.float32), codes, scales],
+        outputs=[(BLOCK, jnp.float32)],
         input_output_aliases={1: 0},
-    )(weight, _pad(acc.astype(jnp.float32), padded), _pad(codes, padded), _pad(scales, padded))
-    return out[:rows]
+    )
+    return out
 
 
 # ----------------------------------------------------------------------------
@@ -247,7 +223,7 @@ def _accumulate_call(acc, weight, codes, scales, *, fmt, target):
 
 def _as_blocks(x):
     flat = x.reshape(-1)
-    rows = platforms.num_rows(flat.size, BLOCK)
+    rows = _blocks.num_rows(flat.size, BLOCK)
     return jnp.pad(flat, (0, rows * BLOCK - flat.size)).reshape(rows, BLOCK)
 
 
@@ -255,7 +231,7 @@ def _from_blocks(x2d, shape):
     return x2d.reshape(-1)[: math.prod(shape)].reshape(shape)
 
 
-def _quantize_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
+def quantize_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
     if mx_gpu.lowers(target, x.size):
         codes, scales = mx_gpu.quantize(
             x.reshape(-1), seeds, fmt=fmt.name, stochastic=stochastic, target=target
@@ -276,16 +252,16 @@ def _quantize_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
     return _from_blocks(codes, x.shape), scales.reshape(-1)
 
 
-def _quantize_packed_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
+def quantize_packed_on(x, seeds, *, fmt: ElementFormat, stochastic: bool, target):
     if mx_gpu.lowers(target, x.size):
         return mx_gpu.quantize(
             x.reshape(-1), seeds, fmt=fmt.name, stochastic=stochastic, target=target, pack=True
         )
-    codes, scales = _quantize_on(x, seeds, fmt=fmt, stochastic=stochastic, target=target)
-    return bitpack._pack_bits_on(codes.reshape(-1), bits=fmt.bits, target=target), scales
+    codes, scales = quantize_on(x, seeds, fmt=fmt, stochastic=stochastic, target=target)
+    return bitpack.pack_bits_on(codes.reshape(-1), bits=fmt.bits, target=target), scales
 
 
-def _dequantize_on(codes, scales, *, fmt: ElementFormat, dtype, target):
+def dequantize_on(codes, scales, *, fmt: ElementFormat, dtype, target):
     if mx_gpu.lowers(target, codes.size):
         out = mx_gpu.dequantize(
             codes.reshape(-1),
@@ -320,7 +296,7 @@ def _check_packed(packed, shape, fmt: ElementFormat):
         )
 
 
-def _dequantize_packed_on(packed, scales, *, fmt: ElementFormat, shape, dtype, target):
+def dequantize_packed_on(packed, scales, *, fmt: ElementFormat, shape, dtype, target):
     _check_packed(packed, shape, fmt)
     size = math.prod(shape)
     if mx_gpu.lowers(target, size):
@@ -334,11 +310,11 @@ def _dequantize_packed_on(packed, scales, *, fmt: ElementFormat, shape, dtype, t
             packed=True,
         )
         return out.reshape(shape)
-    codes = bitpack._unpack_bits_on(packed, bits=fmt.bits, num_elements=size, target=target)
-    return _dequantize_on(codes.reshape(shape), scales, fmt=fmt, dtype=dtype, target=target)
+    codes = bitpack.unpack_bits_on(packed, bits=fmt.bits, num_elements=size, target=target)
+    return dequantize_on(codes.reshape(shape), scales, fmt=fmt, dtype=dtype, target=target)
 
 
-def _dequantize_accumulate_on(acc, weight, codes, scales, *, fmt: ElementFormat, target):
+def dequantize_accumulate_on(acc, weight, codes, scales, *, fmt: ElementFormat, target):
     if mx_gpu.lowers(target, codes.size):
         out = mx_gpu.dequantize_accumulate(
             acc.astype(jnp.float32).reshape(-1),
@@ -365,7 +341,7 @@ def _dequantize_accumulate_on(acc, weight, codes, scales, *, fmt: ElementFormat,
     return _from_blocks(out, codes.shape)
 
 
-def _dequantize_accumulate_packed_on(acc, weight, packed, scales, *, fmt: ElementFormat, target):
+def dequantize_accumulate_packed_on(acc, weight, packed, scales, *, fmt: ElementFormat, target):
     _check_packed(packed, acc.shape, fmt)
     if mx_gpu.lowers(target, acc.size):
         out = mx_gpu.dequantize_accumulate(
@@ -378,8 +354,8 @@ def _dequantize_accumulate_packed_on(acc, weight, packed, scales, *, fmt: Elemen
             packed=True,
         )
         return out.reshape(acc.shape)
-    codes = bitpack._unpack_bits_on(packed, bits=fmt.bits, num_elements=acc.size, target=target)
-    return _dequantize_accumulate_on(
+    codes = bitpack.unpack_bits_on(packed, bits=fmt.bits, num_elements=acc.size, target=target)
+    return dequantize_accumulate_on(
         acc, weight, codes.reshape(acc.shape), scales, fmt=fmt, target=target
     )
 
@@ -403,7 +379,7 @@ def quantize(x, seeds=None, *, fmt: str, stochastic: bool, implementation=None, 
     Returns:
       (uint8 codes in x's shape, one per element; uint8 E8M0 scales [ceil(size / 32)]).
     """
-    body = functools.partial(_quantize_on, fmt=check_format(fmt), stochastic=stochastic)
+    body = functools.partial(quantize_on, fmt=check_format(fmt), stochastic=stochastic)
     return platforms.dispatch(
         implementation, body, x, _seeds(seeds, stochastic), interpret=interpret
     )
@@ -420,7 +396,7 @@ def quantize_packed(
     Returns:
       (uint8 codes [ceil(size * bits / 8)], uint8 E8M0 scales [ceil(size / 32)]).
     """
-    body = functools.partial(_quantize_packed_on, fmt=check_format(fmt), stochastic=stochastic)
+    body = functools.partial(quantize_packed_on, fmt=check_format(fmt), stochastic=stochastic)
     return platforms.dispatch(
         implementation, body, x, _seeds(seeds, stochastic), interpret=interpret
     )
@@ -428,7 +404,7 @@ def quantize_packed(
 
 def dequantize(codes, scales, *, fmt: str, dtype=jnp.float32, implementation=None, interpret=False):
     """Values of MX codes (any shape) times their blocks' scales, cast to `dtype`."""
-    body = functools.partial(_dequantize_on, fmt=check_format(fmt), dtype=jnp.dtype(dtype))
+    body = functools.partial(dequantize_on, fmt=check_format(fmt), dtype=jnp.dtype(dtype))
     return platforms.dispatch(implementation, body, codes, scales, interpret=interpret)
 
 
@@ -437,7 +413,7 @@ def dequantize_packed(
 ):
     """`dequantize` of `quantize_packed`'s bytes, in `shape` (on GPU one kernel reads the bytes)."""
     body = functools.partial(
-        _dequantize_packed_on, fmt=check_format(fmt), shape=tuple(shape), dtype=jnp.dtype(dtype)
+        dequantize_packed_on, fmt=check_format(fmt), shape=tuple(shape), dtype=jnp.dtype(dtype)
     )
     return platforms.dispatch(implementation, body, packed, scales, interpret=interpret)
 
@@ -447,7 +423,7 @@ def dequantize_accumulate(
 ):
     """acc + weight * dequantize(codes, scales) in float32, in the codes' shape."""
     weight = jnp.asarray(weight, jnp.float32)
-    body = functools.partial(_dequantize_accumulate_on, fmt=check_format(fmt))
+    body = functools.partial(dequantize_accumulate_on, fmt=check_format(fmt))
     return platforms.dispatch(implementation, body, acc, weight, codes, scales, interpret=interpret)
 
 
@@ -456,7 +432,7 @@ def dequantize_accumulate_packed(
 ):
     """`dequantize_accumulate` of `quantize_packed`'s bytes of acc.size codes, in acc's shape."""
     weight = jnp.asarray(weight, jnp.float32)
-    body = functools.partial(_dequantize_accumulate_packed_on, fmt=check_format(fmt))
+    body = functools.partial(dequantize_accumulate_packed_on, fmt=check_format(fmt))
     return platforms.dispatch(
         implementation, body, acc, weight, packed, scales, interpret=interpret
     )

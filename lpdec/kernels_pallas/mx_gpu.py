@@ -29,6 +29,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from lpdec.kernels_pallas import _blocks
 from lpdec.kernels_pallas import mx_jnp
 from lpdec.kernels_pallas import platforms
 
@@ -119,19 +120,14 @@ def _accumulate_kernel(weight_ref, acc_ref, codes_ref, scales_ref, out_ref, *, s
         _store(out_ref, offsets, out, valid)
 
 
-def _whole(n: int):
-    """BlockSpec of a flat array every grid step addresses itself."""
-    return pl.BlockSpec((n,), lambda i: (0,))
-
-
 def _call(kernel, *, size: int, per: int, fmt, target, block_rows, **kwargs):
     """`target.pallas_call` of `kernel` over `size` elements' MX blocks, `br` per grid step."""
-    blocks = platforms.num_rows(size, mx_jnp.BLOCK)
-    br = block_rows or platforms.block_rows_for(blocks, mx_jnp.BLOCK, target.block_elements)
+    blocks = _blocks.num_rows(size, mx_jnp.BLOCK)
+    br, steps = _blocks.flat_grid(target, blocks, mx_jnp.BLOCK, block_rows)
     return target.pallas_call(
         functools.partial(kernel, size=size, br=br, per=per, fmt=fmt),
         block_elements=br * mx_jnp.BLOCK,
-        grid=(platforms.num_rows(blocks, br),),
+        grid=(steps,),
         **kwargs,
     )
 
@@ -153,11 +149,14 @@ def quantize(flat, seeds, *, fmt: str, stochastic: bool, target, pack=False, blo
         fmt=fmt,
         target=target,
         block_rows=block_rows,
-        in_specs=[target.scalar_spec((1, 2)), _whole(size)],
-        out_specs=[_whole(-(-size // per)), _whole(platforms.num_rows(size, mx_jnp.BLOCK))],
+        in_specs=[target.scalar_spec((1, 2)), _blocks.whole(size)],
+        out_specs=[
+            _blocks.whole(-(-size // per)),
+            _blocks.whole(_blocks.num_rows(size, mx_jnp.BLOCK)),
+        ],
         out_shape=[
-            platforms.out_struct((-(-size // per),), jnp.uint8, flat),
-            platforms.out_struct((platforms.num_rows(size, mx_jnp.BLOCK),), jnp.uint8, flat),
+            _blocks.out_struct((-(-size // per),), jnp.uint8, flat),
+            _blocks.out_struct((_blocks.num_rows(size, mx_jnp.BLOCK),), jnp.uint8, flat),
         ],
     )(seeds, flat)
 
@@ -174,9 +173,9 @@ def dequantize(codes, scales, *, fmt: str, size: int, dtype, target, packed=Fals
         fmt=fmt,
         target=target,
         block_rows=block_rows,
-        in_specs=[_whole(codes.size), _whole(scales.size)],
-        out_specs=_whole(size),
-        out_shape=platforms.out_struct((size,), jnp.dtype(dtype), codes),
+        in_specs=[_blocks.whole(codes.size), _blocks.whole(scales.size)],
+        out_specs=_blocks.whole(size),
+        out_shape=_blocks.out_struct((size,), jnp.dtype(dtype), codes),
     )(codes, scales)
 
 
@@ -195,11 +194,11 @@ def dequantize_accumulate(
         block_rows=block_rows,
         in_specs=[
             target.scalar_spec((1, 1)),
-            _whole(size),
-            _whole(codes.size),
-            _whole(scales.size),
+            _blocks.whole(size),
+            _blocks.whole(codes.size),
+            _blocks.whole(scales.size),
         ],
-        out_specs=_whole(size),
-        out_shape=platforms.out_struct((size,), jnp.float32, acc),
+        out_specs=_blocks.whole(size),
+        out_shape=_blocks.out_struct((size,), jnp.float32, acc),
         input_output_aliases={1: 0},
     )(jnp.asarray(weight, jnp.float32).reshape(1, 1), acc, codes, scales)

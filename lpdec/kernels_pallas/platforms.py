@@ -9,8 +9,7 @@ Which implementation runs is decided per *lowering platform*, not per
 `jax.lax.platform_dependent`, so a program traced on a CPU-only machine and
 lowered for ("cuda",) or ("tpu",) holds the compiled kernels (docs/DESIGN.md,
 "Kernels per platform"). `Target` holds what each platform's compiler accepts
-and how a kernel is built for it; kernels see [rows, row_length] arrays, laid
-out with the helpers at the end.
+and how a kernel is built for it; `_blocks` lays the kernels' operands out.
 """
 
 from __future__ import annotations
@@ -18,13 +17,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
 from typing import Literal
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax.experimental import pallas as pl
+
+from lpdec.kernels_pallas import _blocks
+from lpdec.kernels_pallas._blocks import Block
 
 # Each backend's Pallas module may move or disappear between jax releases (jax 0.11
 # deprecates Triton); without it that platform takes the jnp path.
@@ -53,9 +53,6 @@ _BLOCK_ELEMENTS = {"cpu": 1 << 16, "gpu": 1 << 12, "tpu": 1 << 16}
 # Mosaic tiles the last two dims of a TPU block by (rows, 128 lanes), where a tile
 # holds 8 rows of 32-bit values: 8 rows of float32, 16 of bfloat16, 32 of uint8.
 _TPU_LANES = 128
-
-# (block_shape, array_shape, dtype) of one operand of a pallas_call.
-Block = tuple[tuple[int, ...], tuple[int, ...], Any]
 
 
 def check_implementation(implementation) -> None:
@@ -100,7 +97,7 @@ class Target:
         A power of two near `block_elements / row_length`. On TPU a block that does
         not cover every row is a whole number of row tiles of each dtype.
         """
-        br = block_rows_for(rows, row_length, self.block_elements)
+        br = _blocks.block_rows_for(rows, row_length, self.block_elements)
         if self.platform == "tpu" and br < rows:
             tile = max(_tpu_tile_rows(d) for d in dtypes)
             # Fewer rows than a tile: one block of all of them (equal to the array dim).
@@ -118,7 +115,7 @@ class Target:
         """
         if self.platform == "gpu":
             return pallas_triton is not None and all(
-                is_power_of_two(e) for block, _, _ in blocks for e in block
+                _blocks.is_power_of_two(e) for block, _, _ in blocks for e in block
             )
         if self.platform == "tpu":
             return pallas_tpu is not None and all(_tpu_tiles(*b) for b in blocks)
@@ -147,7 +144,7 @@ class Target:
         """
         if self.platform == "tpu" and pallas_tpu is not None:
             return pl.BlockSpec(memory_space=pallas_tpu.SMEM)
-        return pl.BlockSpec(shape, lambda *_: (0,) * len(shape))
+        return _blocks.whole(shape)
 
     def pallas_call(self, kernel, *, block_elements: int, **kwargs):
         """`pl.pallas_call` with this target's interpret mode and compiler parameters."""
@@ -159,17 +156,8 @@ class Target:
         )
 
 
-def out_struct(shape: tuple[int, ...], dtype, like: jax.Array) -> jax.ShapeDtypeStruct:
-    """A kernel output's shape and dtype, varying over the mesh axes that `like` varies over.
-
-    Under `jax.shard_map(check_vma=True)` a `pallas_call` must be told how each
-    output varies; the kernels' outputs are per node, like their data input.
-    """
-    return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=jax.typeof(like).manual_axis_type)
-
-
 def _tpu_tile_rows(dtype) -> int:
-    return 8 * 4 // np_dtype(dtype).itemsize
+    return 8 * 4 // _blocks.np_dtype(dtype).itemsize
 
 
 def _tpu_tiles(block: tuple[int, ...], shape: tuple[int, ...], dtype) -> bool:
@@ -233,35 +221,3 @@ def dispatch(implementation: Implementation, body: Callable, *args, interpret: b
         tpu=Target("tpu", interpret),
         other=None,
     )
-
-
-# ----------------------------------------------------------------------------
-# Layout: kernels see [rows, row_length] arrays; the wrappers pad ragged inputs.
-# ----------------------------------------------------------------------------
-
-
-def num_rows(num_elements: int, row_length: int) -> int:
-    return -(-num_elements // row_length)
-
-
-def pad_rows(x2d: jax.Array, rows: int) -> jax.Array:
-    """Pads a [r, c] array to [rows, c] by repeating its last row (keeps per-row min/max)."""
-    extra = rows - x2d.shape[0]
-    if extra == 0:
-        return x2d
-    return jnp.pad(x2d, ((0, extra), (0, 0)), mode="edge")
-
-
-def block_rows_for(rows: int, row_length: int, target_elements: int = 1 << 16) -> int:
-    """A power-of-two number of rows per kernel block, about `target_elements` elements."""
-    br = max(1, target_elements // max(row_length, 1))
-    br = 1 << (br.bit_length() - 1)
-    return int(min(br, 1 << max(rows - 1, 0).bit_length()))
-
-
-def is_power_of_two(n: int) -> bool:
-    return n > 0 and (n & (n - 1)) == 0
-
-
-def np_dtype(dtype) -> np.dtype:
-    return np.dtype(jnp.dtype(dtype))

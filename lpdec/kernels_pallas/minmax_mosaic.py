@@ -1,7 +1,8 @@
-"""The per-chunk min-max quantize and dequantize as Mosaic GPU kernels.
+"""Min-max's Mosaic GPU kernels: the per-chunk quantize and dequantize for `plgpu.kernel`.
 
 `minmax` quantizes with the row kernel here on a jax without Pallas Triton
-(`minmax.mosaic_quantizes`); with Triton, its kernels run. jax 0.11 deprecates Pallas's Triton
+(`minmax.mosaic_quantizes`, the one place that chooses it); with Triton, the
+kernels of `minmax_gpu` run. jax 0.11 deprecates Pallas's Triton
 lowering in favour of Mosaic GPU, and from jax 0.11 `pl.pallas_call` with Mosaic
 GPU compiler parameters no longer lowers (an AssertionError in pallas_call's GPU
 lowering); the supported entry point is `plgpu.kernel`, used here. It lowers to
