@@ -45,13 +45,8 @@ def recipe(config, num_steps: int = 2000):
 
 
 def get_config():
+    # lm_tiny's DiLoCo: H=10, the 4-bit min-max compressed mean with error feedback.
     config = recipe(lm_tiny.get_config())
-    config.algorithm = "diloco"
-    config.local_steps = 10
-    config.exchange = "compressed_mean"
-    config.compressor = "minmax"
-    config.bits = 4
-    config.error_feedback = True
     config.learning_rate = 8e-3
     config.outer_lr = 0.7
     config.outer_momentum = 0.6
