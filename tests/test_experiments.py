@@ -351,6 +351,35 @@ def test_keep_published_reuses_earlier_codes_runs_of_the_same_config(tmp_path, m
     assert trained == [0.1, 0.1, 0.1]  # without the flag, earlier code's runs are stale
 
 
+def test_keep_published_finds_a_run_by_its_listing_when_the_workdir_holds_it_too(
+    tmp_path, monkeypatch
+):
+    """A run whose config changed shape since (a nested field gained a key) is found by
+    the study, method and seed docs/experiments.json lists it under, even where the
+    workdir's cache holds the same record (which lists neither)."""
+    from bench import experiments
+    from bench.experiments import cache
+
+    trained = fake_training(monkeypatch)
+    monkeypatch.setattr(cache, "code_fingerprint", lambda root=None: "v1")
+    workdir = str(tmp_path / "w")
+    experiments.Runner(quick=True, seeds=1, workdir=workdir).repeat(
+        "s", "m", experiments.seed002_config
+    )
+    path = os.path.join(workdir, "results.json")
+    (record,) = json.loads(open(path).read()).values()
+    record["config"]["data_dir"] = {"a key the config has no more": 1}
+    record["key"] = "the key of the config as it was"
+    open(path, "w").write(json.dumps({record["key"]: record}))
+    published = tmp_path / "published.json"
+    published.write_text(json.dumps({"runs": [dict(record, study="s", method="m")]}))
+    monkeypatch.setattr(cache, "code_fingerprint", lambda root=None: "v2")
+    (kept,) = experiments.Runner(
+        quick=True, seeds=1, workdir=workdir, published=str(published), keep_published=True
+    ).repeat("s", "m", experiments.seed002_config)
+    assert trained == [0.1] and kept["code"] == "v1"
+
+
 def test_a_dry_run_checks_each_config_and_its_records_never_count_as_trained(tmp_path, monkeypatch):
     import train_lib
     from bench import experiments

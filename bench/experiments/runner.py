@@ -153,7 +153,7 @@ class Runner:
             }
         if keep_published and replay is None:
             # This workdir's runs of earlier code too (other invocations', still going).
-            self.kept.update(cache.load_results(self.cache_path, code=None))
+            self._keep_workdir()
 
     def config(self, base, **overrides):
         """The recipe `base` with `overrides`; a field the config lacks is a KeyError."""
@@ -217,13 +217,19 @@ class Runner:
         if not self.kept:
             return None
         # Other invocations' runs of earlier code, saved meanwhile.
-        self.kept.update(cache.load_results(self.cache_path, code=None))
+        self._keep_workdir()
         key = self.key(config)
         if key in self.kept:
             return key
         return self._same_run(config, self.kept) or self._listed(
             study, method, config.seed, self.kept
         )
+
+    def _keep_workdir(self) -> None:
+        """Adds the workdir's runs of any code to `kept`. A workdir record lacks the study
+        and method the published record of the same key lists it under: it keeps them."""
+        for key, record in cache.load_results(self.cache_path, code=None).items():
+            self.kept[key] = self.kept.get(key, {}) | record
 
     def _same_run(self, config, runs: dict[str, dict]) -> str | None:
         """The key of a run of `runs` of `config` from before fields were added to the config:
