@@ -1,0 +1,131 @@
+"""lpdec.elastic.peers: the peer-to-peer reduce-scatter / all-gather of an elastic round.
+
+Machines are threads of this process on loopback; the reference is numpy's mean of
+the members' vectors (float64), cut and joined independently of the code under test.
+"""
+
+import threading
+
+import numpy as np
+import pytest
+
+from lpdec.elastic import peers as p2p
+
+TOKEN = b"the run's token"
+
+
+def _round(machines, vectors, members, round_=0, timeout=20.0, stranger=None):
+    """Each member's result: the mean of the members' vectors, through the peers."""
+    addresses = {m: machines[m].address for m in members}
+    size = vectors[members[0]].size
+    cuts = p2p.split(size, len(members), align=4)
+
+    def reduce(chunk, parts):
+        return np.mean([np.frombuffer(p, np.float64) for p in parts], axis=0).tobytes()
+
+    out, errors = {}, []
+
+    def run(m):
+        try:
+            parts = [vectors[m][a:b].tobytes() for a, b in cuts]
+            chunks = p2p.reduce_scatter_gather(
+                machines[m], round_, members, addresses, parts, reduce, timeout
+            )
+            out[m] = np.concatenate([np.frombuffer(c, np.float64) for c in chunks])
+        except Exception as error:  # noqa: BLE001 - the test reports it
+            errors.append(error)
+
+    if stranger is not None:
+        stranger(addresses)
+    threads = [threading.Thread(target=run, args=(m,)) for m in members]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.fixture
+def machines():
+    made = {m: p2p.Peers(m, TOKEN) for m in range(5)}
+    yield made
+    for peer in made.values():
+        peer.close()
+
+
+def test_split_cuts_near_equal_aligned_chunks_that_cover_the_range():
+    assert p2p.split(10, 3) == [(0, 3), (3, 6), (6, 10)]
+    assert p2p.split(10, 3, align=4) == [(0, 4), (4, 8), (8, 10)]
+    assert p2p.split(3, 5) == [(0, 0), (0, 1), (1, 1), (1, 2), (2, 3)]
+
+
+def test_every_member_ends_with_the_members_mean(machines):
+    rng = np.random.default_rng(0)
+    vectors = {m: rng.normal(size=1001) for m in machines}
+    for members in ([0, 1, 2, 3, 4], [1, 3, 4], [2]):
+        out = _round(machines, vectors, members, round_=len(members))
+        expected = np.mean([vectors[m] for m in members], axis=0)
+        for m in members:
+            np.testing.assert_allclose(out[m], expected, rtol=1e-12)
+        assert len({out[m].tobytes() for m in members}) == 1  # the same bytes everywhere
+
+
+def test_a_stranger_without_the_token_changes_nothing(machines):
+    rng = np.random.default_rng(1)
+    vectors = {m: rng.normal(size=64) for m in machines}
+    stranger = p2p.Peers(0, b"a guessed token")
+
+    def forge(addresses):
+        # Machine 0's "part" of every chunk, and chunk 1's "mean", sent first.
+        for m, address in addresses.items():
+            stranger.send(address, 7, "part", [0, 1, 2][m], np.ones(22).tobytes())
+        stranger.send(addresses[2], 7, "mean", 1, np.ones(21).tobytes())
+
+    try:
+        out = _round(machines, vectors, [0, 1, 2], round_=7, stranger=forge)
+    finally:
+        stranger.close()
+    expected = np.mean([vectors[m] for m in (0, 1, 2)], axis=0)
+    for m in (0, 1, 2):
+        np.testing.assert_allclose(out[m], expected, rtol=1e-12)
+    assert sum(machines[m].rejected for m in (0, 1, 2)) >= 3
+
+
+def test_a_member_that_never_sends_times_out_naming_it(machines):
+    vectors = {m: np.zeros(8) for m in machines}
+    peer = machines[0]
+    with pytest.raises(p2p.PeerTimeout, match=r"from machine\(s\) \[1\]"):
+        p2p.reduce_scatter_gather(
+            peer, 0, [0, 1], {0: peer.address, 1: machines[1].address},
+            [vectors[0][:4].tobytes(), vectors[0][4:].tobytes()],
+            lambda chunk, parts: parts[0], timeout=0.5,
+        )  # fmt: skip
+
+
+def test_with_the_runs_credentials_a_peer_without_them_cannot_connect(tmp_path):
+    pytest.importorskip("cryptography")
+    from lpdec.elastic import credentials
+
+    credentials.make(str(tmp_path / "run"), machines=2)
+    credentials.make(str(tmp_path / "other"), machines=2)
+    ours = [p2p.Peers(m, TOKEN, credentials=credentials.load(str(tmp_path / "run"), m)) for m in (0, 1)]  # fmt: skip
+    foreign = p2p.Peers(0, TOKEN, credentials=credentials.load(str(tmp_path / "other"), 0))
+    # The run's own CA, but the service's certificate: no machine of the run.
+    service = p2p.Peers(0, TOKEN, credentials=credentials.load(str(tmp_path / "run"), "service"))
+    plain = p2p.Peers(0, TOKEN)
+    try:
+        vectors = {0: np.arange(10.0), 1: np.arange(10.0) * 3}
+        out = _round(dict(enumerate(ours)), vectors, [0, 1])
+        np.testing.assert_allclose(out[1], np.arange(10.0) * 2)
+        # Another run's certificate, the service's, or none at all: no message gets in.
+        for intruder in (foreign, service, plain):
+            with pytest.raises(OSError):
+                intruder.send(ours[1].address, 1, "part", 1, np.ones(5).tobytes())
+                intruder.send(ours[1].address, 1, "part", 1, np.ones(5).tobytes())
+        with pytest.raises(p2p.PeerTimeout):
+            ours[1].wait(1, "part", 1, [0], timeout=0.5)
+    finally:
+        for peer in (*ours, foreign, service, plain):
+            peer.close()
