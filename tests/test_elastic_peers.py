@@ -110,7 +110,8 @@ def test_with_the_runs_credentials_a_peer_without_them_cannot_connect(tmp_path):
 
     credentials.make(str(tmp_path / "run"), machines=2)
     credentials.make(str(tmp_path / "other"), machines=2)
-    ours = [p2p.Peers(m, TOKEN, credentials=credentials.load(str(tmp_path / "run"), m)) for m in (0, 1)]  # fmt: skip
+    run = str(tmp_path / "run")
+    ours = [p2p.Peers(m, TOKEN, credentials=credentials.load(run, m)) for m in (0, 1)]
     foreign = p2p.Peers(0, TOKEN, credentials=credentials.load(str(tmp_path / "other"), 0))
     # The run's own CA, but the service's certificate: no machine of the run.
     service = p2p.Peers(0, TOKEN, credentials=credentials.load(str(tmp_path / "run"), "service"))
