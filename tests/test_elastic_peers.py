@@ -120,13 +120,17 @@ def test_with_the_runs_credentials_a_peer_without_them_cannot_connect(tmp_path):
         vectors = {0: np.arange(10.0), 1: np.arange(10.0) * 3}
         out = _round(dict(enumerate(ours)), vectors, [0, 1])
         np.testing.assert_allclose(out[1], np.arange(10.0) * 2)
-        # Another run's certificate, the service's, or none at all: no message gets in.
+        # Another run's certificate, the service's, or none at all: no message gets in
+        # (TLS 1.3 refuses a client's certificate after the client's first write, so the
+        # intruder's send may or may not fail on its side; the receiver is what counts).
         for intruder in (foreign, service, plain):
-            with pytest.raises(OSError):
+            try:
                 intruder.send(ours[1].address, 1, "part", 1, np.ones(5).tobytes())
-                intruder.send(ours[1].address, 1, "part", 1, np.ones(5).tobytes())
+            except OSError:
+                pass
         with pytest.raises(p2p.PeerTimeout):
-            ours[1].wait(1, "part", 1, [0], timeout=0.5)
+            ours[1].wait(1, "part", 1, [0], timeout=1.0)
+        assert ours[1].rejected == 3  # each connection refused at the handshake
     finally:
         for peer in (*ours, foreign, service, plain):
             peer.close()
