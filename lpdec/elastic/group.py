@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import time
 from collections.abc import Callable
 
@@ -267,6 +268,10 @@ class ElasticGroup:
     ) -> Exchange:
         """Contributes `payload` to round `round_` and returns the round's decision.
 
+        The star: every payload goes through the service, and every machine reads
+        every member's (`decide` is the same round without payloads, for an exchange
+        whose bytes go between the machines: `lpdec.elastic.peers`).
+
         Args:
           round_: the round (the same count on every machine: rounds since the start).
           payload: this machine's encoded pseudo-gradient.
@@ -282,26 +287,94 @@ class ElasticGroup:
         """
         me, started = self.machine, time.monotonic()
         self._check_behind(round_)
+        self.store.put(f"r{round_}/g/{me}", payload)
+        record, headers = self._decide(round_, payload, steps, anchor_digest, deadline, {})
+        contributions, received = [], 0
+        for m in record["members"]:
+            blob = payload if m == me else self.store.fetch(f"r{round_}/g/{m}", 30.0)
+            if m != me:
+                received += len(blob)
+            if m not in headers or digest(blob) != headers[m]["digest"]:
+                raise ServiceLost(f"round {round_}: machine {m}'s contribution does not verify")
+            contributions.append(
+                Contribution(m, int(headers[m]["steps"]), blob, headers[m]["anchor"])
+            )
+        return self._decided(round_, record, contributions, started, len(payload), received)
+
+    def decide(
+        self,
+        round_: int,
+        steps: int,
+        anchor_digest: str,
+        deadline: float,
+        peer: str = "",
+        digest_: str = "",
+    ) -> tuple[Exchange, dict[int, str]]:
+        """Round `round_`'s decision without payloads: who the mean is over.
+
+        For an exchange whose bytes go directly between the members
+        (`lpdec.elastic.peers`); the service carries only the signed headers and the
+        decision. The contributions it returns have empty payloads.
+
+        Args:
+          round_, steps, anchor_digest, deadline: as `exchange`'s.
+          peer: this machine's "host:port" for the members' peer-to-peer exchange.
+          digest_: a digest of what this machine will send (recorded in its header).
+
+        Returns:
+          (the decision, {member: its peer address}).
+        """
+        started = time.monotonic()
+        self._check_behind(round_)
+        extra = {"peer": str(peer)}
+        record, headers = self._decide(
+            round_, digest_.encode(), steps, anchor_digest, deadline, extra
+        )
+        contributions = [
+            Contribution(m, int(headers[m]["steps"]), b"", headers[m]["anchor"])
+            for m in record["members"]
+        ]
+        addresses = {m: str(headers[m].get("peer", "")) for m in record["members"]}
+        return self._decided(round_, record, contributions, started, 0, 0), addresses
+
+    def _decide(
+        self,
+        round_: int,
+        payload: bytes,
+        steps: int,
+        anchor_digest: str,
+        deadline: float,
+        extra: dict,
+    ) -> tuple[dict, dict[int, dict]]:
+        """Posts this machine's signed header and waits for the round's decision.
+
+        Returns (the decision record, with its members as ints; the round's headers
+        that verify, by machine)."""
+        me, started = self.machine, time.monotonic()
         header = {
             "machine": me,
             "incarnation": self.incarnation,
             "steps": int(steps),
             "digest": digest(payload),
             "anchor": anchor_digest,
+            **extra,
         }
         header["mac"] = self.signer.sign("c", round_, *(header[k] for k in sorted(header)))
-        self.store.put(f"r{round_}/g/{me}", payload)
         self.store.put(f"r{round_}/c/{me}", json.dumps(header).encode())
-        sent = len(payload)
+        # Rarely changing things are read at most every `slow_s`: with n machines
+        # polling one service, each call a poll saves is n calls.
+        slow_s, checked, expected = 0.25, -math.inf, set()
         while True:
             self.check_lost()
             decision = self.store.get(f"r{round_}/d")
             if decision is not None:
                 break
-            self._check_behind(round_)
+            now = time.monotonic()
+            if now - checked >= slow_s:
+                self._check_behind(round_)
+                expected, checked = self.expected(), now
             headers = self._headers(round_)
-            waited = time.monotonic() - started
-            expected = self.expected()
+            waited = now - started
             if expected <= set(headers) or waited >= deadline:
                 reason = "all" if expected <= set(headers) else "deadline"
                 members = sorted(headers)
@@ -311,30 +384,37 @@ class ElasticGroup:
                 continue  # read back whichever decision was written first
             time.sleep(self.poll_s)
         record = json.loads(decision)
-        members = [int(m) for m in record["members"]]
+        record["members"] = [int(m) for m in record["members"]]
         if not self.signer.verify(
-            record.get("mac"), "d", round_, members, record["by"], record["reason"]
+            record.get("mac"), "d", round_, record["members"], record["by"], record["reason"]
         ):
             raise ServiceLost(f"round {round_}'s decision is not signed with this run's token")
         headers = self._headers(round_)
-        contributions, received = [], 0
-        for m in members:
-            blob = payload if m == me else self.store.fetch(f"r{round_}/g/{m}", 30.0)
-            if m != me:
-                received += len(blob)
-            if m not in headers or digest(blob) != headers[m]["digest"]:
-                raise ServiceLost(f"round {round_}: machine {m}'s contribution does not verify")
-            contributions.append(
-                Contribution(m, int(headers[m]["steps"]), blob, headers[m]["anchor"])
+        missing = [m for m in record["members"] if m not in headers]
+        if missing:
+            raise ServiceLost(
+                f"round {round_}: machine(s) {missing} in the decision have no header"
             )
-        if record["by"] == me and round_ >= 2:
+        return record, headers
+
+    def _decided(
+        self,
+        round_: int,
+        record: dict,
+        contributions: list,
+        started: float,
+        sent: int,
+        received: int,
+    ) -> Exchange:
+        if record["by"] == self.machine and round_ >= 2:
             self.store.delete(f"r{round_ - 2}")  # everyone has read it: the next round is decided
         self.store.put("latest", str(round_).encode())
+        members = tuple(record["members"])
         return Exchange(
             round=round_,
-            members=tuple(members),
+            members=members,
             contributions=tuple(contributions),
-            included=me in members,
+            included=self.machine in members,
             reason=record["reason"],
             closed_by=int(record["by"]),
             waited_s=time.monotonic() - started,

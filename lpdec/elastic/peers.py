@@ -110,9 +110,16 @@ class Peers:
         self._out: dict[str, socket.socket] = {}
         self._out_lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=64)
+        self._threads: list[threading.Thread] = []
+        self._accepted: set[socket.socket] = set()
         self.rejected = 0  # messages or connections that failed a check
         self.closed = False
-        threading.Thread(target=self._accept, daemon=True).start()
+        self._start(self._accept)
+
+    def _start(self, target, *args) -> None:
+        thread = threading.Thread(target=target, args=args, daemon=True)
+        self._threads.append(thread)
+        thread.start()
 
     # -- receiving ------------------------------------------------------------
 
@@ -122,13 +129,19 @@ class Peers:
                 connection, _ = self._listener.accept()
             except OSError:
                 return
-            threading.Thread(target=self._receive, args=(connection,), daemon=True).start()
+            with self._out_lock:
+                self._accepted.add(connection)
+            self._start(self._receive, connection)
 
     def _receive(self, connection: socket.socket) -> None:
         try:
             connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if self._server_tls is not None:
-                connection = self._server_tls.wrap_socket(connection, server_side=True)
+                raw = connection
+                connection = self._server_tls.wrap_socket(raw, server_side=True)
+                with self._out_lock:  # `close` shuts down the socket that holds the fd
+                    self._accepted.discard(raw)
+                    self._accepted.add(connection)
                 assert self._credentials is not None
                 if not _is_machine_of_run(connection, self._credentials.peer_prefix):
                     raise ssl.SSLError("the peer's certificate names no machine of this run")
@@ -147,6 +160,8 @@ class Peers:
         except (OSError, ValueError, KeyError, TypeError, ssl.SSLError):
             self.rejected += 0 if self.closed else 1
         finally:
+            with self._out_lock:
+                self._accepted.discard(connection)
             connection.close()
 
     def _mac(self, round_: int, kind: str, chunk: int, sender: int, body: bytes) -> str:
@@ -226,13 +241,24 @@ class Peers:
             future.result()
 
     def close(self) -> None:
+        """Stops listening, ends every connection and waits for its threads."""
         self.closed = True
-        self._listener.close()
         with self._out_lock:
-            for connection in self._out.values():
+            for connection in [*self._out.values(), *self._accepted]:
+                try:
+                    connection.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
                 connection.close()
             self._out.clear()
-        self._pool.shutdown(wait=False)
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)  # wakes the thread blocked in accept
+        except OSError:
+            pass
+        self._listener.close()
+        self._pool.shutdown(wait=True)
+        for thread in self._threads:
+            thread.join(timeout=5)
 
 
 def _read(connection: socket.socket, size: int) -> bytes:
