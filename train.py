@@ -83,6 +83,12 @@ flags.DEFINE_bool(
     "Elastic: the service is off loopback without credentials, and only the run's machines "
     "reach it (else such a run is refused).",
 )
+flags.DEFINE_string(
+    "elastic_peer_address",
+    None,
+    "Elastic, config.elastic_transport='peers': the host[:port] this machine listens on "
+    "for the other machines' bytes, an address they reach (default on loopback: 127.0.0.1).",
+)
 flags.DEFINE_integer(
     "elastic_local_steps", 0, "Elastic: this machine's local steps per round (0: config's)."
 )

@@ -92,6 +92,62 @@ def project(results: list[dict], methods: dict, parameters: int, args) -> str:
     return "\n".join(lines)
 
 
+#: Bytes a 4-bit min-max payload takes per value: 4 bits, and a float32 lo and hi per
+#: block of 256 values (bench/elastic_scale.py's codec, as lpdec's min-max sends it).
+ELASTIC_BYTES_PER_VALUE = 0.5 + 8 / 256
+ELASTIC_H = 10  # DiLoCo's local steps per round: configs/lm_study.py's tuned H
+
+
+def elastic_seconds(kind: str, machines: int, payload: float, rate: float) -> float:
+    """Seconds the bytes of one elastic round take on links of `rate` bit/s each.
+
+    star: the service's one link carries n payloads in and n (n - 1) out (in and out
+    at once: the larger); p2p and a ring all-reduce: every machine sends and receives
+    2 (n - 1) / n of a payload."""
+    if kind == "star":
+        return machines * (machines - 1) * payload * 8 / rate
+    return 2 * (machines - 1) / machines * payload * 8 / rate
+
+
+def elastic_table(measured: dict, args) -> str:
+    """The elastic round's exchange at `args.machines`, from the bytes formula, beside
+    how far bench/elastic_scale.py's measurement lay above that formula."""
+    payload = args.params * ELASTIC_BYTES_PER_VALUE
+    rate = RATES[args.rate]
+    compute = ELASTIC_H * args.step_s
+    results = measured["results"]
+    size = measured["args"]["values"] * ELASTIC_BYTES_PER_VALUE
+    setting = next((s for s in results if s != "loopback"), None)
+    largest = max(results[setting], key=int) if setting else None
+    lines = [
+        "| exchange | bytes of the busiest link per round | "
+        + " | ".join(f"M={m}: s per round (x compute)" for m in args.machines)
+        + (
+            f" | measured at {largest} machines, {setting}: over the formula |" if largest else " |"
+        ),
+        "|---|---|" + "---|" * len(args.machines) + ("---|" if largest else ""),
+    ]
+    names = {
+        "star": ("star: through the service (today's elastic exchange)", "n (n - 1) payloads"),
+        "p2p": ("peer to peer: reduce-scatter + all-gather (`elastic_transport=\"peers\"`)",
+                "2 (n - 1) / n payloads"),
+        "ring": ("ring all-reduce of the same bytes (reference)", "2 (n - 1) / n payloads"),
+    }  # fmt: skip
+    for kind, (name, busiest) in names.items():
+        cells = []
+        for m in args.machines:
+            seconds = elastic_seconds(kind, m, payload, rate)
+            cells.append(f"{seconds:,.1f} s ({seconds / compute:.2f}x)")
+        ratio = ""
+        if largest:
+            case = results[setting][largest].get(kind)
+            rate_measured = float(setting.removesuffix("mbit")) * 1e6
+            formula = elastic_seconds(kind, int(largest), size, rate_measured)
+            ratio = f" {case['seconds'] / formula:.2f}x |" if case else " |"
+        lines.append(f"| {name} | {busiest} | " + " | ".join(cells) + " |" + ratio)
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--results", required=True, help="bench/link.py --workload lm's JSON")
@@ -99,6 +155,11 @@ def main(argv=None) -> int:
     parser.add_argument("--machines", default="8,64,512")
     parser.add_argument("--rate", default="1gbit", choices=sorted(RATES))
     parser.add_argument("--step-s", type=float, default=STEP_S, help="compute seconds per step")
+    parser.add_argument(
+        "--elastic-results",
+        default=os.path.join(ROOT, "docs", "elastic_scale_results.json"),
+        help='bench/elastic_scale.py\'s JSON ("": no elastic table)',
+    )
     parser.add_argument("--output", default=os.path.join(ROOT, "BENCHMARKS.md"))
     args = parser.parse_args(argv)
     args.machines = [int(m) for m in args.machines.split(",")]
@@ -133,6 +194,30 @@ def main(argv=None) -> int:
             table,
         ]
     )
+    if args.elastic_results and os.path.exists(args.elastic_results):
+        with open(args.elastic_results) as f:
+            measured = json.load(f)
+        body += "\n".join(
+            [
+                "",
+                "",
+                f"### An elastic round's exchange at {args.machines} machines",
+                "",
+                f"One DiLoCo round of the {args.params:.0e}-parameter model: each machine's "
+                "4-bit min-max pseudo-gradient "
+                f"({args.params * ELASTIC_BYTES_PER_VALUE / 1e6:,.0f} MB), every machine on "
+                f"its own {args.rate} link, against the compute of "
+                f"H = {ELASTIC_H} steps at {args.step_s:.2f} s. From the bytes each exchange "
+                "puts on its busiest link (the formula: latency, TCP and the service's "
+                "decision are not in it); the last column is how far "
+                "`bench/elastic_scale.py`'s measured round lay above the same formula on "
+                f"its own payload and link (`{os.path.relpath(args.elastic_results, ROOT)}`; "
+                "17 processes on 2 CPU cores: the service's decision and the codec's "
+                "arithmetic are in the measured time, not in the formula).",
+                "",
+                elastic_table(measured, args),
+            ]
+        )
     _sections.replace_section(args.output, SECTION, body, header=_sections.BENCHMARKS_HEADER)
     print(body)
     return 0

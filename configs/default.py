@@ -37,6 +37,12 @@ def get_config() -> ml_collections.ConfigDict:
     # machines (lpdec.elastic.slot_mean: a missing machine adds zero, each local step
     # weighs what it weighs in a round of every machine).
     config.elastic_mean = "contributors"
+    # Where a round's bytes go: "service", through the coordinating service (a star:
+    # its link carries n payloads in and n (n - 1) out a round); "peers", directly
+    # between the round's members (lpdec.elastic.peers: a reduce-scatter and an
+    # all-gather, or with mean_rounds=1 an all-gather), the service deciding who they
+    # are. BENCHMARKS.md, "bench/elastic_scale.py", measures both.
+    config.elastic_transport = "service"
     config.augment = False  # CIFAR random crop + flip
     # "stdlib_text" (a language model's bytes: this Python's standard library sources,
     # or the .py files under data_dir): windows of sequence_length + 1 bytes; text_bytes

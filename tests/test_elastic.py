@@ -367,6 +367,62 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     assert summaries["m0"]["final"]["train_loss"] < 1.0  # it trained (2.3 at the start)
 
 
+def _pair(procs, tmp_path, name, *extra):
+    """Two machines of elastic_mlp (100 steps, H=10) on a service of their own; their
+    final parameters (every machine's must be the same bytes) and summaries."""
+    token = tmp_path / "token"
+    token.write_text("run-secret\n")
+    address = procs.service(2, heartbeat=10, name=f"{name}-service")
+    runs = [
+        procs.start(
+            f"{name}{m}",
+            sys.executable,
+            str(ROOT / "train.py"),
+            f"--config={ROOT / 'configs' / 'elastic_mlp.py'}",
+            f"--workdir={tmp_path / name / str(m)}",
+            f"--elastic_service={address}",
+            "--elastic_machines=2",
+            f"--elastic_machine={m}",
+            f"--elastic_token_file={token}",
+            "--config.num_nodes=2",
+            "--config.num_steps=100",
+            "--config.log_every=50",
+            "--config.model_kwargs.hidden_sizes=(32,)",
+            *extra,
+        )  # fmt: skip
+        for m in range(2)
+    ]
+    for proc in runs:
+        assert proc.wait(timeout=300) == 0, proc.out_path.read_text()[-3000:]
+    finals = [np.load(tmp_path / name / str(m) / "final_params.npz") for m in range(2)]
+    for key in finals[0].files:
+        np.testing.assert_array_equal(finals[0][key], finals[1][key])
+    summaries = [
+        json.loads((tmp_path / name / str(m) / "summary.json").read_text()) for m in range(2)
+    ]
+    rows = list(csv.DictReader(open(tmp_path / name / "0" / "exchanges.csv")))
+    return {k: finals[0][k] for k in finals[0].files}, summaries, rows
+
+
+def test_train_py_peers_transport_moves_the_same_mean_without_the_service(procs, tmp_path):
+    """config.elastic_transport="peers": the bytes go between the machines. With the
+    float32 mean (reduce-scatter + all-gather) and with the 4-bit one-round mean
+    (all-gather), the machines end with the service transport's parameters, bit for
+    bit; the 4-bit two-round mean (compressed twice) trains too."""
+    peers = "--config.elastic_transport=peers"
+    fp32 = ("--config.exchange=mean", "--config.error_feedback=False")
+    for name, extra in (("mean", fp32), ("gather", ())):
+        star, _, star_rows = _pair(procs, tmp_path, f"{name}-service", *extra)
+        spread, summaries, rows = _pair(procs, tmp_path, f"{name}-peers", *extra, peers)
+        for key in star:
+            np.testing.assert_array_equal(star[key], spread[key], err_msg=f"{name}: {key}")
+        assert summaries[0]["rounds_seen"] == 10 and summaries[0]["anchors_agree"]
+        # The service's rows count the bytes it carried; the peers' what went between them.
+        assert all(int(r["bytes_sent"]) > 0 for r in rows + star_rows)
+    _, summaries, _ = _pair(procs, tmp_path, "twice", "--config.mean_rounds=2", peers)
+    assert summaries[0]["final"]["train_loss"] < 2.0, summaries[0]["final"]  # 2.3 at the start
+
+
 def test_train_py_machines_go_on_from_their_saved_round_when_the_service_starts_again(
     procs, tmp_path
 ):
@@ -538,6 +594,19 @@ def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
         ({"algorithm": "choco"}, {}, "needs config.algorithm='diloco'"),
         ({"exchange": "gossip"}, {}, "exchanges a mean"),
         ({"overlap": True}, {}, "config.overlap=True is not supported elastic"),
+        ({"shard_model": True}, {}, "is not supported elastic: an elastic machine holds"),
+        ({"exchange": "gossip"}, {}, "an elastic round's members are whoever is alive"),
+        (
+            {"elastic_transport": "peers"},
+            {"service": "10.0.0.1:1", "private_network": True},
+            "needs --elastic_peer_address",
+        ),
+        (
+            {"elastic_transport": "peers"},
+            {"peer_address": "10.0.0.1:7000"},
+            "--elastic_peer_address=10.0.0.1:7000: ",
+        ),
+        ({"elastic_transport": "peers"}, {"peer_address": "127.0.0.1:99999"}, "out of range"),
         ({"num_nodes": 4}, {}, "must be a multiple of --elastic_machines=3"),
         ({}, {"machine": 5}, "--elastic_machine=5 must be in [0, 3)"),
         ({}, {"deadline": 0.0}, "must be > 0 s"),
@@ -562,6 +631,7 @@ def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
         ({"elastic_data": "mine"}, "config.elastic_data='mine' must be one of: shard, whole."),
         ({"elastic_budget": "time"}, "must be one of: rounds, samples."),
         ({"elastic_mean": "all"}, "must be one of: contributors, slots."),
+        ({"elastic_transport": "p2p"}, "must be one of: service, peers."),
     ):
         config = elastic_mlp.get_config()
         config.update(fields)

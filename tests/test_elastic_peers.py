@@ -134,3 +134,21 @@ def test_with_the_runs_credentials_a_peer_without_them_cannot_connect(tmp_path):
     finally:
         for peer in (*ours, foreign, service, plain):
             peer.close()
+
+
+def test_all_gather_hands_every_member_every_payload_in_member_order(machines):
+    members = [0, 2, 3]
+    payloads = {m: bytes([m]) * (100 + m) for m in members}
+    addresses = {m: machines[m].address for m in members}
+    out, threads = {}, []
+    for m in members:
+
+        def run(m=m):
+            out[m] = p2p.all_gather(machines[m], 5, members, addresses, payloads[m], 20.0)
+
+        threads.append(threading.Thread(target=run))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    for m in members:
+        assert out[m] == [payloads[k] for k in members]

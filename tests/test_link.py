@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -337,3 +338,28 @@ def test_the_projection_scales_mean_exchanges_and_gossip_by_their_traffic():
     # 1000 B/step x 20 steps / 1e4 parameters = 2 B per parameter per exchange; 1e9
     # parameters x 1.75 x 8 bits / 1e9 = 28 s per exchange, over 20 s of compute.
     assert row == "| d | 2.000 | 20 | 28.00 s (1.40x) |", row
+
+
+def test_the_elastic_projection_puts_the_star_on_one_link_and_p2p_on_every_machines():
+    """star: the service's link carries n (n - 1) payloads a round; peer to peer and a
+    ring all-reduce 2 (n - 1) / n of one on every machine's link (hand-computed)."""
+    from bench import projection
+
+    # 4 machines, 1 MB payloads, 8 Mbit/s: 12 MB = 96 Mbit, 12 s; 1.5 MB, 1.5 s.
+    assert projection.elastic_seconds("star", 4, 1e6, 8e6) == 12.0
+    assert projection.elastic_seconds("p2p", 4, 1e6, 8e6) == 1.5
+    assert projection.elastic_seconds("ring", 4, 1e6, 8e6) == 1.5
+
+
+def test_the_elastic_benchmarks_codec_is_4_bit_min_max_per_block():
+    from bench import elastic_scale
+
+    x = np.random.default_rng(0).normal(size=4 * elastic_scale.BLOCK).astype(np.float32)
+    x[:256] = 3.0  # a constant block decodes exactly
+    payload = elastic_scale.encode(x)
+    assert len(payload) == x.size // 2 + 4 * 8  # 4 bits a value, a lo and hi a block
+    y = elastic_scale.decode(payload)
+    blocks = x.reshape(-1, elastic_scale.BLOCK)
+    step = (blocks.max(1) - blocks.min(1)) / 15  # the 16 levels' spacing
+    err = np.abs(y - x).reshape(-1, elastic_scale.BLOCK).max(1)
+    assert (err <= step / 2 + 1e-6).all() and err[0] == 0.0

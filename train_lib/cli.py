@@ -134,6 +134,7 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
             min_round_s=flag_values.elastic_min_round_s,
             credentials=flag_values.elastic_credentials or "",
             private_network=flag_values.elastic_private_network,
+            peer_address=flag_values.elastic_peer_address or "",
         )
         log_devices()
         summary = elastic.train_elastic(flag_values.config, flag_values.workdir, options)

@@ -68,6 +68,7 @@ import lpdec
 from lpdec import elastic
 from lpdec.elastic.signing import digest
 from train_lib import checkpoint
+from train_lib import elastic_peers
 from train_lib import evaluation
 from train_lib import loop
 from train_lib import metrics as metrics_lib
@@ -97,6 +98,22 @@ EXCHANGE_FIELDS = (
 )
 
 
+#: What an elastic run refuses, and why (`check`).
+UNSUPPORTED = {
+    "shard_model": "an elastic machine holds its whole model on each of its workers "
+    "(data parallel); the round's pseudo-gradient, the anchor and a joiner's state are "
+    "whole-model host arrays, which FSDP inside a machine would first have to gather",
+    "overlap": "a round's exchange runs between its local steps and the next round's "
+    "(the service decides who is in it), not beside them",
+    "error_decay": "the elastic exchange keeps the full residual (SparseLoCo's decay is "
+    "not implemented there)",
+    "outer_warmup_rounds": "the elastic outer step's momentum is constant (its warm-up is "
+    "not implemented there)",
+    "sync_steps": "an elastic run starts with local rounds (a synchronous warm-up is not "
+    "implemented there)",
+}
+
+
 class ElasticLost(RunError):
     """The coordinating service could not be reached again (exit status 4)."""
 
@@ -123,6 +140,10 @@ class ElasticOptions:
         credentials`): mutual TLS with the service ("" = none).
       private_network: the user's word that only the run's machines reach the
         service (needed off loopback without credentials).
+      peer_address: with `config.elastic_transport="peers"`, the "host" or
+        "host:port" this machine listens on for the other machines' bytes, an
+        address they reach ("": 127.0.0.1 when the service is on loopback; port 0
+        or none: any free one, advertised through the service).
     """
 
     service: str
@@ -138,6 +159,15 @@ class ElasticOptions:
     min_round_s: float = 0.0
     credentials: str = ""
     private_network: bool = False
+    peer_address: str = ""
+
+    def peer_bind(self) -> tuple[str, int]:
+        """(host, port) this machine's peer-to-peer listener binds."""
+        address = self.peer_address
+        if not address:
+            return "127.0.0.1", 0
+        host, _, port = address.rpartition(":") if ":" in address else (address, "", "0")
+        return host, int(port)
 
     def machine_credentials(self) -> elastic.credentials.Credentials | None:
         """This machine's credentials (None without a directory); one-line ValueError."""
@@ -156,12 +186,12 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
     if config.exchange not in ("mean", "compressed_mean"):
         raise ConfigError(
             f"config.exchange={config.exchange!r}: an elastic run exchanges a mean "
-            "('mean' or 'compressed_mean'), not gossip."
+            "('mean' or 'compressed_mean'), not gossip: a gossip matrix fixes each node's "
+            "neighbours, and an elastic round's members are whoever is alive."
         )
-    unsupported = ("overlap", "shard_model", "error_decay", "outer_warmup_rounds", "sync_steps")
-    for field in unsupported:
+    for field, why in UNSUPPORTED.items():
         if config[field] != setup.DEFAULTS[field]:
-            raise ConfigError(f"config.{field}={config[field]!r} is not supported elastic.")
+            raise ConfigError(f"config.{field}={config[field]!r} is not supported elastic: {why}.")
     if options.machines < 1 or config.num_nodes % options.machines:
         raise ConfigError(
             f"config.num_nodes={config.num_nodes} must be a multiple of "
@@ -190,6 +220,26 @@ def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
             elastic.credentials.check_token(creds, options.token)
     except ValueError as error:
         raise ConfigError(f"--elastic_service={options.service}: {error}") from None
+    if config.elastic_transport == "peers":
+        _check_peers(config, options, creds)
+
+
+def _check_peers(config, options: ElasticOptions, creds) -> None:
+    """One-line errors for the peer-to-peer transport's settings."""
+    if not options.peer_address and not elastic.credentials.is_loopback(options.service):
+        raise ConfigError(
+            "config.elastic_transport='peers' off loopback needs --elastic_peer_address: "
+            "the host (and port) the other machines reach this one at."
+        )
+    try:
+        host, port = options.peer_bind()
+        if not 0 <= port < 65536:
+            raise ValueError(f"port {port} is out of range")
+        # The same rule as the service's: loopback, the run's credentials (mutual TLS
+        # between the machines too), or the user's word that the network is private.
+        elastic.credentials.require_private(f"{host}:{port}", creds, options.private_network)
+    except ValueError as error:
+        raise ConfigError(f"--elastic_peer_address={options.peer_address}: {error}") from None
 
 
 def _takes_local_steps(config: ml_collections.ConfigDict) -> bool:
@@ -251,6 +301,8 @@ def train_elastic(
             # Leave the service before the interpreter tears its client down (a process
             # that ends with an exception would otherwise abort in jaxlib's destructor).
             machine.group.close()
+            if machine.peers is not None:
+                machine.peers.close()
 
 
 class ElasticTrainer:
@@ -304,6 +356,23 @@ class ElasticTrainer:
             private_network=options.private_network,
         )
         self.evaluator = evaluation.Evaluator(exp, self.programs, anchor=False, identical=True)
+        self.peers: elastic.peers.Peers | None = None
+        self.exchanger: elastic_peers.PeerExchange | None = None
+        if config.elastic_transport == "peers":
+            host, port = options.peer_bind()
+            self.peers = elastic.peers.Peers(
+                options.machine, options.token, host, port, options.machine_credentials()
+            )
+            self.exchanger = elastic_peers.PeerExchange(
+                self.group,
+                self.peers,
+                self.anchor,
+                self.compressor,
+                self.compressed,
+                # "mean" moves float32 and is reduced exactly: always scattered.
+                int(config.mean_rounds) if self.compressed else 2,
+                self._mean,
+            )
         self._encode = jax.jit(self._encode_fn)
         self._decode = jax.jit(
             lambda p: lpdec.compress.tree.decode_tree(self.compressor, p, self.anchor)
@@ -329,6 +398,12 @@ class ElasticTrainer:
     @staticmethod
     def _node0(tree):
         return jax.tree.map(lambda x: np.asarray(jax.device_get(x))[0], tree)
+
+    def _mean(self, deltas: list, steps: list[int]):
+        """The round's mean of `deltas` (config.elastic_mean), in the given order."""
+        if self.slot_mean:
+            return elastic.slot_mean(deltas, self.options.machines)
+        return elastic.step_weighted_mean(deltas, steps)
 
     def _encode_fn(self, delta, residual, key):
         v = jax.tree.map(lambda d, e: d + e, delta, residual) if self.feedback else delta
@@ -641,6 +716,33 @@ class ElasticTrainer:
     def export(self, workdir: str) -> None:
         checkpoint.write_params(workdir, self.anchor)
 
+    def _whole_payload(self, delta, key) -> tuple[bytes, Any]:
+        """This round's whole encoded pseudo-gradient and the residual it leaves."""
+        payload, residual = self._encode(delta, self.residual, key)
+        return elastic.pack(payload), residual
+
+    def _star(self, round_, delta, key, h, anchor_digest):
+        """The exchange through the service: (decision, mean, bytes sent, received)."""
+        blob, residual = self._whole_payload(delta, key)
+        ex = self.group.exchange(round_, blob, h, anchor_digest, self.options.deadline)
+        if self.feedback:
+            # Sent or dropped, what the payload could not carry stays for next round.
+            self.residual = jax.tree.map(np.asarray, residual)
+        deltas = [
+            self._decode(elastic.unpack(c.payload, self._payload_like)) for c in ex.contributions
+        ]
+        deltas = [jax.tree.map(np.asarray, d) for d in deltas]
+        # A contribution holding NaN/Inf is dropped, by every machine alike (they decode
+        # the same ones), and counted: as lpdec's exchanges skip a non-finite payload.
+        finite = [all(np.isfinite(x).all() for x in jax.tree.leaves(d)) for d in deltas]
+        self.nonfinite_received += finite.count(False)
+        kept = [
+            (d, c.steps) for d, c, ok in zip(deltas, ex.contributions, finite, strict=True) if ok
+        ]
+        deltas, counts = [d for d, _ in kept], [n for _, n in kept]
+        mean = self._mean(deltas, counts) if deltas else jax.tree.map(np.zeros_like, self.anchor)
+        return ex, mean, ex.bytes_sent, ex.bytes_received
+
     def _round(self, round_: int) -> tuple[dict, float, float]:
         """One round: local steps, the exchange, the outer step; returns its row."""
         h = self.h
@@ -662,35 +764,39 @@ class ElasticTrainer:
         x = self._node0(params)
         delta = jax.tree.map(lambda a, b: np.float32(a) - np.asarray(b, np.float32), self.anchor, x)
         key = jax.random.fold_in(jax.random.key(self.seed), round_)
-        payload, residual = self._encode(delta, self.residual, key)
-        blob = elastic.pack(payload)
         anchor_digest = elastic.tree_digest(self.anchor)
-        ex = self.group.exchange(round_, blob, h, anchor_digest, self.options.deadline)
-        if self.feedback:
-            # Sent or dropped, what the payload could not carry stays for next round.
-            self.residual = jax.tree.map(np.asarray, residual)
-        deltas = [
-            self._decode(elastic.unpack(c.payload, self._payload_like)) for c in ex.contributions
-        ]
-        deltas = [jax.tree.map(np.asarray, d) for d in deltas]
-        # A contribution holding NaN/Inf is dropped, by every machine alike (they decode
-        # the same ones), and counted: as lpdec's exchanges skip a non-finite payload.
-        finite = [all(np.isfinite(x).all() for x in jax.tree.leaves(d)) for d in deltas]
-        self.nonfinite_received += finite.count(False)
-        kept = [
-            (d, c.steps) for d, c, ok in zip(deltas, ex.contributions, finite, strict=True) if ok
-        ]
-        deltas, counts = [d for d, _ in kept], [n for _, n in kept]
-        if not deltas:
-            mean = jax.tree.map(np.zeros_like, self.anchor)
-        elif self.slot_mean:
-            mean = elastic.slot_mean(deltas, self.options.machines)
+        if self.exchanger is None:
+            ex, mean, sent, received = self._star(round_, delta, key, h, anchor_digest)
+            void = ""
         else:
-            mean = elastic.step_weighted_mean(deltas, counts)
-        self.machine_steps += sum(c.steps for c in ex.contributions)
-        self.anchor, self.momentum = elastic.nesterov_step(
-            self.anchor, self.momentum, mean, self.outer_lr, self.outer_mu
-        )
+            r = self.exchanger.round(
+                round_, delta, self.residual, self.feedback, h, key, anchor_digest,
+                self.options.deadline,
+                whole_payload=lambda: self._whole_payload(delta, key),
+                decode_whole=lambda blob: jax.tree.map(
+                    np.asarray, self._decode(elastic.unpack(blob, self._payload_like))
+                ),
+            )  # fmt: skip
+            ex, mean, sent, received, void = r.exchange, r.mean, r.sent, r.received, r.void
+            if void == elastic_peers.LATE:
+                raise elastic.Behind(
+                    f"machine {self.options.machine}'s contribution to round {round_} came "
+                    "after the decision: no member sends it the mean; it joins for the state"
+                )
+            if self.feedback:
+                self.residual = jax.tree.map(np.asarray, r.residual)
+            self.nonfinite_received += r.nonfinite
+            if mean is None and not void:
+                mean = jax.tree.map(np.zeros_like, self.anchor)
+        if void:
+            # A member's bytes did not come: this machine's anchor stays where it was (as
+            # every member's that missed them), and the round's steps are lost.
+            logging.warning("elastic: round %d is void here: %s", round_, void)
+        else:
+            self.machine_steps += sum(c.steps for c in ex.contributions)
+            self.anchor, self.momentum = elastic.nesterov_step(
+                self.anchor, self.momentum, mean, self.outer_lr, self.outer_mu
+            )
         if ex.members and min(ex.members) == self.options.machine:
             for line in self.group.serve_joins(
                 round_ + 1, self.model_sig, lambda: self._state_bytes(round_ + 1)
@@ -704,8 +810,8 @@ class ElasticTrainer:
             "reason": ex.reason,
             "closed_by": ex.closed_by,
             "waited_s": round(ex.waited_s, 3),
-            "bytes_sent": ex.bytes_sent,
-            "bytes_received": ex.bytes_received,
+            "bytes_sent": sent,
+            "bytes_received": received,
             "anchors_agree": int(len({c.anchor_digest for c in ex.contributions}) == 1),
             "local_steps": h,
             "machine_steps": self.machine_steps,

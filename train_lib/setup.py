@@ -48,6 +48,7 @@ ELASTIC_CHOICES = {
     "elastic_data": ("shard", "whole"),
     "elastic_mean": ("contributors", "slots"),
     "elastic_budget": ("rounds", "samples"),
+    "elastic_transport": ("service", "peers"),
 }
 
 

@@ -12,6 +12,7 @@ token, `store` the service it meets at (jax's, or one in memory for tests),
 """
 
 from lpdec.elastic import credentials
+from lpdec.elastic import peers
 from lpdec.elastic.codec import nesterov_step
 from lpdec.elastic.codec import pack
 from lpdec.elastic.codec import signature
@@ -33,6 +34,7 @@ from lpdec.elastic.store import ServiceStore
 from lpdec.elastic.store import Store
 
 __all__ = [
+    "peers",
     "credentials",
     "Behind",
     "Contribution",

@@ -47,7 +47,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import time
 from collections.abc import Callable
 
@@ -363,7 +362,8 @@ class ElasticGroup:
         self.store.put(f"r{round_}/c/{me}", json.dumps(header).encode())
         # Rarely changing things are read at most every `slow_s`: with n machines
         # polling one service, each call a poll saves is n calls.
-        slow_s, checked, expected = 0.25, -math.inf, set()
+        # (The caller checked `_check_behind` just before.)
+        slow_s, checked, expected, headers = 0.25, started, self.expected(), {}
         while True:
             self.check_lost()
             decision = self.store.get(f"r{round_}/d")
@@ -382,14 +382,19 @@ class ElasticGroup:
                 record["mac"] = self.signer.sign("d", round_, members, me, reason)
                 self.store.put(f"r{round_}/d", json.dumps(record).encode(), overwrite=False)
                 continue  # read back whichever decision was written first
-            time.sleep(self.poll_s)
+            # Blocked in the service until the decision is written (the last machine to
+            # post its header writes it at once), or for a while: then look again.
+            decision = self.store.wait(f"r{round_}/d", min(slow_s, 20 * self.poll_s))
+            if decision is not None:
+                break
         record = json.loads(decision)
         record["members"] = [int(m) for m in record["members"]]
         if not self.signer.verify(
             record.get("mac"), "d", round_, record["members"], record["by"], record["reason"]
         ):
             raise ServiceLost(f"round {round_}'s decision is not signed with this run's token")
-        headers = self._headers(round_)
+        if not set(record["members"]) <= set(headers):
+            headers = self._headers(round_)
         missing = [m for m in record["members"] if m not in headers]
         if missing:
             raise ServiceLost(

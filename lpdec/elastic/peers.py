@@ -42,7 +42,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 from lpdec.elastic.credentials import Credentials
 
-__all__ = ["PeerTimeout", "Peers", "reduce_scatter_gather", "split"]
+__all__ = ["PeerTimeout", "Peers", "all_gather", "reduce_scatter_gather", "split"]
 
 _HEADER = struct.Struct("!II")  # header length, body length
 
@@ -108,7 +108,8 @@ class Peers:
         self._inbox: dict[tuple, bytes] = {}
         self._arrived = threading.Condition()
         self._out: dict[str, socket.socket] = {}
-        self._out_lock = threading.Lock()
+        self._out_lock = threading.Lock()  # guards _out, _accepted and _locks
+        self._locks: dict[str, threading.Lock] = {}  # one per peer: connect, then write
         self._pool = ThreadPoolExecutor(max_workers=64)
         self._threads: list[threading.Thread] = []
         self._accepted: set[socket.socket] = set()
@@ -196,21 +197,23 @@ class Peers:
     # -- sending --------------------------------------------------------------
 
     def _connection(self, address: str) -> socket.socket:
+        """The open connection to `address` (made now if none); call with its peer lock."""
         with self._out_lock:
             connection = self._out.get(address)
-            if connection is None:
-                host, port = address.rsplit(":", 1)
-                connection = socket.create_connection((host, int(port)), timeout=30)
-                connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-                if self._client_tls is not None:
-                    connection = self._client_tls.wrap_socket(connection)
-                    assert self._credentials is not None
-                    if not _is_machine_of_run(connection, self._credentials.peer_prefix):
-                        connection.close()
-                        raise ssl.SSLError(f"{address} names no machine of this run")
-                connection.settimeout(None)
+        if connection is None:
+            host, port = address.rsplit(":", 1)
+            connection = socket.create_connection((host, int(port)), timeout=30)
+            connection.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._client_tls is not None:
+                connection = self._client_tls.wrap_socket(connection)
+                assert self._credentials is not None
+                if not _is_machine_of_run(connection, self._credentials.peer_prefix):
+                    connection.close()
+                    raise ssl.SSLError(f"{address} names no machine of this run")
+            connection.settimeout(None)
+            with self._out_lock:
                 self._out[address] = connection
-            return connection
+        return connection
 
     def send(self, address: str, round_: int, kind: str, chunk: int, body: bytes) -> None:
         """Sends one signed message to the machine listening at `address`."""
@@ -218,10 +221,13 @@ class Peers:
         header = json.dumps(
             {"round": round_, "kind": kind, "chunk": chunk, "from": self.machine, "mac": mac}
         ).encode()
+        with self._out_lock:
+            lock = self._locks.setdefault(address, threading.Lock())
         try:
-            connection = self._connection(address)
-            connection.sendall(_HEADER.pack(len(header), len(body)) + header)
-            connection.sendall(body)
+            with lock:  # one message at a time on a connection; other peers go on
+                connection = self._connection(address)
+                connection.sendall(_HEADER.pack(len(header), len(body)) + header)
+                connection.sendall(body)
         except OSError:
             with self._out_lock:  # a broken connection is made again next time
                 broken = self._out.pop(address, None)
@@ -311,3 +317,28 @@ def reduce_scatter_gather(
     for j, owner in enumerate(members):
         chunks.append(mine if j == me else peers.wait(round_, "mean", j, [owner], timeout)[owner])
     return chunks
+
+
+def all_gather(
+    peers: Peers,
+    round_: int,
+    members: Sequence[int],
+    addresses: dict[int, str],
+    payload: bytes,
+    timeout: float,
+) -> list[bytes]:
+    """Every member's `payload` of round `round_`, in `members` order.
+
+    The all-gather of a one-round mean (`config.mean_rounds=1`): each member sends
+    its whole payload to every other member, n - 1 payloads each way per member
+    (the star's bytes per machine, without the service's link in between).
+
+    Raises:
+      PeerTimeout: a member's payload did not come in time.
+    """
+    members = list(members)
+    others = [m for m in members if m != peers.machine]
+    peers.send_all([(addresses[m], round_, "payload", 0, payload) for m in others])
+    got = peers.wait(round_, "payload", 0, others, timeout)
+    got[peers.machine] = payload
+    return [got[m] for m in members]

@@ -65,6 +65,10 @@ class Store(Protocol):
         """The value of `key`, waiting up to `timeout_s` for it. Raises ServiceLost."""
         ...
 
+    def wait(self, key: str, timeout_s: float) -> bytes | None:
+        """The value of `key` once written, or None after `timeout_s` (a blocking `get`)."""
+        ...
+
     def close(self) -> None:
         """Leaves the service (the others see the slot gone at once)."""
         ...
@@ -230,6 +234,18 @@ class ServiceStore:
         except Exception as error:  # noqa: BLE001
             raise ServiceLost(f"could not read {key}: {_first_line(error)}") from error
 
+    def wait(self, key: str, timeout_s: float) -> bytes | None:
+        if self.client is None:
+            raise ServiceLost("not connected")
+        try:
+            return self.client.blocking_key_value_get_bytes(
+                f"{ROOT}/{key}", max(1, int(timeout_s * 1000))
+            )
+        except Exception as error:  # noqa: BLE001 - jaxlib raises its own status errors
+            if "DEADLINE_EXCEEDED" in str(error):
+                return None
+            raise ServiceLost(f"could not read {key}: {_first_line(error)}") from error
+
 
 class MemoryService:
     """An in-process service: the run's keys and its live slots, behind one lock.
@@ -338,6 +354,13 @@ class MemoryStore:
             if not s.lock.wait_for(lambda: key in s.keys, timeout=timeout_s):
                 raise ServiceLost(f"could not read {key}: not written within {timeout_s:g} s")
             return s.keys[key]
+
+    def wait(self, key: str, timeout_s: float) -> bytes | None:
+        self._check()
+        s = self.service
+        with s.lock:
+            s.lock.wait_for(lambda: key in s.keys, timeout=timeout_s)
+            return s.keys.get(key)
 
     def close(self) -> None:
         with self.service.lock:
