@@ -236,7 +236,7 @@ def run_case(args, setting: str, n: int, mode: str, network, workdir: str) -> di
 def section(results: dict, args, command: str) -> str:
     payload = args.values // 2 + args.values // BLOCK * 8
     lines = [
-        f"## {SECTION}: one elastic round's exchange, star vs peer to peer vs a ring",
+        f"## {args.section}: one elastic round's exchange, star vs peer to peer vs a ring",
         "",
         f"`{command}`",
         "",
@@ -300,6 +300,7 @@ def main(argv=None) -> int:
     parser.add_argument("--torch-python", default=None, help="a Python with torch (ring)")
     parser.add_argument("--output", default=os.path.join(ROOT, "BENCHMARKS.md"))
     parser.add_argument("--results", default=None, help="JSON of the measurements")
+    parser.add_argument("--section", default=SECTION, help="the BENCHMARKS.md section's name")
     parser.add_argument("--workdir", default=None)
     args = parser.parse_args(argv)
     machines = [int(m) for m in args.machines.split(",")]
@@ -349,7 +350,7 @@ def main(argv=None) -> int:
         json.dump({"args": vars(args), "results": results}, f, indent=2)
     command = "python -m bench.elastic_scale " + " ".join(shlex.quote(a) for a in argv)
     body = section(results, args, command)
-    _sections.replace_section(args.output, SECTION, body, header=_sections.BENCHMARKS_HEADER)
+    _sections.replace_section(args.output, args.section, body, header=_sections.BENCHMARKS_HEADER)
     print(body)
     print(f"results: {results_path}; section: {args.output}")
     return 0
