@@ -4,6 +4,7 @@ Machines are threads of this process on loopback; the reference is numpy's mean 
 the members' vectors (float64), cut and joined independently of the code under test.
 """
 
+import pathlib
 import threading
 
 import numpy as np
@@ -152,3 +153,90 @@ def test_all_gather_hands_every_member_every_payload_in_member_order(machines):
         t.join()
     for m in members:
         assert out[m] == [payloads[k] for k in members]
+
+
+# -- train_lib.elastic_peers: a round of the trainer's peer-to-peer exchange ----------
+
+
+def _exchangers(n):
+    """n machines' PeerExchange (float32 mean, reduce-scatter + all-gather) on an
+    in-process service."""
+    import sys
+
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+    import lpdec
+    from lpdec import elastic
+    from train_lib import elastic_peers
+
+    service = elastic.MemoryService(n)
+    like = {"a": np.zeros((3, 5000), np.float32), "b": np.zeros(7, np.float32)}
+    out = []
+    for m in range(n):
+        group = elastic.ElasticGroup(
+            "127.0.0.1:1", m, n, TOKEN, "f", store=service.store(m), poll_s=0.01
+        )
+        group.connect()
+        group.mark_active()
+        out.append(
+            elastic_peers.PeerExchange(
+                group, p2p.Peers(m, TOKEN), like, lpdec.identity(), False, 2,
+                elastic.step_weighted_mean,
+            )
+        )  # fmt: skip
+    return out, like
+
+
+def _rounds(exchangers, deltas, steps, deadline=20.0):
+    import jax
+
+    out, threads = {}, []
+    for m, ex in enumerate(exchangers):
+
+        def run(m=m, ex=ex):
+            out[m] = ex.round(
+                0, deltas[m], None, False, steps[m], jax.random.key(0), "anchor", deadline,
+                whole_payload=None, decode_whole=None,
+            )  # fmt: skip
+
+        threads.append(threading.Thread(target=run))
+        threads[-1].start()
+    for t in threads:
+        t.join()
+    return out
+
+
+def test_the_trainers_round_is_the_step_weighted_mean_of_the_finite_members():
+    exchangers, like = _exchangers(3)
+    rng = np.random.default_rng(3)
+    deltas = [
+        {k: rng.normal(size=v.shape).astype(np.float32) for k, v in like.items()} for _ in range(3)
+    ]
+    deltas[2]["b"][0] = np.nan  # machine 2's local steps went non-finite: left out
+    try:
+        out = _rounds(exchangers, deltas, steps=[10, 30, 20])
+    finally:
+        for ex in exchangers:
+            ex.peers.close()
+    for k in like:  # float64: (10 d0 + 30 d1) / 40, independently of the code
+        expected = (10 * deltas[0][k].astype(np.float64) + 30 * deltas[1][k]) / 40
+        for m in range(3):
+            np.testing.assert_allclose(out[m].mean[k], expected, rtol=1e-5, atol=1e-6)
+            assert out[m].mean[k].tobytes() == out[0].mean[k].tobytes()
+    assert all(r.nonfinite == 1 and not r.void for r in out.values())
+
+
+def test_a_member_that_sends_nothing_after_the_decision_voids_the_round():
+    exchangers, like = _exchangers(2)
+    silent = exchangers[1]
+    try:
+        # Machine 1 posts its header (so it is in the decision) and then dies.
+        threading.Thread(
+            target=silent.group.decide, args=(0, 10, "anchor", 20.0, silent.peers.address)
+        ).start()
+        delta = {k: np.ones(v.shape, np.float32) for k, v in like.items()}
+        out = _rounds(exchangers[:1], [delta], [10], deadline=1.0)
+    finally:
+        for ex in exchangers:
+            ex.peers.close()
+    assert out[0].mean is None and "from machine(s) [1]" in out[0].void
+    assert out[0].exchange.members == (0, 1)

@@ -47,8 +47,11 @@ SETTINGS = {
 def mx_runs(runner: Runner) -> dict:
     """{(setting, compressor): records}, plus each setting's fp32 reference."""
     runs = {}
-    for setting, (overrides, rounding) in SETTINGS.items():
-        for label, comp in COMPRESSORS.items():
+    for i, (setting, (overrides, rounding)) in enumerate(SETTINGS.items()):
+        compressors = list(COMPRESSORS.items())
+        if runner.quick:  # CI's smoke test: one compressor per setting, each once
+            compressors = compressors[i % len(compressors) :][:1]
+        for label, comp in compressors:
             runs[(setting, label)] = runner.repeat(
                 "mx",
                 f"{setting}, {label}",
@@ -57,7 +60,7 @@ def mx_runs(runner: Runner) -> dict:
                 **overrides,
                 **comp,
             )
-        if runner.quick:  # CI's smoke test: 4 runs, no reference
+        if runner.quick:  # no reference either
             continue
         reference = dict(overrides, compressor="identity")
         if overrides is DILOCO:
@@ -72,14 +75,17 @@ def mx(runner: Runner, docs: str) -> str:
     """MXFP4 against min-max 4-bit at equal bytes, on CHOCO and on the DiLoCo exchange."""
     del docs
     runs = mx_runs(runner)
-    columns = [c for c in (*COMPRESSORS, "fp32") if (next(iter(SETTINGS)), c) in runs]
+    columns = [c for c in (*COMPRESSORS, "fp32") if any((s, c) in runs for s in SETTINGS)]
     minmax, mxfp4 = COMPRESSORS
     rows = []
     for setting in SETTINGS:
-        cells = [fmt(runs[(setting, column)]) for column in columns]
-        gap = accuracy(runs[(setting, mxfp4)])[0] - accuracy(runs[(setting, minmax)])[0]
-        sent = [runs[(setting, c)][0]["bytes_per_node_per_step"] for c in (minmax, mxfp4)]
-        cells += [f"{gap:+.1f}", " / ".join(f"{b:,.0f}" for b in sent)]
+        got = {c: runs[(setting, c)] for c in columns if (setting, c) in runs}
+        cells = [fmt(got[c]) if c in got else "—" for c in columns]
+        gap = "—"  # a quick run trains one compressor per setting
+        if minmax in got and mxfp4 in got:
+            gap = f"{accuracy(got[mxfp4])[0] - accuracy(got[minmax])[0]:+.1f}"
+        sent = [f"{got[c][0]['bytes_per_node_per_step']:,.0f}" if c in got else "—" for c in (minmax, mxfp4)]  # fmt: skip
+        cells += [gap, " / ".join(sent)]
         rows.append(f"| {setting} | " + " | ".join(cells) + " |")
     header = " | ".join(columns) + " | MXFP4 − min-max (points) | bytes per node per step"
     config = seed002_config(runner.quick)

@@ -89,6 +89,7 @@ from bench.faults.elastic import REFERENCE_SEEDS as REFERENCE_SEEDS
 from bench.faults.elastic import SLOW_DEADLINE as SLOW_DEADLINE
 from bench.faults.elastic import SLOWDOWN as SLOWDOWN
 from bench.faults.elastic import Cluster as Cluster
+from bench.faults.elastic import elastic_intruder
 from bench.faults.elastic import elastic_kill
 from bench.faults.elastic import elastic_link
 from bench.faults.elastic import elastic_reference as elastic_reference
@@ -124,10 +125,20 @@ FAULTS: dict[str, tuple[str, Callable[[Context, np.random.Generator], Trial]]] =
         elastic_slow_deadline,
     ),
     "elastic_slow_h": ("one elastic machine 10x slower with H / 10", elastic_slow_h),
+    "elastic_intruder": (
+        "a wrong token and a missing certificate claim a live elastic slot (mutual TLS)",
+        elastic_intruder,
+    ),
 }
 ALIASES = {
     "elastic_slow": ("elastic_slow_deadline", "elastic_slow_h"),
-    "elastic": ("elastic_kill", "elastic_link", "elastic_slow_deadline", "elastic_slow_h"),
+    "elastic": (
+        "elastic_kill",
+        "elastic_link",
+        "elastic_slow_deadline",
+        "elastic_slow_h",
+        "elastic_intruder",
+    ),
 }
 ELASTIC = ALIASES["elastic"]
 ELASTIC_MARKER = "faults elastic"

@@ -89,13 +89,24 @@ class Cluster:
     loopback. `machine_flags[m]`: extra train.py flags of machine m.
     """
 
-    def __init__(self, ctx: Context, root: pathlib.Path, machine_flags=None):
+    def __init__(
+        self, ctx: Context, root: pathlib.Path, machine_flags=None, credentials: bool = False
+    ):
         self.root = root
         self.bound = min(ELASTIC_BOUND, ctx.timeout)
         namespaces = ctx.namespaces
         root.mkdir(parents=True, exist_ok=True)
         self.token = root / "token"
         self.token.write_text(os.urandom(32).hex())
+        # With credentials: mutual TLS between the service and the machines (jax >=
+        # 0.11.2) instead of the harness's word that its namespaces are private.
+        self.credentials: pathlib.Path | None = None
+        if credentials:
+            from lpdec.elastic import credentials as creds  # noqa: PLC0415
+
+            self.credentials = root / "credentials"
+            token = self.token.read_text().strip().encode()
+            creds.make(str(self.credentials), ELASTIC_MACHINES, token=token)
         self.machine_flags = machine_flags or {}
         self.procs: dict[int, list[subprocess.Popen]] = {m: [] for m in range(ELASTIC_MACHINES)}
         self.service: subprocess.Popen | None = None
@@ -128,8 +139,7 @@ class Cluster:
                     *self._in(0), sys.executable, "-m", "lpdec.elastic", "serve",
                     "--bind", self.address, "--machines", str(ELASTIC_MACHINES),
                     "--heartbeat_timeout", str(ELASTIC_HEARTBEAT),
-                    # Namespaces this harness made: only its machines reach the service.
-                    "--private_network",
+                    *self._trust("--credentials", "--private_network"),
                 ],
                 1,
                 self.root / "service.log",
@@ -138,21 +148,34 @@ class Cluster:
         for m in range(ELASTIC_MACHINES):
             self.start_machine(m)
 
-    def start_machine(self, m: int) -> None:
-        """Starts machine m (again: the same command, the same workdir)."""
-        command = [*self._in(m + 1), sys.executable, str(ROOT / "train.py")]
-        command += [
-            f"--workdir={self.workdir(m)}",
+    def _trust(self, credentials_flag: str, private_flag: str) -> list[str]:
+        """The flags that let a process off loopback: the run's credentials, or (in the
+        namespaces this harness made, which only its processes reach) a private network."""
+        if self.credentials is not None:
+            return [f"{credentials_flag}={self.credentials}"]
+        return [private_flag]
+
+    def machine_command(self, m: int, host: int, workdir: pathlib.Path, *extra: str) -> list:
+        """train.py as machine slot m, run in host `host`'s namespace."""
+        command = [*self._in(host), sys.executable, str(ROOT / "train.py")]
+        return command + [
+            f"--workdir={workdir}",
             *ELASTIC_FLAGS,
             f"--elastic_service={self.address}",
-            "--elastic_private_network",
             f"--elastic_machines={ELASTIC_MACHINES}",
             f"--elastic_machine={m}",
-            f"--elastic_token_file={self.token}",
             f"--elastic_heartbeat_timeout={ELASTIC_HEARTBEAT}",
             f"--elastic_join_timeout={ELASTIC_JOIN_TIMEOUT}",
-            *self.machine_flags.get(m, ()),
+            *extra,
         ]
+
+    def start_machine(self, m: int) -> None:
+        """Starts machine m (again: the same command, the same workdir)."""
+        command = self.machine_command(
+            m, m + 1, self.workdir(m),
+            *self._trust("--elastic_credentials", "--elastic_private_network"),
+            f"--elastic_token_file={self.token}", *self.machine_flags.get(m, ()),
+        )  # fmt: skip
         log = self.root / f"m{m}-{len(self.procs[m])}.log"
         self.procs[m].append(self._track(_popen(command, 1, log)))
 
@@ -486,3 +509,73 @@ def elastic_slow_h(ctx: Context, rng: np.random.Generator) -> Trial:
     """One machine 10x slower with H / 10 local steps: it keeps up (how the mean weighs
     machines of different steps is lpdec.elastic's choice; the try measures the outcome)."""
     return _slow(ctx, rng, "elastic-slow-h", same_h=False)
+
+
+def elastic_intruder(ctx: Context, rng: np.random.Generator) -> Trial:
+    """Two processes claim a live machine's slot at a random round of a run with mutual
+    TLS: one with the run's credentials but a wrong token, one with the right token but
+    no credentials. Both must be refused in one line, and the run must not notice."""
+    from lpdec.elastic import _runtime  # noqa: PLC0415
+
+    try:
+        _runtime.require_mtls()
+    except ValueError as error:
+        return Trial(False, f"not run: {error}", skipped=True)
+    victim = int(rng.integers(0, ELASTIC_MACHINES))
+    at = int(rng.integers(*FAULT_ROUNDS))
+    elastic_reference(ctx)
+    cluster = Cluster(ctx, ctx.scratch("elastic-intruder"), PACED, credentials=True)
+    try:
+        cluster.start()
+        if not cluster.wait_for_round(victim, at):
+            return Trial(False, f"machine {victim} ended before round {at}", happened=False)
+        wrong = cluster.root / "wrong-token"
+        wrong.write_text(os.urandom(32).hex())
+        once = ("--elastic_restarts=0", "--elastic_connect_timeout=20")
+        intruders = {
+            "wrong token": cluster.machine_command(
+                victim, victim + 1, cluster.root / "intruder-token",
+                f"--elastic_credentials={cluster.credentials}", f"--elastic_token_file={wrong}",
+                *once,
+            ),
+            "no credentials": cluster.machine_command(
+                victim, victim + 1, cluster.root / "intruder-tls", "--elastic_private_network",
+                f"--elastic_token_file={cluster.token}", *once,
+            ),
+        }  # fmt: skip
+        procs = {
+            name: cluster._track(_popen(command, 1, cluster.root / f"intruder-{i}.log"))
+            for i, (name, command) in enumerate(intruders.items())
+        }
+        exits = {}
+        for name, proc in procs.items():
+            try:
+                exits[name] = proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                harness.kill_group(proc)
+                exits[name] = "hung"
+        lines = {
+            name: [t for t in stderr_of(proc).splitlines() if t.startswith("error:")]
+            for name, proc in procs.items()
+        }
+        case = {
+            "machine": None,
+            "what": f"two intruders for machine {victim}'s live slot after round {at}: "
+            + "; ".join(
+                f"{n}: exit {exits[n]}, {(lines[n] or ['no error line'])[-1][:160]}" for n in procs
+            ),  # fmt: skip
+        }
+
+        def checks(rows, summaries, data):
+            data["intruder_exits"] = exits
+            return {
+                "intruders refused in one line": all(
+                    exits[n] not in (0, "hung") and len(lines[n]) == 1 for n in procs
+                ),
+                "no short round": data["short_rounds"] == 0,
+                "no machine restarted": not any(data.get("supervisor_restarts", {}).values()),
+            }
+
+        return _judge(ctx, cluster, case, checks)
+    finally:
+        cluster.close()
