@@ -158,9 +158,9 @@ def test_all_gather_hands_every_member_every_payload_in_member_order(machines):
 # -- train_lib.elastic_peers: a round of the trainer's peer-to-peer exchange ----------
 
 
-def _exchangers(n):
-    """n machines' PeerExchange (float32 mean, reduce-scatter + all-gather) on an
-    in-process service."""
+def _exchangers(n, compressor=None, rounds=2):
+    """n machines' PeerExchange on an in-process service (default: the float32 mean,
+    reduce-scatter + all-gather)."""
     import sys
 
     sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
@@ -179,23 +179,28 @@ def _exchangers(n):
         group.mark_active()
         out.append(
             elastic_peers.PeerExchange(
-                group, p2p.Peers(m, TOKEN), like, lpdec.identity(), False, 2,
-                elastic.step_weighted_mean,
+                group, p2p.Peers(m, TOKEN), like, compressor or lpdec.identity(),
+                compressor is not None, rounds, elastic.step_weighted_mean,
             )
         )  # fmt: skip
     return out, like
 
 
-def _rounds(exchangers, deltas, steps, deadline=20.0):
+def _rounds(exchangers, deltas, steps, deadline=20.0, residual=None):
     import jax
+
+    from lpdec import elastic
 
     out, threads = {}, []
     for m, ex in enumerate(exchangers):
 
         def run(m=m, ex=ex):
             out[m] = ex.round(
-                0, deltas[m], None, False, steps[m], jax.random.key(0), "anchor", deadline,
-                whole_payload=None, decode_whole=None,
+                0, deltas[m], residual, residual is not None, steps[m], jax.random.key(0),
+                "anchor", deadline,
+                # The one-round exchange's whole payload: here the float32 tree itself.
+                whole_payload=lambda m=m: (elastic.pack(deltas[m]), residual),
+                decode_whole=lambda blob: elastic.unpack(blob, deltas[0]),
             )  # fmt: skip
 
         threads.append(threading.Thread(target=run))
@@ -240,3 +245,49 @@ def test_a_member_that_sends_nothing_after_the_decision_voids_the_round():
             ex.peers.close()
     assert out[0].mean is None and "from machine(s) [1]" in out[0].void
     assert out[0].exchange.members == (0, 1)
+
+
+def test_the_one_round_exchange_gathers_every_members_whole_payload():
+    exchangers, like = _exchangers(3, rounds=1)
+    rng = np.random.default_rng(4)
+    deltas = [
+        {k: rng.normal(size=v.shape).astype(np.float32) for k, v in like.items()} for _ in range(3)
+    ]
+    try:
+        out = _rounds(exchangers, deltas, steps=[1, 1, 2])
+    finally:
+        for ex in exchangers:
+            ex.peers.close()
+    for k in like:
+        expected = (deltas[0][k].astype(np.float64) + deltas[1][k] + 2 * deltas[2][k]) / 4
+        for m in range(3):
+            np.testing.assert_allclose(out[m].mean[k], expected, rtol=1e-5, atol=1e-6)
+    assert out[0].sent == 2 * len(__import__("lpdec").elastic.pack(deltas[0]))
+
+
+def test_the_compressed_two_round_mean_is_the_mean_within_two_quantizations():
+    """4-bit min-max parts, their mean encoded again: within two quantization steps of the
+    exact mean (each chunk's range / 15, per block), the same bytes on every machine, and
+    the error feedback's residual is exactly what the first encoding lost."""
+    import lpdec
+
+    exchangers, like = _exchangers(2, compressor=lpdec.minmax(4))
+    rng = np.random.default_rng(5)
+    deltas = [
+        {k: rng.uniform(-1, 1, size=v.shape).astype(np.float32) for k, v in like.items()}
+        for _ in range(2)
+    ]
+    zero = {k: np.zeros(v.shape, np.float32) for k, v in like.items()}
+    try:
+        out = _rounds(exchangers, deltas, steps=[1, 1], residual=zero)
+    finally:
+        for ex in exchangers:
+            ex.peers.close()
+    for k in like:
+        exact = (deltas[0][k].astype(np.float64) + deltas[1][k]) / 2
+        # Values in [-1, 1]: a 4-bit step is at most 2 / 15; two roundings, half a step each
+        # on the parts (averaged) and on the mean.
+        assert np.abs(out[0].mean[k] - exact).max() <= 2 / 15 + 1e-6
+        assert out[0].mean[k].tobytes() == out[1].mean[k].tobytes()
+        for m in range(2):  # what the first rounding lost, at most half a step
+            assert 0 < np.abs(out[m].residual[k]).max() <= 1 / 15 + 1e-6
