@@ -128,7 +128,8 @@ def elastic_table(measured: dict, args) -> str:
         "|---|---|" + "---|" * len(args.machines) + ("---|" if largest else ""),
     ]
     names = {
-        "star": ("star: through the service (today's elastic exchange)", "n (n - 1) payloads"),
+        "star": ("star: through the service (`elastic_transport=\"service\"`, the default)",
+                 "n (n - 1) payloads"),
         "p2p": ("peer to peer: reduce-scatter + all-gather (`elastic_transport=\"peers\"`)",
                 "2 (n - 1) / n payloads"),
         "ring": ("ring all-reduce of the same bytes (reference)", "2 (n - 1) / n payloads"),
