@@ -606,6 +606,7 @@ def test_elastic_runs_it_cannot_do_are_refused_in_one_line():
             "--elastic_peer_address=10.0.0.1:7000: ",
         ),
         ({"elastic_transport": "peers"}, {"peer_address": "127.0.0.1:99999"}, "out of range"),
+        ({"elastic_transport": "peers"}, {"peer_address": "0.0.0.0"}, "not a wildcard"),
         ({"num_nodes": 4}, {}, "must be a multiple of --elastic_machines=3"),
         ({}, {"machine": 5}, "--elastic_machine=5 must be in [0, 3)"),
         ({}, {"deadline": 0.0}, "must be > 0 s"),

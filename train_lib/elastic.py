@@ -235,6 +235,8 @@ def _check_peers(config, options: ElasticOptions, creds) -> None:
         host, port = options.peer_bind()
         if not 0 <= port < 65536:
             raise ValueError(f"port {port} is out of range")
+        if host in ("0.0.0.0", "::", ""):
+            raise ValueError("give the address the other machines reach, not a wildcard")
         # The same rule as the service's: loopback, the run's credentials (mutual TLS
         # between the machines too), or the user's word that the network is private.
         elastic.credentials.require_private(f"{host}:{port}", creds, options.private_network)
