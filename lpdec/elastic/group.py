@@ -28,6 +28,11 @@ its machine still applies the round's mean (it is late, not lost) and starts
 the next round from the same anchor as everyone; the dropped pseudo-gradient's
 steps are lost, which the metrics count (`included`).
 
+**Without payloads** (`decide`). The same round with only the headers, each
+carrying the member's peer address: the decision says who is in the round, and
+the bytes go directly between the members (`lpdec.elastic.peers`), so the
+service's link carries no payload at all.
+
 **Joining** (`join`, `serve_joins`). A machine that starts while the run goes
 on (or that lost the service and reconnected) posts a signed request; after
 each exchange the lowest-numbered machine of the decision answers it with the
