@@ -205,8 +205,9 @@ def _supervise(flag_values: flags.FlagValues) -> NoReturn:
         if not os.path.exists(marker):
             sys.stderr.write(
                 f"error: machine {machine} ended with {how} before it registered with the "
-                f"service at {flag_values.elastic_service} (is it up, and did every machine "
-                "of a new run start within the connect timeout?)\n"
+                f"service at {flag_values.elastic_service} (is it up, does it take only the "
+                "run's credentials (--elastic_credentials), and did every machine of a new "
+                "run start within the connect timeout?)\n"
             )
             sys.exit(EXIT_PEER_LOST)
         if attempt == restarts:
