@@ -280,7 +280,13 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
         "kill / "
         "link — the machine joined again, its first exchange after joining included it and "
         "agreed, the others had rounds with fewer members; slow, same H — the others' means "
-        "went on without it; slow, H / 10 — every round had all 3.",
+        "went on without it; slow, H / 10 — every round had all 3; intruder — the cluster "
+        "runs with the run's credentials (mutual TLS between the service and the machines, "
+        "jax >= 0.11.2) instead of a private network, and at the fault's round two processes "
+        "start as a live machine's slot under train.py's supervisor, one with the run's "
+        "certificates but a wrong token, one with the right token but no certificates: "
+        "each must end with one error line, and the run must have no short round and no "
+        "restarted machine.",
         "",
         "| case | try | commit | survived | exits | s | rounds | short rounds | "
         "longest wait (s) | "
