@@ -389,7 +389,10 @@ class ElasticGroup:
                 continue  # read back whichever decision was written first
             # Blocked in the service until the decision is written (the last machine to
             # post its header writes it at once), or for a while: then look again.
-            decision = self.store.wait(f"r{round_}/d", min(slow_s, 20 * self.poll_s))
+            # Never past the deadline: a machine must decide when it comes.
+            left = deadline - (time.monotonic() - started)
+            wait_s = max(0.001, min(slow_s, 20 * self.poll_s, left))
+            decision = self.store.wait(f"r{round_}/d", wait_s)
             if decision is not None:
                 break
         record = json.loads(decision)
