@@ -176,3 +176,13 @@ def test_resume_collects_every_live_machines_signed_round_and_ignores_forged_one
     started = time.monotonic()
     assert m2.resume(6, "d6", timeout=30.0) == {0: (7, "d7"), 1: (7, "d7"), 2: (6, "d6")}
     assert time.monotonic() - started < 5
+
+
+def test_a_machine_decides_at_its_deadline_not_at_its_next_look():
+    """The wait for the decision blocks in the service between looks (up to 0.25 s, or
+    20 polls); it must still end at the exchange's deadline when a machine is silent."""
+    service, (m0, _) = _run(2)
+    m0.poll_s = 0.05  # 20 polls: 1 s, longer than the deadline
+    exchange = _contribute(m0, 0, deadline=0.1)
+    assert exchange.reason == "deadline" and exchange.members == (0,)
+    assert 0.1 <= exchange.waited_s < 0.18, exchange.waited_s
