@@ -186,3 +186,22 @@ def test_a_machine_decides_at_its_deadline_not_at_its_next_look():
     exchange = _contribute(m0, 0, deadline=0.1)
     assert exchange.reason == "deadline" and exchange.members == (0,)
     assert 0.1 <= exchange.waited_s < 0.18, exchange.waited_s
+
+
+def test_a_machine_the_run_left_behind_while_it_waited_joins_instead_of_deciding_alone():
+    """Machine 1 passes the check at the start of round 1, then (while it writes its
+    header) machine 0 decides rounds 1-3 alone and removes round 1's records. At its
+    deadline machine 1 must not decide a round of its own: it is told to join."""
+    service, (m0, m1) = _run(2)
+    _contribute(m0, 0)
+
+    def others_move_on(machine, key):
+        if machine == 1 and key == "r1/c/1":
+            service.before_put = None
+            for round_ in (1, 2, 3):
+                _contribute(m0, round_)
+
+    service.before_put = others_move_on
+    with pytest.raises(elastic.Behind):
+        _contribute(m1, 1, deadline=0.05)
+    assert service.before_put is None  # the race ran

@@ -381,6 +381,14 @@ class ElasticGroup:
             headers = self._headers(round_)
             waited = now - started
             if expected <= set(headers) or waited >= deadline:
+                # Before deciding, always: the run may have moved on and removed this
+                # round's records (this machine's own header with them).
+                self._check_behind(round_)
+                if me not in headers:
+                    raise Behind(
+                        f"machine {me}'s header for round {round_} is gone: the run moved "
+                        "on; it must join again"
+                    )
                 reason = "all" if expected <= set(headers) else "deadline"
                 members = sorted(headers)
                 record = {"round": round_, "members": members, "by": me, "reason": reason}
