@@ -18,6 +18,9 @@ time is the slowest machine's, the median over `--rounds` rounds after a warm-up
   (`lpdec.elastic.peers.reduce_scatter_gather`): each member's 4-bit part of
   each chunk to the chunk's owner, who decodes, averages and encodes the mean
   chunk at 4 bits and sends it to every member.
+- **p2p_bytes**: the same messages as p2p with no arithmetic (each member's parts
+  encoded before the rounds; each owner sends back one part as its "mean"): the
+  transport alone, without the codec's work on CPU cores the machines share here.
 - **ring**: PyTorch gloo's all-reduce of a float32 buffer of the payload's size
   (the same bytes), the reference the goal names: within 2x of it at 16 machines.
 
@@ -92,7 +95,10 @@ def worker(args: argparse.Namespace) -> None:
     group.connect()
     group.mark_active()  # an exchange waits for the active machines (a barrier follows)
     x = np.random.default_rng(me).normal(size=args.values).astype(np.float32)
-    peers = p2p.Peers(me, TOKEN, host=args.host) if args.mode == "p2p" else None
+    peers = p2p.Peers(me, TOKEN, host=args.host) if args.mode != "star" else None
+    # p2p_bytes: the same messages with no arithmetic (parts encoded before the rounds,
+    # each owner sends back its first part as the "mean"): the transport alone.
+    fixed = [encode(x[a:b]) for a, b in p2p.split(x.size, n, align=BLOCK)]
 
     def barrier(name: str) -> None:
         group.store.put(f"{name}/{me}", b"1")
@@ -116,11 +122,13 @@ def worker(args: argparse.Namespace) -> None:
             decided.append(time.monotonic() - started)
             members = list(ex.members)
             cuts = p2p.split(x.size, len(members), align=BLOCK)
-            parts = [encode(x[a:b]) for a, b in cuts]
+            raw = args.mode == "p2p_bytes"
+            parts = fixed if raw else [encode(x[a:b]) for a, b in cuts]
             chunks = p2p.reduce_scatter_gather(
-                peers, round_, members, addresses, parts, reduce, timeout=600.0
-            )
-            mean = np.concatenate([decode(c) for c in chunks])
+                peers, round_, members, addresses, parts,
+                (lambda j, ps: ps[0]) if raw else reduce, timeout=600.0,
+            )  # fmt: skip
+            mean = np.concatenate([decode(c) for c in chunks]) if not raw else fixed_mean(chunks)
             sent = sum(len(p) for j, p in enumerate(parts) if members[j] != me)
             sent += len(chunks[members.index(me)]) * (len(members) - 1)
         times.append(time.monotonic() - started)
@@ -135,7 +143,9 @@ def worker(args: argparse.Namespace) -> None:
                 "times": times,
                 "decided": decided,
                 "digest": hashlib.sha256(mean.astype(np.float32).tobytes()).hexdigest(),
-                "error": float(np.abs(mean - exact).max() / np.abs(exact).max()),
+                "error": float(np.abs(mean - exact).max() / np.abs(exact).max())
+                if args.mode != "p2p_bytes"
+                else float("nan"),
                 "sent_per_round": sent,
                 "payload": len(encode(x)),
             },
@@ -149,6 +159,11 @@ def worker(args: argparse.Namespace) -> None:
     # the interpreter finalizes aborts the process, so end here, the results written.
     sys.stdout.flush()
     os._exit(0)
+
+
+def fixed_mean(chunks: list[bytes]) -> np.ndarray:
+    """p2p_bytes's "mean": the chunks' bytes as they came (what every machine must agree on)."""
+    return np.frombuffer(b"".join(chunks), np.uint8)
 
 
 # -- the harness -----------------------------------------------------------------
@@ -220,7 +235,7 @@ def run_case(args, setting: str, n: int, mode: str, network, workdir: str) -> di
         "service_bytes_per_round": (after[0] - before[0] + after[1] - before[1])
         / (args.rounds + 1),
     }
-    if mode == "p2p":
+    if mode.startswith("p2p"):
         decided = list(zip(*(r["decided"][1:] for r in results), strict=True))
         out["decision_seconds"] = statistics.median(max(r) for r in decided)
     if mode != "ring":
@@ -256,8 +271,9 @@ def section(results: dict, args, command: str) -> str:
         "Service link: bytes in + out of the service's namespace per round.",
         "",
         "| link | machines | star s | p2p s (of which the decision) | ring all-reduce s "
-        "| p2p / ring | star / p2p | service link MB/round star / p2p | every mean identical |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| p2p / ring | star / p2p | service link MB/round star / p2p | every mean identical "
+        "| p2p transport alone s (/ ring) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for setting, by_n in results.items():
         for n, r in by_n.items():
@@ -274,11 +290,13 @@ def section(results: dict, args, command: str) -> str:
                     f"{r['p2p']['service_bytes_per_round'] / 1e6:.2f}"
                 )
             decision = f" ({r['p2p']['decision_seconds']:.3f})" if "p2p" in r else ""
-            agree = all(r[m]["agree"] for m in ("star", "p2p") if m in r)
+            agree = all(r[m]["agree"] for m in ("star", "p2p", "p2p_bytes") if m in r)
+            alone = r.get("p2p_bytes", {}).get("seconds")
+            alone_text = "" if alone is None else f"{alone:.3f} ({ratio(alone, ring)})"
             lines.append(
                 f"| {setting} | {n} | {f(star)} | {f(p2p)}{decision} | {f(ring)} "
                 f"| {ratio(p2p, ring)} "
-                f"| {ratio(star, p2p)} | {link} | {'yes' if agree else '**no**'} |"
+                f"| {ratio(star, p2p)} | {link} | {'yes' if agree else '**no**'} | {alone_text} |"
             )
     return "\n".join(lines)
 
