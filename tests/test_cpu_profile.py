@@ -1,5 +1,6 @@
 """tests/tools/cpu_profile.py: the plugin that says where the suite's CPU goes (os.times
-counts CPU in ticks of 10 ms, hence 0.39 for 0.4 s)."""
+counts CPU in ticks of 10 ms, hence 0.39 for 0.4 s; a difference of two tick counts in
+float may land a hair below, hence half a tick of slack)."""
 
 import json
 import os
@@ -45,8 +46,8 @@ def test_records_each_tests_own_and_its_processes_cpu(tmp_path):
         records[n] for n in ("test_waits", "test_burns", "test_starts_a_process_that_burns")
     )
     assert waits["wall"] >= 0.4 and waits["cpu"] + waits["children_cpu"] < 0.2, waits
-    assert burns["cpu"] >= 0.39 and burns["children_cpu"] < 0.1, burns
-    assert child["children_cpu"] >= 0.39, child
+    assert burns["cpu"] >= 0.385 and burns["children_cpu"] < 0.1, burns
+    assert child["children_cpu"] >= 0.385, child
     report = subprocess.run(
         [sys.executable, str(TOOLS / "cpu_profile.py"), str(out)],
         check=True, capture_output=True, text=True, timeout=60,

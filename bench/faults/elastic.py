@@ -515,12 +515,10 @@ def elastic_intruder(ctx: Context, rng: np.random.Generator) -> Trial:
     """Two processes claim a live machine's slot at a random round of a run with mutual
     TLS: one with the run's credentials but a wrong token, one with the right token but
     no credentials. Both must be refused in one line, and the run must not notice."""
-    from lpdec.elastic import _runtime  # noqa: PLC0415
+    from lpdec.elastic import credentials  # noqa: PLC0415
 
-    try:
-        _runtime.require_mtls()
-    except ValueError as error:
-        return Trial(False, f"not run: {error}", skipped=True)
+    if why := credentials.mutual_tls_unavailable():
+        return Trial(False, f"not run: {why}", skipped=True)
     victim = int(rng.integers(0, ELASTIC_MACHINES))
     at = int(rng.integers(*FAULT_ROUNDS))
     elastic_reference(ctx)

@@ -248,6 +248,17 @@ def require_private(address: str, credentials: Credentials | None, private_netwo
         )
 
 
+def mutual_tls_unavailable() -> str | None:
+    """Why this jaxlib's coordination service cannot take credentials (one line), or None."""
+    from lpdec.elastic import _runtime  # noqa: PLC0415
+
+    try:
+        _runtime.require_mtls()
+    except ValueError as error:
+        return str(error)
+    return None
+
+
 def check(address: str, credentials: Credentials | None, private_network: bool) -> None:
     """`require_private`, and with credentials a jaxlib that takes them: one-line ValueError."""
     require_private(address, credentials, private_network)
