@@ -161,6 +161,7 @@ class PeerExchange:
         `whole_payload()` -> (bytes, residual tree) and `decode_whole(bytes)` -> tree are
         the trainer's own codec, used by the one-round (all-gather) exchange.
         """
+        self.peers.forget(round_)  # what earlier rounds left (late or forged messages)
         flat = self.flatten(delta)
         finite = bool(np.isfinite(flat).all())
         ex, addresses = self.group.decide(
