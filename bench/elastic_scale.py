@@ -218,11 +218,7 @@ def run_case(args, setting: str, n: int, mode: str, network, workdir: str) -> di
         procs.append(harness.start(prefix(host) + command, f"{workdir}/{case}-{m}.log", env_m))
         netns.CHILDREN.append(procs[-1])
     workers = procs[1:] if mode != "ring" else procs
-    deadline = time.monotonic() + args.timeout
-    while any(p.poll() is None for p in workers) and time.monotonic() < deadline:
-        if any(p.poll() not in (None, 0) for p in workers):
-            break
-        time.sleep(0.2)
+    harness.wait_all(workers, args.timeout)  # (kills whatever still runs)
     after = network.counters(0) if network is not None else (0, 0)
     for proc in procs:
         harness.kill_group(proc)
