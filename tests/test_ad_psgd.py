@@ -167,6 +167,28 @@ def test_moniqua_matches_dense_float64_recursion_step_by_step(bits, rounding, rn
     assert noise > 1e-4 and moved > 1e-2 and skipped_correction > 1e-4
 
 
+@pytest.mark.parametrize("compressed", [False, True])
+def test_cpu_iteration_programs_agree_with_one_scan_and_leave_the_callers_arrays(compressed, rng):
+    """On CPU `run` calls one program per iteration (XLA:CPU runs loops' convolutions
+    slowly); elsewhere one scan (`_scan`, called here directly). The two agree, and the
+    caller's params and state (the per-iteration programs donate theirs) stay usable."""
+    a, b, grad_fn, x0 = _problem(rng)
+    del a, b
+    comp = lpdec.modulo(8, 1.0, "stochastic") if compressed else None
+    schedule = async_sim.ad_psgd_schedule(lpdec.ring(N), 30, max_delay=3, seed=4)
+    params = {k: jnp.asarray(v) for k, v in x0.items()}
+    state = async_sim.init(params, max_delay=3, seed=5)
+    looped, looped_state = async_sim.run(params, state, schedule, grad_fn, LR, compressor=comp)
+    rows = [jnp.asarray(r, jnp.int32) for r in (schedule.worker, schedule.peer, schedule.delay)]
+    scanned, scanned_state = async_sim._scan(params, state, *rows, grad_fn, LR, comp, None)
+    for name in D:
+        np.testing.assert_allclose(looped[name], scanned[name], rtol=0, atol=1e-6)
+        np.testing.assert_array_equal(params[name], x0[name])  # not donated
+    assert int(looped_state.iteration) == int(scanned_state.iteration) == 30
+    assert int(state.iteration) == 0
+    assert not np.array_equal(looped["a"], x0["a"])
+
+
 def test_schedule_follows_speeds_neighbours_and_delay_bounds():
     speeds = (1.0,) * 4 + (0.25,) * 4
     total = 40000
