@@ -73,34 +73,70 @@ def metric_fields(exp: setup.Experiment) -> tuple[str, ...]:
 
 class Chunks:
     """`length` steps of `programs["train_chunk"]` on the batcher's next batches,
-    compiled once per length; the first compilation is metered (`wire`)."""
+    compiled once per length; the first compilation is metered (`wire`).
+
+    A model with convolutions on CPU devices trains one step per program, called
+    `length` times: XLA:CPU runs convolutions inside a loop (the chunk's `lax.scan`)
+    several times slower than outside one (jax-ml/jax#12868; quickstart's 1-D CNN on 8
+    devices: 0.049 s a step in a scan, 0.023 s one step a program). Elsewhere, and for
+    other models on CPU (a transformer's matmuls: 12% faster in the scan), one program
+    runs the chunk.
+    """
 
     def __init__(self, exp: setup.Experiment, programs: dict):
         self.layout, self.program = exp.layout, programs["train_chunk"]
         self.exchange_every = exp.exchange_every
+        on_cpu = all(d.platform == "cpu" for d in exp.layout.mesh.devices.flat)
+        # Decided on the first chunk (None) from its program, False off CPU.
+        self.step_by_step: bool | None = None if on_cpu else False
         self.compiled: dict[int, Any] = {}
         # (bytes per node and step, their source, collectives per step, bytes by axis)
         self.wire: tuple[float, str, float, dict] | None = None
 
-    def run(self, params, opt_state, model_state, batcher, length: int, step: int, key):
-        """Trains `length` steps from `step`: (params, opt_state, model_state, losses,
-        accuracies, seconds per step), the losses and accuracies on the host."""
-        layout = self.layout
-        xs, ys = zip(*(batcher.next() for _ in range(length)), strict=True)
-        xs, ys = layout.put(np.stack(xs, axis=1)), layout.put(np.stack(ys, axis=1))
-        step0 = layout.put(np.int32(step), per_node=False)
-        args = (params, opt_state, model_state, xs, ys, step0, key)
+    def _program(self, args):
+        """The compiled program for `args` (its length: the batches' step axis)."""
+        length = args[3].shape[1]
         if length not in self.compiled:
             with lpdec.wire.traffic_meter() as meter:
                 self.compiled[length] = self.program.lower(*args).compile()
             if self.wire is None:
                 sent, source = metrics_lib.wire_bytes(
-                    self.compiled[length], meter, layout.per_device, self.exchange_every
+                    self.compiled[length], meter, self.layout.per_device, self.exchange_every
                 )
                 self.wire = (float(sent), source, meter.collectives, dict(meter.bytes_by_axis))
-        started = time.time()
-        params, opt_state, model_state, losses, accuracies = self.compiled[length](*args)
-        losses, accuracies = metrics_lib.to_host((losses, accuracies))
+        return self.compiled[length]
+
+    def run(self, params, opt_state, model_state, batcher, length: int, step: int, key):
+        """Trains `length` steps from `step`: (params, opt_state, model_state, losses,
+        accuracies, seconds per step), the losses and accuracies on the host."""
+        layout = self.layout
+        batches = [batcher.next() for _ in range(length)]
+
+        def inputs(i, piece):
+            """(xs, ys, first step) of the steps in `piece`, the i-th of its length."""
+            xs, ys = zip(*piece, strict=True)
+            xs, ys = layout.put(np.stack(xs, axis=1)), layout.put(np.stack(ys, axis=1))
+            return xs, ys, layout.put(np.int32(step + i * len(piece)), per_node=False)
+
+        if self.step_by_step is None:
+            one = (params, opt_state, model_state, *inputs(0, batches[:1]), key)
+            self.step_by_step = "convolution" in self.program.lower(*one).as_text()
+        pieces = [[b] for b in batches] if self.step_by_step else [batches]
+        calls = [inputs(i, piece) for i, piece in enumerate(pieces)]
+        self._program((params, opt_state, model_state, *calls[0], key))  # compiled first
+        started, outputs = time.time(), []
+        for xs, ys, step0 in calls:
+            args = (params, opt_state, model_state, xs, ys, step0, key)
+            params, opt_state, model_state, losses, accuracies = self._program(args)(*args)
+            outputs.append((losses, accuracies))
+            if len(calls) > 1:
+                # Each step waits for the one before: XLA:CPU can deadlock on many queued
+                # programs that communicate between devices (docs/status.md).
+                jax.block_until_ready(losses)
+        # Each program's losses and accuracies (per node, its steps), the steps joined.
+        host = metrics_lib.to_host(outputs)
+        losses = np.concatenate([loss for loss, _ in host], axis=-1)
+        accuracies = np.concatenate([accuracy for _, accuracy in host], axis=-1)
         seconds = (time.time() - started) / length
         return params, opt_state, model_state, losses, accuracies, seconds
 

@@ -84,9 +84,12 @@ def make_programs(
             return carry, (loss, accuracy)
 
         steps = jnp.arange(xs.shape[0], dtype=jnp.int32)
-        carry, (losses, accuracies) = jax.lax.scan(
-            body, (params, opt_state, model_state), (xs, ys, steps)
-        )
+        carry = (params, opt_state, model_state)
+        if xs.shape[0] == 1:  # no loop at all (loop.Chunks runs CPU training so)
+            carry, (loss, accuracy) = body(carry, (xs[0], ys[0], steps[0]))
+            losses, accuracies = loss[None], accuracy[None]
+        else:
+            carry, (losses, accuracies) = jax.lax.scan(body, carry, (xs, ys, steps))
         return (*carry, losses, accuracies)
 
     def init_opt(params):
