@@ -13,6 +13,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from configs import default  # noqa: E402
+from configs import lm_tiny  # noqa: E402
 from train_lib import setup  # noqa: E402
 
 NAMES = sorted(p.stem for p in (ROOT / "configs").glob("*.py") if p.stem != "__init__")
@@ -28,12 +29,20 @@ def test_config_fields_are_the_defaults_and_pass_the_checks(name):
     setup.check_values(config)
 
 
+def _lm_tiny(run: dict) -> bool:
+    """Whether `run` is of the study's own model (lm_tiny's; the headline's is lm_small's)."""
+    tiny = dict(lm_tiny.get_config().model_kwargs)
+    # Records from before model_kwargs named the vocabulary were of bytes (256).
+    return {"vocab_size": 256, **run["config"].get("model_kwargs", {})} == tiny
+
+
 def _study_groups() -> dict[str, list[dict]]:
-    """docs/experiments.json's language-model runs, one per (method, seed), by method."""
+    """docs/experiments.json's language-model runs of lm_tiny's model, one per (method,
+    seed), by method."""
     runs = json.loads((ROOT / "docs" / "experiments.json").read_text())["runs"]
     groups: dict[str, dict[int, dict]] = collections.defaultdict(dict)
     for run in runs:
-        if run["study"] == "lm" and not run["diverged"]:
+        if run["study"] == "lm" and not run["diverged"] and _lm_tiny(run):
             groups[run["method"]][run["seed"]] = run
     return {method: list(by_seed.values()) for method, by_seed in groups.items()}
 
@@ -64,7 +73,8 @@ def test_lm_study_config_is_the_published_studys_best_setting():
     runs = json.loads((ROOT / "docs" / "experiments.json").read_text())["runs"]
     allreduce = [
         r for r in runs
-        if r["study"] == "lm" and r["config"]["algorithm"] == "allreduce" and r.get("sweep_winner")
+        if r["study"] == "lm" and r["config"]["algorithm"] == "allreduce"
+        and r.get("sweep_winner") and _lm_tiny(r)
     ]  # fmt: skip
     assert [r["config"]["learning_rate"] for r in allreduce] == [lm_study.ALLREDUCE_LEARNING_RATE]
     # The study's recipe is the config's.
