@@ -21,7 +21,7 @@ pick it); DiLoCo H=10 with a 4-bit min-max exchange with error feedback, outer
 Nesterov 0.7 / 0.6 (the outer sweep's winner), its momentum rising from 0 over
 the first 20 rounds. Measured: 2.2459 bits per byte over 3 seeds, +0.95% over the
 tuned all-reduce's 2.2247, sending 1/53 of its bytes between the machines.
-tests/test_experiments.py checks these fields against docs/experiments.json.
+tests/test_configs.py checks these fields against docs/experiments.json.
 
 Expected: about 4 minutes on 2 CPU cores (evaluation included).
 """
