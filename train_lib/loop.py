@@ -79,10 +79,9 @@ class Chunks:
     `length` times: XLA:CPU runs convolutions inside a loop (the chunk's `lax.scan`)
     several times slower than outside one (jax-ml/jax#12868; 8 devices on 2 loaded
     cores: quickstart's 1-D CNN 0.049 s a step in a scan, 0.023-0.028 s one step a
-    program; ResNet-20 in 8 bits, configs/cifar10_resnet20_ring8.py, 63 s against 5.3-5.9
-    s). Elsewhere, and for
-    other models on CPU (a transformer's matmuls: 12% faster in the scan), one program
-    runs the chunk.
+    program; ResNet-20 in 8 bits, configs/cifar10_resnet20_ring8.py, 63 s against
+    5.3-5.9 s). Other models on CPU (a transformer's matmuls run 12% faster in the
+    scan), and every model elsewhere, run the chunk as one program.
     """
 
     def __init__(self, exp: setup.Experiment, programs: dict):
