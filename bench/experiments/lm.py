@@ -29,7 +29,7 @@ H=20: 100 rounds), Adam with 100 warm-up steps and a cosine schedule:
    DiLoCo's winner on 4 machines x 2.
 7. The small model on 4 machines x 2: the outer learning rate of step 5's best change
    there swept again (the scaling-law study finds its best value grows with the
-   number of replicas), the winner over 3 seeds.
+   number of replicas), the winner over 3 seeds; and H=5 there, over 3 seeds.
 
 Long: about 3.5 min a run alone on 2 cores, ~60 runs. `--train-only` lets two
 invocations train disjoint methods at once into one workdir; a final plain invocation
@@ -352,6 +352,17 @@ def plan(runner: Runner) -> dict:
         if wide_best is not None:
             shown = {k: (wide | wide_best)[k] for k in TUNED}
             out["4 machines outer tuned"] = seeds(runner, label(name, shown), wide | wide_best)
+        # H=5 there (the momentum warm-up over the same 200 steps), at the 2 machines'
+        # outer step: each replica's batch is half of what it is on 2 machines, and
+        # more frequent rounds bound how far the replicas drift apart.
+        short = DILOCO | dl | EF4 | gap_fixes(dl, quick)[WIDE_FIX]
+        short |= {"local_steps": 5, "outer_warmup_rounds": 2 * short["outer_warmup_rounds"]}
+        shown = {k: short[k] for k in TUNED}
+        out["4 machines H=5"] = seeds(
+            runner,
+            label("DiLoCo H=5 4-bit EF with momentum warm-up, H on 4 machines x 2", shown),
+            short,
+        )
     return out
 
 

@@ -289,6 +289,7 @@ def _closing(out: dict, target: float | None) -> list[str]:
         *(k for k in out if k.startswith("fix: ")),
         "warm-up tuned",
         "4 machines outer tuned",
+        "4 machines H=5",
     ]
     for key in keys:
         records = out.get(key)
