@@ -343,7 +343,8 @@ def plan(runner: Runner) -> dict:
         # momentum warm-up; seed 0, then 3 seeds of the winner): the scaling-law study
         # (2503.09799) finds its best value grows with the number of replicas, and the
         # 0.7 above was tuned on 2.
-        name = "DiLoCo H=10 4-bit EF with momentum warm-up, outer lr on 4 machines x 2"
+        name = WIDE_FIX
+        out["4 machines H=10"] = out.get(f"fix: {WIDE_FIX}")
         wide = DILOCO | dl | EF4 | gap_fixes(dl, quick)[WIDE_FIX]
         wide.pop("outer_lr")
         wide_best, out["wide outer sweep"] = tune(
@@ -360,7 +361,7 @@ def plan(runner: Runner) -> dict:
         shown = {k: short[k] for k in TUNED}
         out["4 machines H=5"] = seeds(
             runner,
-            label("DiLoCo H=5 4-bit EF with momentum warm-up, H on 4 machines x 2", shown),
+            label("DiLoCo H=5 4-bit EF with momentum warm-up on 4 machines x 2", shown),
             short,
         )
     return out
