@@ -30,10 +30,14 @@ def test_config_fields_are_the_defaults_and_pass_the_checks(name):
 
 
 def _lm_tiny(run: dict) -> bool:
-    """Whether `run` is of the study's own model (lm_tiny's; the headline's is lm_small's)."""
+    """Whether `run` is of the study's own model and budget (lm_tiny's, 2,000 steps; the
+    headline's model is lm_small's, the field-budget runs train 600 steps)."""
+    from configs import lm_study
+
     tiny = dict(lm_tiny.get_config().model_kwargs)
     # Records from before model_kwargs named the vocabulary were of bytes (256).
-    return {"vocab_size": 256, **run["config"].get("model_kwargs", {})} == tiny
+    model = {"vocab_size": 256, **run["config"].get("model_kwargs", {})}
+    return model == tiny and run["config"]["num_steps"] == lm_study.get_config().num_steps
 
 
 def _study_groups() -> dict[str, list[dict]]:

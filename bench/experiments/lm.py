@@ -30,6 +30,9 @@ H=20: 100 rounds), Adam with 100 warm-up steps and a cosine schedule:
 7. The small model on 4 machines x 2: the outer learning rate of step 5's best change
    there swept again (the scaling-law study finds its best value grows with the
    number of replicas), the winner over 3 seeds; and H=5 there, over 3 seeds.
+8. The small model at the field's budget, about 20 training tokens per parameter (600
+   steps, the scaling-law study's regime; the study above trains 68): each learning
+   rate swept again, DiLoCo at its recipe, 3 seeds of each winner.
 
 Long: about 3.5 min a run alone on 2 cores, ~60 runs. `--train-only` lets two
 invocations train disjoint methods at once into one workdir; a final plain invocation
@@ -70,6 +73,12 @@ TUNED = ("learning_rate", "outer_lr", "outer_momentum")
 H_GRID = (5, 10, 50, 100)
 WARMUP_ROUNDS = 10
 WARM_MOMENTA = (0.6, 0.8, 0.9)
+# Step 8 of the docstring: the small model at about 20 training tokens per parameter
+# (120,576 x 20 / 4,096 tokens a step), DiLoCo's momentum warm-up over its first tenth.
+FIELD_STEPS = 600
+FIELD_WARMUP_ROUNDS = 6
+FIELD_ALLREDUCE = f"lm_tiny {FIELD_STEPS} steps all-reduce fp32"
+FIELD_DILOCO = f"lm_tiny {FIELD_STEPS} steps DiLoCo H=10 4-bit EF, outer momentum warm-up"
 # Step 7 of the docstring: the best 4-machine change of 'Closing the gap', its outer
 # learning rate swept again.
 WIDE_FIX = "DiLoCo H=10 4-bit EF with momentum warm-up on 4 machines x 2"
@@ -139,6 +148,11 @@ def gap_fixes(tuned: dict, quick: bool) -> dict[str, dict]:
 def lm_config(quick: bool):
     """The study's recipe (configs/lm_study.py's `recipe`): lm_tiny's model, 2,000 steps (quick: 20)."""
     return lm_study.recipe(lm_tiny.get_config(), QUICK_STEPS if quick else STEPS)
+
+
+def field_config(quick: bool):
+    """The small model at the field's budget: the study's recipe over FIELD_STEPS steps."""
+    return lm_study.recipe(lm_tiny.get_config(), QUICK_STEPS if quick else FIELD_STEPS)
 
 
 def headline_config(quick: bool):
@@ -364,6 +378,30 @@ def plan(runner: Runner) -> dict:
             label("DiLoCo H=5 4-bit EF with momentum warm-up on 4 machines x 2", shown),
             short,
         )
+        # 9. The field's budget (step 8 of the docstring): lm_tiny at about 20 tokens
+        # per parameter, where the scaling-law study measures; each learning rate swept
+        # again, 3 seeds of each winner. Not in the quick run (CI's time).
+        if not quick:
+            short = dict(extend={"learning_rate": 2.0}, base=field_config)
+            rates = {"learning_rate": LR_GRID}
+            recipe = STUDY_DILOCO | {"outer_warmup_rounds": FIELD_WARMUP_ROUNDS}
+            field_ar, out["field allreduce sweep"] = tune(
+                runner, FIELD_ALLREDUCE, ALLREDUCE, rates, **short
+            )
+            field_dl, out["field diloco sweep"] = tune(
+                runner, FIELD_DILOCO, DILOCO | EF4 | recipe, rates, **short
+            )
+            if field_ar is not None:
+                out["field allreduce"] = seeds(
+                    runner, label(FIELD_ALLREDUCE, field_ar), ALLREDUCE | field_ar,
+                    base=field_config,
+                )  # fmt: skip
+            if field_dl is not None:
+                setting = recipe | field_dl
+                out["field diloco 4-bit"] = seeds(
+                    runner, label(FIELD_DILOCO, {k: setting[k] for k in TUNED}),
+                    DILOCO | EF4 | setting, base=field_config,
+                )  # fmt: skip
     return out
 
 

@@ -153,6 +153,8 @@ def section(out: dict, config, docs: str) -> str:
             lines.append(f"| {name} | {sent} | {cell(records, target)} | {twin} |")
     lines += ["", *_closing(out, target)]
     lines += ["", *_headline(out)]
+    field = _field(out)
+    lines += ["", *field] if field else []
     curves = {k: out.get(k) for k in ("allreduce", "diloco fp32", "diloco 4-bit")}
     best = best_fix(out)
     if best and all(curves.values()):
@@ -346,49 +348,73 @@ def _ranked(sweep: dict) -> str:
 
 def _headline(out: dict) -> list[str]:
     """The lm_small table: its sweeps, and the winners over 3 seeds against its all-reduce."""
-    base = out.get("headline allreduce")
-    target = float(np.mean([score(r) for r in base])) if base else None
-    lines = [
+    return _retuned(
+        out,
+        "headline",
         "### Headline: configs/lm_small.py (1.29M parameters), the same budget",
-        "",
         "Each method's learning rate swept again on this model (DiLoCo at the small "
         "model's tuned recipe, configs/lm_study.py: H=10, the 4-bit exchange with error "
         "feedback, outer Nesterov 0.7 / 0.6 with its momentum warm-up); the winners over "
         "3 seeds. Gap: to this model's tuned all-reduce.",
-        "",
-    ]
-    for key in ("headline allreduce sweep", "headline diloco sweep"):
+        {"diloco 4-bit": "2 machines x 4 workers", "diloco 4-bit 4x2": "4 machines x 2 workers"},
+    )
+
+
+def _field(out: dict) -> list[str]:
+    """The small model at the field's budget (~20 tokens per parameter), retuned."""
+    if "field allreduce sweep" not in out:
+        return []
+    config = out["field allreduce sweep"]
+    steps = next((r["config"]["num_steps"] for r in config.values() if r), None)
+    return _retuned(
+        out,
+        "field",
+        "### At the field's budget: about 20 training tokens per parameter",
+        f"The small model (120,576 parameters) trained {steps or 'a few hundred'} steps "
+        "(2.5M tokens, about 20 per parameter: the regime of the scaling-law study), the "
+        "schedule's warm-ups scaled with it (the learning rate's over 5% of the steps, "
+        "DiLoCo's outer momentum over the first tenth); each method's learning rate swept "
+        "again, DiLoCo at the recipe above (H=10, 4-bit EF, outer 0.7 / 0.6); the winners "
+        "over 3 seeds. Gap: to this budget's tuned all-reduce.",
+        {"diloco 4-bit": "2 machines x 4 workers"},
+    )
+
+
+def _retuned(out: dict, prefix: str, title: str, intro: str, machines: dict) -> list[str]:
+    """A retuned pair's section: the learning-rate sweeps of `prefix`'s all-reduce and
+    DiLoCo, their winners over 3 seeds, and issue 41's 1% verdict for each DiLoCo row of
+    `machines` (key without the prefix -> its layout) once both sides have 3 seeds."""
+    base = out.get(f"{prefix} allreduce")
+    target = float(np.mean([score(r) for r in base])) if base else None
+    lines = [title, "", intro, ""]
+    for key in (f"{prefix} allreduce sweep", f"{prefix} diloco sweep"):
         records = out.get(key)
         if records:
             ranked = sorted((score(r), r["method"]) for r in records.values() if r is not None)
             pending = sum(r is None for r in records.values())
             parts = [f"{m[m.find('learning_rate=') :]}: {v:.4f}" for v, m in ranked]
             parts += [f"{pending} not run yet"] if pending else []
-            lines.append(f"- {key.removeprefix('headline ')}: " + "; ".join(parts))
+            lines.append(f"- {key.removeprefix(prefix + ' ')}: " + "; ".join(parts))
     lines += [
         "",
         "| method | bytes / worker / step between machines | final validation bits per byte (gap) |",
         "|---|---|---|",
     ]
-    for key in ("headline allreduce", "headline diloco 4-bit", "headline diloco 4-bit 4x2"):
-        records = out.get(key)
-        name = records[0]["method"] if records else key.removeprefix("headline ")
+    for key in ("allreduce", *machines):
+        records = out.get(f"{prefix} {key}")
+        name = records[0]["method"] if records else key
         sent = f"{across(records[0]):,.0f}" if records else ""
         count = f" ({len(records)} of {SEEDS} seeds)" if records and len(records) < SEEDS else ""
         lines.append(f"| {name} | {sent} | {cell(records, target)}{count} |")
-    # Issue 41's goal on this model, once both sides have their 3 seeds.
     complete = base is not None and len(base) == SEEDS
-    for key, machines in (
-        ("headline diloco 4-bit", "2 machines x 4 workers"),
-        ("headline diloco 4-bit 4x2", "4 machines x 2 workers"),
-    ):
-        records = out.get(key)
+    for key, layout in machines.items():
+        records = out.get(f"{prefix} {key}")
         if complete and records and len(records) == SEEDS:
             g = gap(records, target)
             verdict = "within" if g <= 1.0 else "not within"
             lines += [
                 "",
-                f"On {machines}, DiLoCo with the 4-bit error-feedback "
+                f"On {layout}, DiLoCo with the 4-bit error-feedback "
                 f"exchange ends {g:+.2f}% from the tuned all-reduce over 3 seeds: {verdict} "
                 "issue 41's 1%.",
             ]
