@@ -77,11 +77,12 @@ class Chunks:
 
     A model with convolutions on CPU devices trains one step per program, called
     `length` times: XLA:CPU runs convolutions inside a loop (the chunk's `lax.scan`)
-    several times slower than outside one (jax-ml/jax#12868; 8 devices on 2 loaded
-    cores: quickstart's 1-D CNN 0.049 s a step in a scan, 0.023-0.028 s one step a
-    program; ResNet-20 in 8 bits, configs/cifar10_resnet20_ring8.py, 63 s against
-    5.3-5.9 s). Other models on CPU (a transformer's matmuls run 12% faster in the
-    scan), and every model elsewhere, run the chunk as one program.
+    several times slower than outside one (jax-ml/jax#12868; BENCHMARKS.md,
+    "bench/cpu_loops.py": a CNN's SGD step 30-54x, quickstart's chunks 2.4-3.2x;
+    ResNet-20 in 8 bits, configs/cifar10_resnet20_ring8.py, 63 s a step against
+    5.3-5.9 s in a separate run). Other models on CPU (lm_tiny's transformer: the same
+    speed either way, within the noise), and every model elsewhere, run the chunk as
+    one program.
     """
 
     def __init__(self, exp: setup.Experiment, programs: dict):
