@@ -137,6 +137,12 @@ def gap_fixes(tuned: dict, quick: bool) -> dict[str, dict]:
             "outer_warmup_rounds": 2 * warmup,
             "learning_rate": tuned["learning_rate"] / 2,
         },
+        # The best change with the 2-bit exchange: whether lower than 4 bits holds too.
+        "DiLoCo H=10 2-bit EF with momentum warm-up": {
+            "local_steps": 10,
+            "outer_warmup_rounds": 2 * warmup,
+            "bits": 2,
+        },
         "DiLoCo H=20 fp32 with momentum warm-up": {
             "exchange": "mean",
             "error_feedback": False,
@@ -308,7 +314,7 @@ def plan(runner: Runner) -> dict:
         for part, fields in gap_fixes(dl, quick).items():
             # H, the exchange and the machines are in the name; the other fields the
             # change sets are in the label.
-            named = ("local_steps", "exchange", "error_feedback", "machines")
+            named = ("local_steps", "exchange", "error_feedback", "machines", "bits")
             shown = dl | {k: v for k, v in fields.items() if k not in named}
             out[f"fix: {part}"] = seeds(runner, label(part, shown), DILOCO | dl | EF4 | fields)
         # The outer step tuned again under the momentum warm-up (4-bit, seed 0): the
