@@ -12,8 +12,9 @@ def _runs(method, values, machines=2):
             "config": {"machines": machines, "num_steps": 2000},
             "bytes_per_node_per_step": 1000.0,
             "bytes_by_axis": {"machines": 250.0},
+            "seed": seed,
         }
-        for v in values
+        for seed, v in enumerate(values)
     ]
 
 
@@ -26,9 +27,11 @@ def test_the_headline_states_the_one_percent_verdict_only_with_three_seeds_each(
     }
     text = "\n".join(lm_tables._headline(out))
     assert "- allreduce sweep: learning_rate=0.002: 2.0000" in text
-    assert "| d | 250 | 2.0100 ± 0.0100 (+0.50%) |" in text
-    assert "| d4 | 250 | 2.0400 ± 0.0100 (+2.00%) (2 of 3 seeds) |" in text
+    assert "| d | 250 | 2.0100 ± 0.0100 (+0.50%) | 2.0000 / 2.0100 / 2.0200 |" in text
+    assert "| d4 | 250 | 2.0400 ± 0.0100 (+2.00%) (2 of 3 seeds) | 2.0300 / 2.0500 |" in text
     assert "On 2 machines x 4 workers, DiLoCo" in text and "ends +0.50%" in text
+    # Seed by seed: 2.00 / 1.99, 2.01 / 2.00, 2.02 / 2.01.
+    assert "of the same seed: +0.50%, +0.50%, +0.50%)" in text
     assert "within issue 41's 1%" in text and "4 machines x 2 workers" not in text
 
     out["headline diloco 4-bit 4x2"] = _runs("d4", [2.03, 2.05, 2.07], machines=4)  # +2.50%
