@@ -359,6 +359,13 @@ def plan(runner: Runner) -> dict:
                 runner, label(f"{HEADLINE_DILOCO}, 4 machines x 2", shown),
                 DILOCO | EF4 | setting | {"machines": 4}, base=headline_config,
             )  # fmt: skip
+            # And with H=5 there (the small model's best 4-machine H; the momentum
+            # warm-up over the same 200 steps).
+            h5 = {"local_steps": 5, "outer_warmup_rounds": 2 * setting["outer_warmup_rounds"]}
+            out["headline diloco 4-bit 4x2 H=5"] = seeds(
+                runner, label(f"{HEADLINE_DILOCO.replace('H=10', 'H=5')}, 4 machines x 2", shown),
+                DILOCO | EF4 | setting | h5 | {"machines": 4}, base=headline_config,
+            )  # fmt: skip
         # 8. The outer learning rate tuned again on 4 machines x 2 (H=10, 4-bit, the
         # momentum warm-up; seed 0, then 3 seeds of the winner): the scaling-law study
         # (2503.09799) finds its best value grows with the number of replicas, and the

@@ -358,7 +358,11 @@ def _headline(out: dict) -> list[str]:
         "model's tuned recipe, configs/lm_study.py: H=10, the 4-bit exchange with error "
         "feedback, outer Nesterov 0.7 / 0.6 with its momentum warm-up); the winners over "
         "3 seeds. Gap: to this model's tuned all-reduce.",
-        {"diloco 4-bit": "2 machines x 4 workers", "diloco 4-bit 4x2": "4 machines x 2 workers"},
+        {
+            "diloco 4-bit": "2 machines x 4 workers",
+            "diloco 4-bit 4x2": "4 machines x 2 workers",
+            "diloco 4-bit 4x2 H=5": "4 machines x 2 workers with H=5",
+        },
     )
 
 
