@@ -34,7 +34,8 @@ H=20: 100 rounds), Adam with 100 warm-up steps and a cosine schedule:
    steps, the scaling-law study's regime; the study above trains 68): each learning
    rate swept again, DiLoCo at its recipe, 3 seeds of each winner.
 
-Long: about 3.5 min a run alone on 2 cores, ~60 runs. `--train-only` lets two
+Long: a run of the small model takes about 3.5 min alone on 2 cores (2,000 steps), one
+of lm_small 13-17 min; the section's first line gives the runs and their total time. `--train-only` lets two
 invocations train disjoint methods at once into one workdir; a final plain invocation
 then writes the section from the cache.
 """
