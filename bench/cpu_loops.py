@@ -21,7 +21,9 @@ one run (the two ways alternate, round after round; medians over the rounds):
    (a byte-level transformer, the language-model study's model).
 
 Seconds per step are wall-clock times until every result is ready. The ratio is the
-loop's time over the per-step program's: above 1, the loop is slower.
+loop's time over the per-step program's: above 1, the loop is slower. The primitive's
+two ways must end at the same model (to float32 rounding; the table says whether they
+did); train.py's two ways are checked against each other by tests/test_chunks.py.
 """
 
 from __future__ import annotations
@@ -129,7 +131,13 @@ def primitive(build, steps: int, rounds: int, batch: int) -> dict:
             p = step(p)
         return p
 
-    return _alternate({"per step": per_step, "scan": scan}, params, steps, rounds)
+    times = _alternate({"per step": per_step, "scan": scan}, params, steps, rounds)
+    # The two ways compute the same steps: their models agree to float32 rounding.
+    ends = [jax.tree.leaves(way(params)) for way in (per_step, scan)]
+    times["agree"] = all(
+        np.allclose(a, b, rtol=1e-4, atol=1e-6) for a, b in zip(*ends, strict=True)
+    )
+    return times
 
 
 def _alternate(ways: dict, state, steps: int, rounds: int) -> dict:
@@ -206,13 +214,14 @@ def report(first: dict, second: dict, args, elapsed: float) -> str:
         "",
         f"### One CPU device: {args.steps} SGD steps, one program per step against one `lax.scan`",
         "",
-        "| model | one program per step | one scan | scan / per step |",
-        "|---|---|---|---|",
+        "| model | one program per step | one scan | scan / per step | same model after |",
+        "|---|---|---|---|---|",
     ]
     for name, t in first.items():
         lines.append(
             f"| {name} (batch {args.batch}) | {t['per step'] * 1e3:.2f} ms | "
-            f"{t['scan'] * 1e3:.2f} ms | {t['scan'] / t['per step']:.2f}x |"
+            f"{t['scan'] * 1e3:.2f} ms | {t['scan'] / t['per step']:.2f}x | "
+            f"{'yes' if t['agree'] else 'NO'} |"
         )
     lines += [
         "",
