@@ -35,7 +35,10 @@ H=20: 100 rounds), Adam with 100 warm-up steps and a cosine schedule:
    rate swept again, DiLoCo at its recipe, 3 seeds of each winner.
 
 Long: a run of the small model takes about 3.5 min alone on 2 cores (2,000 steps), one
-of lm_small 13-17 min; the section's first line gives the runs and their total time. `--train-only` lets two
+of lm_small 13-17 min; the section's first line gives the runs and their total time.
+Invocations started each in its own session (`setsid`) share the cores equally whatever
+their `nice` (Linux schedules each session as an autogroup): `echo 19 >
+/proc/PID/autogroup` lets one yield to the others. `--train-only` lets two
 invocations train disjoint methods at once into one workdir; a final plain invocation
 then writes the section from the cache.
 """
