@@ -78,11 +78,11 @@ class Chunks:
     A model with convolutions on CPU devices trains one step per program, called
     `length` times: XLA:CPU runs convolutions inside a loop (the chunk's `lax.scan`)
     several times slower than outside one (jax-ml/jax#12868; BENCHMARKS.md,
-    "bench/cpu_loops.py": a CNN's SGD step 30-54x, quickstart's chunks 2.4-3.2x;
+    "bench/cpu_loops.py": a CNN's SGD step 17-54x, quickstart's chunks 2.2-3.2x;
     ResNet-20 in 8 bits, configs/cifar10_resnet20_ring8.py, 63 s a step against
-    5.3-5.9 s in a separate run). Other models on CPU (lm_tiny's transformer: the same
-    speed either way, within the noise), and every model elsewhere, run the chunk as
-    one program.
+    5.3-5.9 s in a separate run). Other models on CPU (lm_tiny's transformer: its scan
+    0.83-1.08x of the per-step time), and every model elsewhere, run the chunk as one
+    program.
     """
 
     def __init__(self, exp: setup.Experiment, programs: dict):
