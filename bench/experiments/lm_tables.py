@@ -370,8 +370,8 @@ def _field(out: dict) -> list[str]:
     """The small model at the field's budget (~20 tokens per parameter), retuned."""
     if "field allreduce sweep" not in out:
         return []
-    config = out["field allreduce sweep"]
-    steps = next((r["config"]["num_steps"] for r in config.values() if r), None)
+    sweep = out["field allreduce sweep"]
+    steps = next((r["config"]["num_steps"] for r in sweep.values() if r), None)
     return _retuned(
         out,
         "field",
