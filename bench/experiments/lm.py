@@ -377,8 +377,8 @@ def plan(runner: Runner) -> dict:
         if not quick:  # as the field budget below: not in the quick run (CI's time)
             name = WIDE_FIX
             out["4 machines H=10"] = out.get(f"fix: {WIDE_FIX}")
-            wide = DILOCO | dl | EF4 | gap_fixes(dl, quick)[WIDE_FIX]
-            wide.pop("outer_lr")
+            fix = DILOCO | dl | EF4 | gap_fixes(dl, quick)[WIDE_FIX]
+            wide = {k: v for k, v in fix.items() if k != "outer_lr"}
             wide_best, out["wide outer sweep"] = tune(
                 runner, name, wide, {"outer_lr": WIDE_OUTER_LR_GRID}, {"outer_lr": 1.4}
             )
@@ -388,8 +388,7 @@ def plan(runner: Runner) -> dict:
             # H=5 there (the momentum warm-up over the same 200 steps), at the 2 machines'
             # outer step: each replica's batch is half of what it is on 2 machines, and
             # more frequent rounds bound how far the replicas drift apart.
-            short = DILOCO | dl | EF4 | gap_fixes(dl, quick)[WIDE_FIX]
-            short |= {"local_steps": 5, "outer_warmup_rounds": 2 * short["outer_warmup_rounds"]}
+            short = fix | {"local_steps": 5, "outer_warmup_rounds": 2 * fix["outer_warmup_rounds"]}
             shown = {k: short[k] for k in TUNED}
             out["4 machines H=5"] = seeds(
                 runner,

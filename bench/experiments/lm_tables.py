@@ -255,7 +255,7 @@ def _findings(out: dict, target: float | None) -> list[str]:
         )
     sweep, h5, h10 = (out.get(k) for k in ("wide outer sweep", "4 machines H=5", "4 machines H=10"))
     if sweep and all(sweep.values()) and h5 and h10:
-        ranked = _ranked(sweep).split("; ")
+        ranked = _ranked(sweep)
         before = (out.get("diloco best") or {}).get("outer_lr")
         same = before is not None and ranked[0].startswith(f"outer_lr={before:g} /")
         said.append(
@@ -335,17 +335,18 @@ def _closing(out: dict, target: float | None) -> list[str]:
     ):
         sweep = out.get(key)
         if sweep:
-            lines += ["", f"{what}: {_ranked(sweep)}."]
+            lines += ["", f"{what}: {'; '.join(_ranked(sweep))}."]
     return lines
 
 
-def _ranked(sweep: dict) -> str:
-    """A sweep's runs best first, each as its outer step and final bits per byte."""
+def _ranked(sweep: dict) -> list[str]:
+    """A sweep's runs best first, each as its outer step and final bits per byte (and
+    how many are not run yet)."""
     ranked = sorted((score(r), r["method"]) for r in sweep.values() if r is not None)
     pending = sum(r is None for r in sweep.values())
     # The labels end in "outer_lr=..., outer_momentum=..." (`tune`).
     parts = [f"{m.rsplit(', ', 2)[1]} / {m.rsplit(', ', 1)[1]}: {v:.4f}" for v, m in ranked]
-    return "; ".join(parts + ([f"{pending} not run yet"] if pending else []))
+    return parts + ([f"{pending} not run yet"] if pending else [])
 
 
 def _headline(out: dict) -> list[str]:
