@@ -249,6 +249,13 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="3 rounds, 4-step chunks")
     parser.add_argument("--output", default=None, help="default: BENCHMARKS.md's section")
     args = parser.parse_args(argv)
+    for flag in ("steps", "batch", "rounds", "chunk"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag} must be at least 1; got {getattr(args, flag)}.")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for name in args.configs.split(","):
+        if not os.path.isfile(os.path.join(root, "configs", f"{name}.py")):
+            parser.error(f"--configs: no configs/{name}.py (names such as quickstart,lm_tiny).")
     if args.quick:
         args.rounds, args.steps, args.chunk = 3, 4, 4
     started = time.time()
