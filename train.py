@@ -26,6 +26,7 @@ from absl import flags
 from ml_collections import config_flags
 
 from train_lib import cli
+from train_lib import elastic_flags  # noqa: F401 - defines the --elastic_* flag group
 from train_lib import watchdog
 from train_lib.cli import EXIT_BAD_INPUT
 from train_lib.cli import EXIT_DIVERGED
@@ -57,69 +58,6 @@ flags.DEFINE_integer(
     20,
     "Multi-host: seconds without a heartbeat after which a connected process counts as lost "
     "(a killed process is noticed at once), then exit 4.",
-)
-flags.DEFINE_string(
-    "elastic_service",
-    None,
-    "Elastic DiLoCo (issue 27): host:port of the run's coordinating service "
-    "(`python -m lpdec.elastic serve`); this process is one machine of the run.",
-)
-flags.DEFINE_integer("elastic_machine", None, "Elastic: this machine's slot, 0 .. machines-1.")
-flags.DEFINE_integer("elastic_machines", None, "Elastic: the run's machine slots.")
-flags.DEFINE_string(
-    "elastic_token_file",
-    None,
-    "Elastic: a file holding the run's secret (or set LPDEC_ELASTIC_TOKEN); never logged.",
-)
-flags.DEFINE_string(
-    "elastic_credentials",
-    None,
-    "Elastic: the run's credentials directory (`python -m lpdec.elastic credentials DIR`): "
-    "this machine's certificate and the run's CA, for mutual TLS with the service.",
-)
-flags.DEFINE_bool(
-    "elastic_private_network",
-    False,
-    "Elastic: the service is off loopback without credentials, and only the run's machines "
-    "reach it (else such a run is refused).",
-)
-flags.DEFINE_string(
-    "elastic_peer_address",
-    None,
-    "Elastic, config.elastic_transport='peers': the host[:port] this machine listens on "
-    "for the other machines' bytes, an address they reach (default on loopback: 127.0.0.1).",
-)
-flags.DEFINE_integer(
-    "elastic_local_steps", 0, "Elastic: this machine's local steps per round (0: config's)."
-)
-flags.DEFINE_float("elastic_deadline", 60, "Elastic: seconds an exchange waits for late machines.")
-flags.DEFINE_float(
-    "elastic_join_timeout",
-    600,
-    "Elastic: seconds to wait for a live machine's answer to a join (or to reconnect).",
-)
-flags.DEFINE_integer(
-    "elastic_heartbeat_timeout",
-    10,
-    "Elastic: seconds without a heartbeat before a machine counts as lost (as the service's).",
-)
-flags.DEFINE_integer(
-    "elastic_connect_timeout",
-    300,
-    "Elastic: seconds to wait for the service (a new run: for every machine to register).",
-)
-flags.DEFINE_integer(
-    "elastic_restarts",
-    5,
-    "Elastic: run the machine as a child process and restart it (to rejoin) up to this many "
-    "times when it ends abnormally, e.g. after its link was down; 0: no supervisor.",
-)
-flags.DEFINE_bool("elastic_child", False, "Elastic, internal: this is the supervised child.")
-flags.DEFINE_float(
-    "elastic_slowdown", 1.0, "Elastic, for fault tests: local steps take this many times as long."
-)
-flags.DEFINE_float(
-    "elastic_min_round_s", 0.0, "Elastic, for fault tests: a round's local steps last this long."
 )
 flags.DEFINE_float(
     "stop_timeout",

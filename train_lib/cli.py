@@ -23,6 +23,7 @@ from typing import NoReturn
 from absl import flags
 from absl import logging
 
+from train_lib import elastic_flags
 from train_lib import errors
 from train_lib import processes
 from train_lib import watchdog
@@ -120,6 +121,7 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
     from train_lib import elastic  # noqa: PLC0415 - only elastic runs need it
 
     try:
+        slowdown, min_round_s = elastic_flags.pace()  # fault tests only (the environment)
         options = elastic.ElasticOptions(
             service=flag_values.elastic_service,
             machine=_required(flag_values, "elastic_machine"),
@@ -130,8 +132,8 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
             join_timeout=flag_values.elastic_join_timeout,
             heartbeat_timeout=flag_values.elastic_heartbeat_timeout,
             connect_timeout=flag_values.elastic_connect_timeout,
-            slowdown=flag_values.elastic_slowdown,
-            min_round_s=flag_values.elastic_min_round_s,
+            slowdown=slowdown,
+            min_round_s=min_round_s,
             credentials=flag_values.elastic_credentials or "",
             private_network=flag_values.elastic_private_network,
             peer_address=flag_values.elastic_peer_address or "",

@@ -68,11 +68,11 @@ import lpdec
 from lpdec import elastic
 from lpdec.elastic.signing import digest
 from train_lib import checkpoint
+from train_lib import elastic_outer
 from train_lib import elastic_peers
 from train_lib import evaluation
 from train_lib import loop
 from train_lib import metrics as metrics_lib
-from train_lib import registry
 from train_lib import setup
 from train_lib import steps
 from train_lib import workdir as workdir_lib
@@ -96,22 +96,6 @@ EXCHANGE_FIELDS = (
     "local_steps",
     "machine_steps",
 )
-
-
-#: What an elastic run refuses, and why (`check`).
-UNSUPPORTED = {
-    "shard_model": "an elastic machine holds its whole model on each of its workers "
-    "(data parallel); the round's pseudo-gradient, the anchor and a joiner's state are "
-    "whole-model host arrays, which FSDP inside a machine would first have to gather",
-    "overlap": "a round's exchange runs between its local steps and the next round's "
-    "(the service decides who is in it), not beside them",
-    "error_decay": "the elastic exchange keeps the full residual (SparseLoCo's decay is "
-    "not implemented there)",
-    "outer_warmup_rounds": "the elastic outer step's momentum is constant (its warm-up is "
-    "not implemented there)",
-    "sync_steps": "an elastic run starts with local rounds (a synchronous warm-up is not "
-    "implemented there)",
-}
 
 
 class ElasticLost(RunError):
@@ -177,42 +161,21 @@ class ElasticOptions:
 
 
 def check(config: ml_collections.ConfigDict, options: ElasticOptions) -> None:
-    """One-line errors for what an elastic run cannot do, before anything starts."""
-    if registry.ALGORITHMS.get(config.algorithm) is None or not _takes_local_steps(config):
-        raise ConfigError(
-            f"--elastic_service needs config.algorithm='diloco' (machines meet only at "
-            f"exchanges); got {config.algorithm!r}."
-        )
-    if config.exchange not in ("mean", "compressed_mean"):
-        raise ConfigError(
-            f"config.exchange={config.exchange!r}: an elastic run exchanges a mean "
-            "('mean' or 'compressed_mean'), not gossip: a gossip matrix fixes each node's "
-            "neighbours, and an elastic round's members are whoever is alive."
-        )
-    for field, why in UNSUPPORTED.items():
-        if config[field] != setup.DEFAULTS[field]:
-            raise ConfigError(f"config.{field}={config[field]!r} is not supported elastic: {why}.")
-    if options.machines < 1 or config.num_nodes % options.machines:
-        raise ConfigError(
-            f"config.num_nodes={config.num_nodes} must be a multiple of "
-            f"--elastic_machines={options.machines} (workers per machine)."
-        )
+    """One-line errors for a bad config or option, before anything connects.
+
+    The config goes through the checks every run's does (`setup.check_values`, with
+    the elastic layout: what an elastic run cannot do, and how one machine's workers
+    fit this process's devices); then this machine's options.
+    """
+    setup.check_values(config, elastic_machines=options.machines)
     if not 0 <= options.machine < options.machines:
         raise ConfigError(
             f"--elastic_machine={options.machine} must be in [0, {options.machines})."
-        )
-    if config.elastic_budget == "samples" and config.lr_schedule != "constant":
-        raise ConfigError(
-            f"config.elastic_budget='samples' needs config.lr_schedule='constant' (got "
-            f"{config.lr_schedule!r}): the run's length, and so a decay's end, is not known "
-            "in advance."
         )
     if options.local_steps < 0:
         raise ConfigError(f"--elastic_local_steps={options.local_steps} must be >= 0.")
     if not options.deadline > 0 or not options.join_timeout > 0:
         raise ConfigError("--elastic_deadline and --elastic_join_timeout must be > 0 s.")
-    if not options.slowdown >= 1:
-        raise ConfigError(f"--elastic_slowdown={options.slowdown} must be >= 1.")
     try:
         creds = options.machine_credentials()
         elastic.credentials.check(options.service, creds, options.private_network)
@@ -244,26 +207,10 @@ def _check_peers(config, options: ElasticOptions, creds) -> None:
         raise ConfigError(f"--elastic_peer_address={options.peer_address}: {error}") from None
 
 
-def _takes_local_steps(config: ml_collections.ConfigDict) -> bool:
-    """Whether the config's algorithm takes local steps between exchanges (role "whole")."""
-    return registry.ALGORITHMS[config.algorithm].role == "whole"
-
-
 def fingerprint(config: ml_collections.ConfigDict) -> str:
     """The run's config, hashed: every machine of a run has the same one."""
     text = json.dumps(config.to_dict(), sort_keys=True, default=str)
     return hashlib.sha256(text.encode()).hexdigest()[:16]
-
-
-def _machine_config(config: ml_collections.ConfigDict, workers: int) -> ml_collections.ConfigDict:
-    """The config one machine trains with between exchanges: its workers, all-reduced."""
-    local = ml_collections.ConfigDict(config.to_dict())
-    local.algorithm = "allreduce"
-    local.num_nodes = workers
-    local.hierarchical, local.machines = False, 0
-    for field in setup.LOCAL_STEP_FIELDS:
-        local[field] = setup.DEFAULTS[field]
-    return local
 
 
 def machine_partitions(config, exp: setup.Experiment, machine: int) -> tuple:
@@ -289,8 +236,7 @@ def train_elastic(
     """Runs this machine of an elastic DiLoCo run; returns its summary (also written)."""
     started = time.time()
     check(config, options)
-    workers = config.num_nodes // options.machines
-    exp = setup.build(_machine_config(config, workers))
+    exp = setup.build(setup.machine_config(config, options.machines), checked=True)
     exp = dataclasses.replace(exp, partitions=machine_partitions(config, exp, options.machine))
     workdir = workdir_lib.prepare(workdir)
     # The anchor is the one model: no nodes' own models to evaluate.
@@ -317,29 +263,29 @@ class ElasticTrainer:
     def __init__(self, config, exp: setup.Experiment, workdir: str, options):
         self.exp, self.workdir, self.options = exp, workdir, options
         self.layout = layout = exp.layout
+        self.shards = exp.shard_plan  # shard_model: the machine's model over its workers
         self.H = int(config.local_steps)
         self.h = int(options.local_steps or self.H)
-        self.rounds = math.ceil(exp.total_steps / self.H)
+        # The synchronous warm-up: rounds of one step through the plain exchange first.
+        self.S = int(config.sync_steps)
+        self.rounds = self.S + math.ceil(max(0, exp.total_steps - self.S) / self.H)
         # "samples": the run ends once its exchanges took in the uninterrupted run's
-        # local steps (every machine's rounds x H); "rounds": after self.rounds rounds.
+        # local steps (every machine's steps); "rounds": after self.rounds rounds.
         self.by_samples = config.elastic_budget == "samples"
-        self.budget = self.rounds * self.H * options.machines
+        self.budget = self._step0(self.rounds) * options.machines
         self.machine_steps = 0  # local steps the decided exchanges took in, run-wide
         self.slot_mean = config.elastic_mean == "slots"
-        self.outer_lr, self.outer_mu = float(config.outer_lr), float(config.outer_momentum)
-        self.compressed = config.exchange == "compressed_mean"
-        self.feedback = self.compressed and bool(config.error_feedback)
-        self.compressor = exp.compressor if self.compressed else lpdec.identity()
         self.next_token = exp.dataset.task == "next_token"
         self.seed = exp.seed * 1_000_003 + options.machine
-        self.batcher = loop.make_batcher(exp, self.seed)
+        self.batcher = self._batcher(config)
         self.anchor, self.model_state = loop.initial_model(exp)
-        self.momentum = jax.tree.map(np.zeros_like, self.anchor)
-        self.residual = jax.tree.map(np.zeros_like, self.anchor)
-        self.programs = steps.make_programs(exp.model, exp.tx, layout, next_token=self.next_token)
-        params = self._put(self.anchor)
-        self.opt_state = self.programs["init"](params)
-        self.model_state_dev = self._put(self.model_state)
+        self.outer = elastic_outer.OuterStep(config, self.anchor, exp.compressor)
+        self.outer_state = self.outer.init(self.anchor)
+        self.programs = steps.make_programs(
+            exp.model, exp.tx, layout, next_token=self.next_token, plan=self.shards
+        )
+        self.opt_state = self.programs["init"](self._put(self.anchor))
+        self.model_state_dev = layout.put(loop.stack(self.model_state, layout.num_nodes))
         self.key = layout.put(
             jax.random.key_data(jax.random.fold_in(jax.random.key(exp.seed + 1), options.machine)),
             per_node=False,
@@ -369,19 +315,20 @@ class ElasticTrainer:
                 self.group,
                 self.peers,
                 self.anchor,
-                self.compressor,
-                self.compressed,
+                self.outer.compressor,
+                self.outer.compressed,
                 # "mean" moves float32 and is reduced exactly: always scattered.
-                int(config.mean_rounds) if self.compressed else 2,
+                int(config.mean_rounds) if self.outer.compressed else 2,
                 self._mean,
             )
-        self._encode = jax.jit(self._encode_fn)
-        self._decode = jax.jit(
-            lambda p: lpdec.compress.tree.decode_tree(self.compressor, p, self.anchor)
+        logging.info(
+            "elastic: machine %d of %d, %d worker(s)%s: %s",
+            options.machine,
+            options.machines,
+            layout.num_nodes,
+            " sharing its model (FSDP)" if self.shards is not None else "",
+            elastic_outer.describe(config),
         )
-        self._payload_like = jax.eval_shape(
-            self._encode_fn, self.anchor, self.residual, jax.random.key(0)
-        )[0]
         self.chunks = loop.Chunks(exp, self.programs)
         # Contributions dropped for holding NaN/Inf (every machine drops the same ones).
         self.nonfinite_received = 0
@@ -394,12 +341,58 @@ class ElasticTrainer:
 
     # -- helpers -------------------------------------------------------------
 
+    def _batcher(self, config) -> lpdec.data.NodeBatcher:
+        """This machine's batches: with elastic_data="shard" the ones its slot's nodes
+        draw in the synchronous run (its seed, their node indices); with "whole", an
+        order of the whole training set of the machine's own."""
+        exp, workers = self.exp, self.layout.num_nodes
+        whole = config.elastic_data == "whole"
+        return lpdec.data.NodeBatcher(
+            exp.dataset.x_train,
+            exp.dataset.y_train,
+            exp.partitions,
+            exp.batch_size,
+            self.seed if whole else exp.seed,
+            augment=exp.augment,
+            first_node=0 if whole else self.options.machine * workers,
+        )
+
+    def _step0(self, round_: int) -> int:
+        """The run's step at which round `round_` starts (warm-up rounds are one step)."""
+        if round_ < self.S:
+            return round_
+        return self.S + (round_ - self.S) * self.H
+
+    def _phase(self, round_: int) -> str:
+        return "sync" if round_ < self.S else "outer"
+
     def _put(self, tree):
+        """The machine's model on its workers: whole on each, or split (shard_model)."""
+        if self.shards is not None:
+            return self.shards.put(tree, self.layout)
         return self.layout.put(loop.stack(tree, self.layout.num_nodes))
+
+    def _machine_model(self, params):
+        """The machine's model (host float32 tree) from its workers' parameters."""
+        if self.shards is not None:
+            return jax.tree.map(lambda x: x[0], self.shards.unshard(params))
+        return self._node0(params)
 
     @staticmethod
     def _node0(tree):
         return jax.tree.map(lambda x: np.asarray(jax.device_get(x))[0], tree)
+
+    def _inner(self):
+        """The inner optimizer's state as host arrays: one worker's (they are equal), or
+        with shard_model every worker's blocks."""
+        if self.shards is not None:
+            return jax.tree.map(lambda x: np.asarray(jax.device_get(x)), self.opt_state)
+        return self._node0(self.opt_state)
+
+    def _put_inner(self, inner):
+        if self.shards is not None:
+            return self.layout.put(inner)
+        return self.layout.put(loop.stack(inner, self.layout.num_nodes))
 
     def _mean(self, deltas: list, steps: list[int]):
         """The round's mean of `deltas` (config.elastic_mean), in the given order."""
@@ -407,51 +400,40 @@ class ElasticTrainer:
             return elastic.slot_mean(deltas, self.options.machines)
         return elastic.step_weighted_mean(deltas, steps)
 
-    def _encode_fn(self, delta, residual, key):
-        v = jax.tree.map(lambda d, e: d + e, delta, residual) if self.feedback else delta
-        payload = lpdec.compress.tree.encode_tree(
-            self.compressor, v, key if self.compressor.needs_key else None
-        )
-        decoded = lpdec.compress.tree.decode_tree(self.compressor, payload, v)
-        return payload, jax.tree.map(lambda a, b: a - b, v, decoded)
-
     def _done(self, round_: int) -> bool:
         """Whether the run is over before round `round_` (see `config.elastic_budget`)."""
         if self.by_samples:
             return self.machine_steps >= self.budget
         return round_ >= self.rounds
 
-    def _state_bytes(self, round_: int) -> bytes:
-        return elastic.pack(
-            {
-                "round": np.int64(round_),
-                "machine_steps": np.int64(self.machine_steps),
-                "anchor": self.anchor,
-                "momentum": self.momentum,
-                "inner": self._node0(self.opt_state),
-                "model_state": self.model_state,
-            }
-        )
-
-    def _state_like(self) -> dict:
+    def _state(self, round_: int) -> dict:
         return {
-            "round": np.int64(0),
-            "machine_steps": np.int64(0),
+            "round": np.int64(round_),
+            "machine_steps": np.int64(self.machine_steps),
             "anchor": self.anchor,
-            "momentum": self.momentum,
-            "inner": self._node0(self.opt_state),
+            "outer": self.outer_state,
+            "inner": self._inner(),
             "model_state": self.model_state,
         }
 
-    def _load_state(self, blob: bytes) -> int:
+    def _state_bytes(self, round_: int) -> bytes:
+        return elastic.pack(self._state(round_))
+
+    def _state_like(self) -> dict:
+        return self._state(0)
+
+    def _load_state(self, blob: bytes, own: bool = False) -> int:
+        """Goes on from a packed state; `own`: this machine's saved one (its residual
+        is its own unsent error; another machine's belongs to that machine)."""
         state = elastic.unpack(blob, self._state_like())
-        self.anchor, self.momentum = state["anchor"], state["momentum"]
+        self.anchor, self.outer_state = state["anchor"], state["outer"]
+        if not own:
+            for phase in self.outer_state["residual"]:
+                self.outer_state["residual"][phase] = np.zeros(self.outer.size, np.float32)
         self.machine_steps = int(state["machine_steps"])
         self.model_state = state["model_state"]
-        self.opt_state = self._put(state["inner"])
-        self.model_state_dev = self._put(self.model_state)
-        # This machine's unsent error of before its loss belongs to an old anchor.
-        self.residual = jax.tree.map(np.zeros_like, self.anchor)
+        self.opt_state = self._put_inner(state["inner"])
+        self.model_state_dev = self.layout.put(loop.stack(self.model_state, self.layout.num_nodes))
         return int(state["round"])
 
     # -- joining ---------------------------------------------------------------
@@ -522,7 +504,7 @@ class ElasticTrainer:
             return 0
         seed = min(m for m, (r, _) in records.items() if r == best)
         if mine == records[seed]:
-            round_ = self._load_state(blob)
+            round_ = self._load_state(blob, own=True)
             logging.warning(
                 "elastic: machine %d goes on from its saved state at round %d (the service "
                 "started again; machines %s hold that round)",
@@ -590,7 +572,7 @@ class ElasticTrainer:
 
     def _step(self, round_: int) -> int:
         """The local steps a machine of H takes by round `round_` (the metrics' step)."""
-        step = round_ * self.H
+        step = self._step0(round_)
         return step if self.by_samples else min(step, self.exp.total_steps)
 
     def _finish(self, round_: int) -> None:
@@ -645,6 +627,7 @@ class ElasticTrainer:
         accuracies: list[float] = []
         row, seconds = None, 0.0
         log_every = max(self.exp.loop.log_every, self.H)
+        interval = self._step(self.round) // log_every
         while not self._done(self.round):
             try:
                 row, (loss, accuracy), seconds = self._round(self.round)
@@ -667,11 +650,11 @@ class ElasticTrainer:
                 )
             self.round += 1
             self._persist()
-            if self._step(self.round) % log_every < self.H:
+            if self._step(self.round) // log_every > interval:
                 break
         # Joined for the run's final state after its last round: that state is logged.
         row = row or (self.history[-1] if self.history else None)
-        sent = (row["bytes_sent"] + row["bytes_received"]) / self.h if row else math.nan
+        sent = (row["bytes_sent"] + row["bytes_received"]) / row["local_steps"] if row else math.nan
         members = len(row["members"].split()) if row else math.nan
         return loop.Progress(
             self._step(self.round), losses, accuracies, seconds / self.h, sent,
@@ -718,37 +701,58 @@ class ElasticTrainer:
     def export(self, workdir: str) -> None:
         checkpoint.write_params(workdir, self.anchor)
 
-    def _whole_payload(self, delta, key) -> tuple[bytes, Any]:
+    def _whole_payload(self, delta, phase: str) -> tuple[bytes, np.ndarray]:
         """This round's whole encoded pseudo-gradient and the residual it leaves."""
-        payload, residual = self._encode(delta, self.residual, key)
+        payload, residual = self.outer.encode(delta, self.outer_state, phase, self.options.machine)
         return elastic.pack(payload), residual
 
-    def _star(self, round_, delta, key, h, anchor_digest):
+    def _decode_whole(self, blob: bytes, sender: int, phase: str) -> np.ndarray | None:
+        """Member `sender`'s whole payload as a flat float32 vector (None: not finite)."""
+        payload = elastic.unpack(blob, self.outer.payload_like)
+        return self.outer.decode(payload, self.outer_state, phase, sender)
+
+    def _star(self, round_, delta, phase, h, anchor_digest):
         """The exchange through the service: (decision, mean, bytes sent, received)."""
-        blob, residual = self._whole_payload(delta, key)
+        blob, residual = self._whole_payload(delta, phase)
         ex = self.group.exchange(round_, blob, h, anchor_digest, self.options.deadline)
-        if self.feedback:
+        if self.outer.feedback:
             # Sent or dropped, what the payload could not carry stays for next round.
-            self.residual = jax.tree.map(np.asarray, residual)
-        deltas = [
-            self._decode(elastic.unpack(c.payload, self._payload_like)) for c in ex.contributions
-        ]
-        deltas = [jax.tree.map(np.asarray, d) for d in deltas]
+            self.outer_state["residual"][phase] = residual
         # A contribution holding NaN/Inf is dropped, by every machine alike (they decode
         # the same ones), and counted: as lpdec's exchanges skip a non-finite payload.
-        finite = [all(np.isfinite(x).all() for x in jax.tree.leaves(d)) for d in deltas]
-        self.nonfinite_received += finite.count(False)
-        kept = [
-            (d, c.steps) for d, c, ok in zip(deltas, ex.contributions, finite, strict=True) if ok
-        ]
-        deltas, counts = [d for d, _ in kept], [n for _, n in kept]
-        mean = self._mean(deltas, counts) if deltas else jax.tree.map(np.zeros_like, self.anchor)
+        decoded = [(self._decode_whole(c.payload, c.machine, phase), c) for c in ex.contributions]
+        kept = [(d, c.steps) for d, c in decoded if d is not None]
+        self.nonfinite_received += len(decoded) - len(kept)
+        mean = self._mean([d for d, _ in kept], [n for _, n in kept]) if kept else None
         return ex, mean, ex.bytes_sent, ex.bytes_received
 
-    def _round(self, round_: int) -> tuple[dict, float, float]:
+    def _peers(self, round_, delta, phase, h, anchor_digest):
+        """The exchange between the members (config.elastic_transport="peers")."""
+        assert self.exchanger is not None
+        residual = self.outer_state["residual"][phase]
+        r = self.exchanger.round(
+            round_, delta, self.outer.unflatten(residual), self.outer.feedback, h,
+            jax.random.fold_in(jax.random.key(self.seed), round_), anchor_digest,
+            self.options.deadline,
+            whole_payload=lambda: self._whole_payload(delta, phase),
+            decode_whole=lambda blob, sender: self._decode_whole(blob, sender, phase),
+        )  # fmt: skip
+        if r.void == elastic_peers.LATE:
+            raise elastic.Behind(
+                f"machine {self.options.machine}'s contribution to round {round_} came "
+                "after the decision: no member sends it the mean; it joins for the state"
+            )
+        if self.outer.feedback:
+            self.outer_state["residual"][phase] = self.outer.flatten(r.residual)
+        self.nonfinite_received += r.nonfinite
+        mean = None if r.mean is None else self.outer.flatten(r.mean)
+        return r.exchange, mean, r.sent, r.received, r.void
+
+    def _round(self, round_: int) -> tuple[dict, tuple[float, float], float]:
         """One round: local steps, the exchange, the outer step; returns its row."""
-        h = self.h
-        step0 = round_ * self.H
+        phase = self._phase(round_)
+        h = 1 if phase == "sync" else self.h
+        step0 = self._step0(round_)
         self.batcher.restore({**self.batcher.state(), "step": step0})
         params, self.opt_state, self.model_state_dev, losses, accuracies, per_step = (
             self.chunks.run(
@@ -763,42 +767,21 @@ class ElasticTrainer:
         if seconds < self.options.min_round_s:
             time.sleep(self.options.min_round_s - seconds)
             seconds = self.options.min_round_s
-        x = self._node0(params)
+        x = self._machine_model(params)
         delta = jax.tree.map(lambda a, b: np.float32(a) - np.asarray(b, np.float32), self.anchor, x)
-        key = jax.random.fold_in(jax.random.key(self.seed), round_)
         anchor_digest = elastic.tree_digest(self.anchor)
+        void = ""
         if self.exchanger is None:
-            ex, mean, sent, received = self._star(round_, delta, key, h, anchor_digest)
-            void = ""
+            ex, mean, sent, received = self._star(round_, delta, phase, h, anchor_digest)
         else:
-            r = self.exchanger.round(
-                round_, delta, self.residual, self.feedback, h, key, anchor_digest,
-                self.options.deadline,
-                whole_payload=lambda: self._whole_payload(delta, key),
-                decode_whole=lambda blob: jax.tree.map(
-                    np.asarray, self._decode(elastic.unpack(blob, self._payload_like))
-                ),
-            )  # fmt: skip
-            ex, mean, sent, received, void = r.exchange, r.mean, r.sent, r.received, r.void
-            if void == elastic_peers.LATE:
-                raise elastic.Behind(
-                    f"machine {self.options.machine}'s contribution to round {round_} came "
-                    "after the decision: no member sends it the mean; it joins for the state"
-                )
-            if self.feedback:
-                self.residual = jax.tree.map(np.asarray, r.residual)
-            self.nonfinite_received += r.nonfinite
-            if mean is None and not void:
-                mean = jax.tree.map(np.zeros_like, self.anchor)
+            ex, mean, sent, received, void = self._peers(round_, delta, phase, h, anchor_digest)
         if void:
             # A member's bytes did not come: this machine's anchor stays where it was (as
             # every member's that missed them), and the round's steps are lost.
             logging.warning("elastic: round %d is void here: %s", round_, void)
         else:
             self.machine_steps += sum(c.steps for c in ex.contributions)
-            self.anchor, self.momentum = elastic.nesterov_step(
-                self.anchor, self.momentum, mean, self.outer_lr, self.outer_mu
-            )
+            self.anchor = self.outer.apply(self.anchor, self.outer_state, phase, mean)
         if ex.members and min(ex.members) == self.options.machine:
             for line in self.group.serve_joins(
                 round_ + 1, self.model_sig, lambda: self._state_bytes(round_ + 1)
@@ -806,7 +789,7 @@ class ElasticTrainer:
                 logging.warning("elastic: %s", line)
         row = {
             "round": round_,
-            "step": step0 + self.H,
+            "step": self._step0(round_ + 1),
             "members": " ".join(str(m) for m in ex.members),
             "included": int(ex.included),
             "reason": ex.reason,

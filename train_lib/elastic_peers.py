@@ -154,12 +154,13 @@ class PeerExchange:
         anchor_digest: str,
         deadline: float,
         whole_payload: Callable[[], tuple[bytes, Any]],
-        decode_whole: Callable[[bytes], Any],
+        decode_whole: Callable[[bytes, int], Any],
     ) -> Round:
         """Decides round `round_` with the service and moves its bytes between the members.
 
-        `whole_payload()` -> (bytes, residual tree) and `decode_whole(bytes)` -> tree are
-        the trainer's own codec, used by the one-round (all-gather) exchange.
+        `whole_payload()` -> (bytes, residual) and `decode_whole(bytes, sender)` -> the
+        decoded contribution (None: not finite) are the trainer's own codec, used by the
+        one-round (all-gather) exchange.
         """
         self.peers.forget(round_)  # what earlier rounds left (late or forged messages)
         flat = self.flatten(delta)
@@ -186,7 +187,9 @@ class PeerExchange:
             payload, new_residual = whole_payload()
             blobs = p2p.all_gather(self.peers, round_, members, addresses, payload, deadline)
             pairs = zip(members, blobs, strict=True)
-            kept = [(decode_whole(b), weights[m]) for m, b in pairs if weights[m]]
+            decoded = [(decode_whole(b, m), weights[m]) for m, b in pairs if weights[m]]
+            kept = [(d, w) for d, w in decoded if d is not None]
+            nonfinite += len(decoded) - len(kept)
             mean = self.mean([d for d, _ in kept], [w for _, w in kept]) if kept else None
             n = len(members) - 1
             received = sum(map(len, blobs)) - len(payload)

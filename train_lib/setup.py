@@ -138,9 +138,14 @@ def example_input(dataset: lpdec.data.Dataset) -> np.ndarray:
     return x[:, :-1] if dataset.task == "next_token" else x
 
 
-def build(config: ml_collections.ConfigDict) -> Experiment:
-    """Checks `config` and builds its objects; raises `ConfigError` naming a bad field."""
-    check_values(config)
+def build(config: ml_collections.ConfigDict, *, checked: bool = False) -> Experiment:
+    """Checks `config` and builds its objects; raises `ConfigError` naming a bad field.
+
+    `checked`: the caller ran `check_values` already (an elastic machine checks the run's
+    config and builds its `machine_config`).
+    """
+    if not checked:
+        check_values(config)
     devices = jax.devices()[: config.devices] if config.devices else None
     layout = make_layout(config.num_nodes, machines=machine_count(config), devices=devices)
     axis_name, local_axis, gossip_nodes = layout.axis_name, None, config.num_nodes
@@ -292,11 +297,18 @@ def _fail(message: str) -> NoReturn:
     raise ConfigError(message)
 
 
-def check_values(config: ml_collections.ConfigDict) -> None:
+def check_values(config: ml_collections.ConfigDict, *, elastic_machines: int | None = None) -> None:
     """The checks that need no object built: names, ranges, and how nodes fit the devices.
 
     A choice's own rules are its registry entry's (`tables.check`); the rest,
     about the run as a whole, are here.
+
+    Args:
+      config: the run's config.
+      elastic_machines: an elastic run of this many machines (`train.py
+        --elastic_machines`), each a process of its own: the same checks of every
+        field, then what an elastic run cannot do (`_check_elastic`), and how one
+        machine's workers fit this process's devices (its `machine_config`).
     """
     tables.check(config, "dataset", registry.DATASETS)
     if config.model not in lpdec.models.MODELS:
@@ -356,6 +368,83 @@ def check_values(config: ml_collections.ConfigDict) -> None:
         tables.check(config, field, table)
     tables.choose(config, "topology", registry.TOPOLOGIES)
     _check_local_steps(config)
+    if elastic_machines is not None:
+        _check_elastic(config, elastic_machines)
+        _check_fit(machine_config(config, elastic_machines))
+        return
+    _check_fit(config)
+
+
+#: What an elastic run refuses, and why (`_check_elastic`): the fields of the synchronous
+#: DiLoCo that have no elastic form.
+ELASTIC_REFUSED = {
+    "overlap": "the delayed outer step (Streaming DiLoCo) applies each round's mean one "
+    "round late on every machine; an elastic round's members change from round to round, "
+    "and a joining machine would need the pending update of a round it did not see",
+}
+
+
+def _check_elastic(config: ml_collections.ConfigDict, machines: int) -> None:
+    """What an elastic run of `machines` machines cannot do, in one line each."""
+    if registry.ALGORITHMS[config.algorithm].role != "whole":
+        _fail(
+            f"an elastic run needs config.algorithm='diloco' (machines meet only at "
+            f"exchanges); got {config.algorithm!r}."
+        )
+    if config.exchange not in ("mean", "compressed_mean"):
+        _fail(
+            f"config.exchange={config.exchange!r}: an elastic run exchanges a mean "
+            "('mean' or 'compressed_mean'), not gossip: a gossip matrix fixes each node's "
+            "neighbours, and an elastic round's members are whoever is alive."
+        )
+    for field, why in ELASTIC_REFUSED.items():
+        if config[field] != DEFAULTS[field]:
+            _fail(f"config.{field}={config[field]!r} is not supported elastic: {why}.")
+    if not isinstance(machines, int) or machines < 1:
+        _fail(f"--elastic_machines={machines!r} must be an integer >= 1.")
+    if config.num_nodes % machines:
+        _fail(_uneven_workers(config.num_nodes, machines))
+    if config.machines and not config.hierarchical:
+        _fail(_machines_not_hierarchical(config.machines))
+    if config.machines and config.machines != machines:
+        _fail(
+            f"config.machines={config.machines} but --elastic_machines={machines}: set "
+            f"config.machines to 0 or {machines}."
+        )
+    if config.elastic_budget == "samples" and config.lr_schedule != "constant":
+        _fail(
+            f"config.elastic_budget='samples' needs config.lr_schedule='constant' (got "
+            f"{config.lr_schedule!r}): the run's length, and so a decay's end, is not known "
+            "in advance."
+        )
+
+
+def machine_config(config: ml_collections.ConfigDict, machines: int) -> ml_collections.ConfigDict:
+    """The config one machine of an elastic run trains its local steps with.
+
+    Its `num_nodes / machines` workers train one model data-parallel (an all-reduce
+    of their gradients every step, as the hierarchical DiLoCo's workers do); with
+    `shard_model` the model is split over them (FSDP, one worker per device: the
+    first `workers` devices of the process). The DiLoCo fields are the elastic
+    round's (`train_lib.elastic`), not the machine's.
+    """
+    local = ml_collections.ConfigDict(config.to_dict())
+    workers = config.num_nodes // machines
+    local.algorithm = "allreduce"
+    local.num_nodes = workers
+    if config.shard_model:
+        local.hierarchical, local.machines = True, 1
+        if not config.devices and jax.device_count() > workers:
+            local.devices = workers
+    else:
+        local.hierarchical, local.machines = False, 0
+    for field in LOCAL_STEP_FIELDS:
+        local[field] = DEFAULTS[field]
+    return local
+
+
+def _check_fit(config: ml_collections.ConfigDict) -> None:
+    """How the config's nodes fit this run's devices (and processes)."""
     devices = jax.device_count()
     if config.devices and jax.process_count() > 1 and config.devices != devices:
         _fail(
@@ -387,10 +476,7 @@ def check_values(config: ml_collections.ConfigDict) -> None:
         )
     if machines is not None:
         if config.num_nodes % machines:
-            _fail(
-                f"config.num_nodes={config.num_nodes} (the workers) is not a multiple of the "
-                f"{machines} machines: every machine holds the same number of workers."
-            )
+            _fail(_uneven_workers(config.num_nodes, machines))
         per_machine = devices // machines if jax.process_count() == 1 else jax.local_device_count()
         if jax.process_count() == 1 and devices % machines:
             _fail(
@@ -417,6 +503,17 @@ def check_values(config: ml_collections.ConfigDict) -> None:
         )
 
 
+def _uneven_workers(num_nodes: int, machines: int) -> str:
+    return (
+        f"config.num_nodes={num_nodes} (the workers) is not a multiple of the {machines} "
+        "machines: every machine holds the same number of workers."
+    )
+
+
+def _machines_not_hierarchical(machines: int) -> str:
+    return f"config.machines={machines} needs config.hierarchical=True."
+
+
 def _check_local_steps(config: ml_collections.ConfigDict) -> None:
     """DiLoCo's fields (H, overlap, error feedback) only with it; with it, its exchange."""
     if registry.ALGORITHMS[config.algorithm].role == "whole":
@@ -437,7 +534,7 @@ def machine_count(config: ml_collections.ConfigDict) -> int | None:
     ones, or None for seed 004's one-process layout (the devices are the machines).
     """
     if config.machines and not config.hierarchical:
-        _fail(f"config.machines={config.machines} needs config.hierarchical=True.")
+        _fail(_machines_not_hierarchical(config.machines))
     if not config.hierarchical:
         return None
     processes = jax.process_count()

@@ -254,7 +254,7 @@ def elastic_table(rows: list[dict], command: str, info: dict) -> str:
         "exchange deadline 60 s unless said; each machine is `train.py` under its supervisor "
         "(`--elastic_restarts`, default 5: a machine process that ends abnormally is started "
         "again and joins). In the kill and link-down cases every machine paces its rounds at "
-        f"≥ {PACE_S:g} s (`--elastic_min_round_s`; a round takes about 0.1 s unpaced), so "
+        f"≥ {PACE_S:g} s (`LPDEC_ELASTIC_PACE`; a round takes about 0.1 s unpaced), so "
         "that the two others do not race through the run while the third restarts; the fault "
         f"comes after a round drawn from {FAULT_ROUNDS[0]}..{FAULT_ROUNDS[1] - 1}; the kill "
         "is a SIGKILL of the machine's process group (supervisor and child), and the same "

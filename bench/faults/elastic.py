@@ -65,11 +65,13 @@ LAST_EVALS = 10
 ACCURACY_POINTS = 1.0  # final test accuracy of the anchor: >= the worst reference's - this
 LOSS_RELATIVE = 0.05  # final test loss of the anchor: <= the worst reference's x (1 + this)
 FAULT_ROUNDS = (10, 60)  # a machine is killed or cut off after a round drawn from these
-# Kill and link-down runs pace every round at >= PACE_S (`--elastic_min_round_s`), so
+# Kill and link-down runs pace every round at >= PACE_S (`LPDEC_ELASTIC_PACE`), so
 # that two machines do not race through the run while the third restarts; pacing
 # changes no number of an uninterrupted run (every round has every machine).
 PACE_S = 0.15
-PACED = {m: (f"--elastic_min_round_s={PACE_S}",) for m in range(ELASTIC_MACHINES)}
+# train_lib.elastic_flags.PACE_ENV (importing it would define train.py's flags here).
+PACE_ENV = "LPDEC_ELASTIC_PACE"
+PACED = {m: (f"{PACE_ENV}=min_round_s={PACE_S}",) for m in range(ELASTIC_MACHINES)}
 ELASTIC_FLAGS = (
     f"--config={ROOT / 'configs' / 'elastic_mlp.py'}",
     f"--config.num_steps={ELASTIC_STEPS}",
@@ -157,8 +159,12 @@ class Cluster:
 
     def machine_command(self, m: int, host: int, workdir: pathlib.Path, *extra: str) -> list:
         """train.py as machine slot m, run in host `host`'s namespace."""
-        command = [*self._in(host), sys.executable, str(ROOT / "train.py")]
+        # The fault tests' pacing travels in the environment (train_lib.elastic_flags.pace).
+        pace = [e for e in extra if e.startswith(f"{PACE_ENV}=")]
+        extra = tuple(e for e in extra if e not in pace)
+        command = [*self._in(host), *(["env", *pace] if pace else []), sys.executable]
         return command + [
+            str(ROOT / "train.py"),
             f"--workdir={workdir}",
             *ELASTIC_FLAGS,
             f"--elastic_service={self.address}",
@@ -465,7 +471,7 @@ def elastic_link(ctx: Context, rng: np.random.Generator) -> Trial:
 
 def _slow(ctx: Context, rng, name: str, same_h: bool) -> Trial:
     slow = int(rng.integers(0, ELASTIC_MACHINES))
-    flags = {slow: (f"--elastic_slowdown={SLOWDOWN}",)}
+    flags = {slow: (f"{PACE_ENV}=slowdown={SLOWDOWN}",)}
     if same_h:
         flags = {
             m: (f"--elastic_deadline={SLOW_DEADLINE}", *flags.get(m, ()))

@@ -181,6 +181,17 @@ def _chunk_key(
     return jax.random.fold_in(jax.random.fold_in(k, round_), chunk)
 
 
+def one_round_key(key: jax.Array, count: jax.Array, sender: jax.Array) -> jax.Array:
+    """The key `sender` encodes its whole share with at exchange `count` (``rounds=1``).
+
+    `key` is the state's shared key (from `seed`), `count` the exchanges before this
+    one. Receivers re-derive it to decode. An elastic machine (`train_lib.elastic`)
+    encodes its pseudo-gradient with the key of its slot, so that its payload is the
+    one this exchange would send for it.
+    """
+    return _chunk_key(key, count, sender, _GATHER_ONLY, 0)
+
+
 def _pad(vector: jax.Array, multiple: int) -> jax.Array:
     """Pads to a multiple of `multiple` by repeating the last element (ranges unchanged)."""
     extra = -vector.size % multiple
@@ -320,7 +331,7 @@ def _gathered_mean(
     senders = device_id(jnp.arange(n))
 
     def key_of(sender):
-        return _chunk_key(state.key, state.count, sender, _GATHER_ONLY, 0)
+        return one_round_key(state.key, state.count, sender)
 
     if error_feedback:
         payload, error = compressor.encode_feedback(vector, residual, key_of(device_id(me)), decay)

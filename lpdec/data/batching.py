@@ -52,6 +52,7 @@ class NodeBatcher:
         seed: int,
         *,
         augment: bool = False,
+        first_node: int = 0,
     ):
         """Creates the batcher at step 0.
 
@@ -65,6 +66,10 @@ class NodeBatcher:
             of the image zero-padded by 4 pixels (zero is the mean colour once
             inputs are normalised; torchvision pads the raw image with black),
             then a horizontal flip with probability 1/2. Drawn per (seed, step).
+          first_node: the index of `parts[0]` among the run's nodes: node i's order
+            follows from (seed, first_node + i, epoch), so a batcher over nodes
+            a .. b of a run draws exactly what the whole run's batcher draws for
+            them (an elastic machine and the synchronous run it stands for).
         """
         if len(dataset_x) != len(dataset_y):
             raise ValueError(
@@ -93,6 +98,9 @@ class NodeBatcher:
         self._batch_size = int(batch_size)
         self._seed = int(seed)
         self._augment = augment
+        if isinstance(first_node, bool) or not isinstance(first_node, int) or first_node < 0:
+            raise ValueError(f"first_node must be a non-negative int, got {first_node!r}")
+        self._first_node = first_node
         self._step = 0
         # One cached epoch permutation per node: consecutive steps reuse it.
         self._epoch_cache: dict[int, tuple[int, np.ndarray]] = {}
@@ -105,7 +113,7 @@ class NodeBatcher:
     def _epoch_order(self, node: int, epoch: int) -> np.ndarray:
         cached = self._epoch_cache.get(node)
         if cached is None or cached[0] != epoch:
-            rng = np.random.default_rng((self._seed, node, epoch))
+            rng = np.random.default_rng((self._seed, self._first_node + node, epoch))
             cached = (epoch, rng.permutation(self._parts[node]))
             self._epoch_cache[node] = cached
         return cached[1]

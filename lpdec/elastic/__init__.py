@@ -13,7 +13,6 @@ token, `store` the service it meets at (jax's, or one in memory for tests),
 
 from lpdec.elastic import credentials
 from lpdec.elastic import peers
-from lpdec.elastic.codec import nesterov_step
 from lpdec.elastic.codec import pack
 from lpdec.elastic.codec import signature
 from lpdec.elastic.codec import slot_mean
@@ -46,7 +45,6 @@ __all__ = [
     "ServiceLost",
     "ServiceStore",
     "Store",
-    "nesterov_step",
     "pack",
     "serve_forever",
     "signature",

@@ -1,9 +1,11 @@
-"""Trees of arrays as bytes, and the elastic exchange's arithmetic, in numpy.
+"""Trees of arrays as bytes, and the weighting of an elastic round's mean, in numpy.
 
 The machines of an elastic run may be different hardware; the mean of a round
-and the outer step are computed here in float32 numpy, element by element in a
-fixed order (the decision's machine order), so every machine gets the same
-bits from the same contributions and the anchors never drift apart.
+is computed here in float32 numpy, element by element in a fixed order (the
+decision's machine order), so every machine gets the same bits from the same
+contributions and the anchors never drift apart. The codec of the exchange and
+the outer step are the library's own (`lpdec.compressed_mean`'s compressor
+calls, DiLoCo's optax outer optimizer; `train_lib.elastic_outer`).
 """
 
 from __future__ import annotations
@@ -87,10 +89,15 @@ def step_weighted_mean(deltas: Sequence[Any], steps: Sequence[int]) -> Any:
     steps, scaled up by tau = 7, and DiLoCo's outer Nesterov step (lr 0.7,
     momentum 0.9) blew that up (train loss 1e20 in BENCHMARKS.md's elastic
     faults; with non-IID shards the step weighting leans towards the faster
-    machines' data, FedNova's concern). float32, summed in the given order.
+    machines' data, FedNova's concern). float32, summed in the given order; with
+    equal steps it is computed as the plain mean (`slot_mean` over the contributors),
+    the synchronous exchange's arithmetic, so that a round of every machine gives
+    its bits.
     """
     if not deltas or len(deltas) != len(steps) or min(steps) < 1:
         raise ValueError(f"need one delta per machine and steps >= 1; got {list(steps)}")
+    if len(set(int(s) for s in steps)) == 1:
+        return slot_mean(deltas, len(deltas))
     total_steps = np.float32(sum(int(s) for s in steps))
 
     def combine(*leaves):
@@ -129,25 +136,3 @@ def slot_mean(deltas: Sequence[Any], slots: int) -> Any:
         return total / np.float32(slots)
 
     return jax.tree.map(combine, *deltas)
-
-
-def nesterov_step(anchor: Any, momentum: Any, delta: Any, lr: float, mu: float):
-    """DiLoCo's outer step on the anchor: SGD with Nesterov momentum on delta = anchor - x.
-
-    The arithmetic of `optax.sgd(lr, momentum=mu, nesterov=True)` (`optax.trace`):
-    m <- delta + mu * m;  anchor <- anchor - lr * (delta + mu * m).  Returns
-    (anchor, momentum); mu = 0 is plain SGD (momentum stays zero).
-    """
-    lr, mu = np.float32(lr), np.float32(mu)
-
-    def one(a, m, d):
-        d = np.asarray(d, np.float32)
-        m = d + mu * m
-        return a - lr * (d + mu * m), m
-
-    pairs = jax.tree.map(one, anchor, momentum, delta)
-    is_pair = lambda x: isinstance(x, tuple)  # noqa: E731
-    return (
-        jax.tree.map(lambda p: p[0], pairs, is_leaf=is_pair),
-        jax.tree.map(lambda p: p[1], pairs, is_leaf=is_pair),
-    )
