@@ -453,7 +453,8 @@ def test_train_py_strangers_on_a_live_slot_are_refused_and_change_nothing(
     alone, _, _ = _pair(procs, tmp_path, "alone", *steps)
     wrong = tmp_path / "wrong.token"
     wrong.write_text("not the run's\n")
-    strangers = {}
+    strangers: dict[str, subprocess.Popen] = {}
+    alive: list[bool] = []  # whether machine 1 still trained when they were refused
 
     def intrude(address, runs):
         _wait_for(lambda: len(_exchange_rows(tmp_path / "with" / "1")) >= 1, 120, "a round")
@@ -466,8 +467,12 @@ def test_train_py_strangers_on_a_live_slot_are_refused_and_change_nothing(
                 "--config.model_kwargs.hidden_sizes=(32,)", *steps, *flags,
             )  # fmt: skip
         for proc in strangers.values():
-            proc.wait(timeout=180)
-        assert runs[1].poll() is None, "machine 1 ended before the strangers came"
+            try:
+                proc.wait(timeout=180)
+            except subprocess.TimeoutExpired:  # let in: it waits for a state never sent
+                harness.kill_group(proc)
+                proc.wait()
+        alive.append(runs[1].poll() is None)
 
     with_, summaries, _ = _pair(
         procs, tmp_path, "with", *steps, "--elastic_min_round_s=1.5", during=intrude
@@ -477,6 +482,7 @@ def test_train_py_strangers_on_a_live_slot_are_refused_and_change_nothing(
         errors = [line for line in text.splitlines() if line.startswith("error:")]
         assert proc.returncode == 2 and len(errors) == 1, text[-3000:]
         assert "refused machine 1: wrong or missing token" in errors[0], errors
+    assert alive == [True], "machine 1 ended before the strangers were refused: not a live slot"
     rows = _exchange_rows(tmp_path / "with" / "1")
     assert len(rows) == 20 and all(r["included"] == "1" for r in rows), rows
     assert summaries[1]["joined_at_rounds"] == [] and summaries[1]["resumed_at_rounds"] == []
