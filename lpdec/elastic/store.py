@@ -149,8 +149,9 @@ class ServiceStore:
             )
         except OSError as error:
             raise ServiceLost(
-                f"could not reach the service at {self.address} within "
-                f"{self.connect_timeout} s: {error.strerror or error}"
+                f"machine {self.machine} gave up before it registered with the service at "
+                f"{self.address}: not reached within {self.connect_timeout} s "
+                f"({error.strerror or error})"
             ) from None
         if mutual_tls:
             target = gate.service_address(self.address)
