@@ -197,7 +197,11 @@ def run_case(args, setting: str, n: int, mode: str, network, workdir: str) -> di
         command = [sys.executable, "-m", "lpdec.elastic", "serve", "--bind", service,
                    "--machines", str(n), "--heartbeat_timeout", "60",
                    "--private_network"]  # fmt: skip
-        procs.append(harness.start(prefix(0) + command, f"{workdir}/{case}-service.log", env))
+        # The service's gate lets in only the machines that prove the run's token.
+        service_env = dict(env, LPDEC_ELASTIC_TOKEN=TOKEN.decode())
+        procs.append(
+            harness.start(prefix(0) + command, f"{workdir}/{case}-service.log", service_env)
+        )
         netns.CHILDREN.append(procs[-1])
     before = network.counters(0) if network is not None else (0, 0)
     outs = [f"{workdir}/{case}-{m}.json" for m in range(n)]

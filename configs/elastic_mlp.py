@@ -1,8 +1,10 @@
 """Elastic DiLoCo: 3 machines that may be lost and join, 4-bit error-feedback exchange.
 
+    # the run's secret, in a file on the service's host and on each machine:
+    head -c 32 /dev/urandom | base64 > run.token
     # the coordinating service (any host the machines reach; loopback here):
-    python -m lpdec.elastic serve --bind 127.0.0.1:29600 --machines 3
-    # each machine m = 0, 1, 2 (its own workdir), with the run's secret in a file:
+    python -m lpdec.elastic serve --bind 127.0.0.1:29600 --machines 3 --token_file run.token
+    # each machine m = 0, 1, 2 (its own workdir):
     python train.py --config=configs/elastic_mlp.py --workdir=/tmp/elastic/m0 \\
         --elastic_service=127.0.0.1:29600 --elastic_machines=3 --elastic_machine=0 \\
         --elastic_token_file=run.token

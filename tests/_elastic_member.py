@@ -44,7 +44,11 @@ def main() -> int:
         a.address, a.machine, a.machines, a.token.encode(), a.fingerprint,
         heartbeat_timeout=2, connect_timeout=30,
     )  # fmt: skip
-    group.connect()
+    try:
+        group.connect()
+    except elastic.GateRefused as error:  # nothing of it registered
+        emit(event="refused", error=str(error))
+        return 2
     state = {"w": np.zeros(4, np.float32)}
     start = 0
     if group.latest_round() is not None:

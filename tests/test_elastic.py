@@ -122,10 +122,14 @@ class _Procs:
         return proc
 
     def service(self, machines: int, heartbeat: int = 2, address: str = "", name="service") -> str:
+        """A service under the token "secret" (the members' default, train.py's file's)."""
         address = address or f"127.0.0.1:{harness.free_port()}"
+        token = self.tmp / "service.token"
+        token.write_text("secret\n")
         self.start(
             name, sys.executable, "-m", "lpdec.elastic", "serve", "--bind", address,
             "--machines", str(machines), "--heartbeat_timeout", str(heartbeat),
+            "--token_file", str(token),
         )  # fmt: skip
         time.sleep(1.0)
         return address
@@ -173,8 +177,8 @@ def test_a_killed_member_is_dropped_refused_joins_change_nothing_and_a_rejoin_ag
     # 0.2 s a round: the run must outlast the kill, the heartbeat timeout and four
     # processes started one after the other (each imports lpdec, and jax with it). 90
     # rounds (18 s) ran out under CI's load once (the rejoiner found no live machine);
-    # 160 rounds are 32 s.
-    rounds = 160
+    # 160 rounds (32 s) ran out with two strangers started first; 260 are 52 s.
+    rounds = 260
     m0, m1, m2 = (procs.member(f"m{m}", address, m, str(rounds)) for m in range(3))
     _wait_for(lambda: len(_rounds(m2)) >= 5, 60, "five rounds of three members")
     os.killpg(m2.pid, signal.SIGKILL)
@@ -184,10 +188,16 @@ def test_a_killed_member_is_dropped_refused_joins_change_nothing_and_a_rejoin_ag
     _wait_for(
         lambda: any(r["members"] == [0, 1] for r in _rounds(m0)), 30, "a round without machine 2"
     )
-    # Three refused joins: wrong token, other config, other model. Each: one line on
-    # both sides, exit 2, and no round of the run includes machine 2 meanwhile.
+    # A wrong and a missing token claim live slot 1: each is refused at the service's
+    # gate in one line, exit 2, before it registers; machine 1 keeps its slot.
+    for name, token in (("bad_token", "wrong"), ("no_token", "")):
+        proc = procs.member(name, address, 1, str(rounds), "--token", token)
+        assert proc.wait(timeout=60) == 2, proc.out_path.read_text()[-2000:]
+        (event,) = [e for e in _events(proc) if e["event"] == "refused"]
+        assert "refused machine 1: wrong or missing token" in event["error"], event
+    # Two refused joins (with the token) for the dead slot: other config, other model.
+    # Each: one line on both sides, exit 2, and no round includes machine 2 meanwhile.
     refused = {
-        "bad_token": (("--token", "wrong"), "wrong or missing token"),
         "bad_config": (("--fingerprint", "other"), "config differs"),
         "bad_model": (("--model", "other"), "model differs"),
     }
@@ -224,6 +234,10 @@ def test_a_killed_member_is_dropped_refused_joins_change_nothing_and_a_rejoin_ag
     assert all(r["agree"] for p in (m0, m1, back) for r in _rounds(p))
     # Its contributions count again: the last rounds are over all three.
     assert final[m0]["members"] == [0, 1, 2] and final[back]["included"]
+    # Machine 1, whose live slot the strangers claimed, took part in every round to
+    # the end: none of its contributions was dropped, it never had to join.
+    assert all(r["included"] for r in _rounds(m1)) and len(_rounds(m1)) == rounds
+    assert not [e for e in _events(m1) if e["event"] in ("joined", "behind")]
     # The state is the independent recursion w <- w + mean over the round's members
     # of (machine + 1), replayed from machine 0's record of the members.
     w = 0.0
@@ -310,7 +324,7 @@ def _training_child(workdir) -> str:
 
 def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameters(procs, tmp_path):
     token = tmp_path / "token"
-    token.write_text("run-secret\n")
+    token.write_text("secret\n")
     address = procs.service(3)
     flag = f"--elastic_token_file={token}"
     runs = [_train(procs, f"t{m}", address, m, tmp_path / f"m{m}", flag) for m in range(3)]
@@ -352,11 +366,12 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     assert summaries["m0"]["final"]["train_loss"] < 1.0  # it trained (2.3 at the start)
 
 
-def _pair(procs, tmp_path, name, *extra):
+def _pair(procs, tmp_path, name, *extra, during=None):
     """Two machines of elastic_mlp (100 steps, H=10) on a service of their own; their
-    final parameters (every machine's must be the same bytes) and summaries."""
+    final parameters (every machine's must be the same bytes) and summaries.
+    `during(address, runs)`, if given, runs while they train."""
     token = tmp_path / "token"
-    token.write_text("run-secret\n")
+    token.write_text("secret\n")
     address = procs.service(2, heartbeat=10, name=f"{name}-service")
     runs = [
         procs.start(
@@ -377,6 +392,8 @@ def _pair(procs, tmp_path, name, *extra):
         )  # fmt: skip
         for m in range(2)
     ]
+    if during is not None:
+        during(address, runs)
     for proc in runs:
         assert proc.wait(timeout=300) == 0, proc.out_path.read_text()[-3000:]
     finals = [np.load(tmp_path / name / str(m) / "final_params.npz") for m in range(2)]
@@ -407,6 +424,71 @@ def test_train_py_peers_transport_moves_the_same_mean_without_the_service(procs,
     assert summaries[0]["final"]["train_loss"] < 2.0, summaries[0]["final"]  # 2.3 at the start
 
 
+@pytest.mark.parametrize("transport", ["service", "peers"])
+def test_train_py_strangers_on_a_live_slot_are_refused_and_change_nothing(
+    procs, tmp_path, transport
+):
+    """The README's mode (a token, loopback, no credentials), with the star exchange and
+    with the peers': while both machines train, a train.py with a wrong token and one
+    with none claim live slot 1. Each is refused at the service's gate in one line
+    (exit 2) before it registers; machine 1 keeps its slot: none of its rounds dropped,
+    no abort, no restart, and the run ends with the parameters of the same run without
+    them, bit for bit. Then the service says that the run has finished and stops."""
+    steps = ("--config.num_steps=200", f"--config.elastic_transport={transport}")
+    alone, _, _ = _pair(procs, tmp_path, "alone", *steps)
+    wrong = tmp_path / "wrong.token"
+    wrong.write_text("not the run's\n")
+    strangers: dict[str, subprocess.Popen] = {}
+    alive: list[bool] = []  # whether machine 1 still trained when they were refused
+
+    def intrude(address, runs):
+        _wait_for(lambda: len(_exchange_rows(tmp_path / "with" / "1")) >= 1, 120, "a round")
+        for name, flags in (("wrong", [f"--elastic_token_file={wrong}"]), ("none", [])):
+            strangers[name] = procs.start(
+                f"stranger-{name}", sys.executable, str(ROOT / "train.py"),
+                f"--config={ROOT / 'configs' / 'elastic_mlp.py'}",
+                f"--workdir={tmp_path / 'stranger' / name}", f"--elastic_service={address}",
+                "--elastic_machines=2", "--elastic_machine=1", "--config.num_nodes=2",
+                "--config.model_kwargs.hidden_sizes=(32,)", *steps, *flags,
+            )  # fmt: skip
+        for proc in strangers.values():
+            try:
+                proc.wait(timeout=180)
+            except subprocess.TimeoutExpired:  # let in: it waits for a state never sent
+                harness.kill_group(proc)
+                proc.wait()
+        alive.append(runs[1].poll() is None)
+
+    with_, summaries, _ = _pair(
+        procs, tmp_path, "with", *steps, "--elastic_min_round_s=1.5", during=intrude
+    )
+    for proc in strangers.values():
+        text = proc.out_path.read_text()
+        errors = [line for line in text.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1, text[-3000:]
+        assert "refused machine 1: wrong or missing token" in errors[0], errors
+    assert alive == [True], "machine 1 ended before the strangers were refused: not a live slot"
+    rows = _exchange_rows(tmp_path / "with" / "1")
+    assert len(rows) == 20 and all(r["included"] == "1" for r in rows), rows
+    assert summaries[1]["joined_at_rounds"] == [] and summaries[1]["resumed_at_rounds"] == []
+    named = {proc.out_path.stem: proc for proc in procs.procs}
+    assert "restarting it" not in named["with1"].out_path.read_text()
+    for key in alone:
+        np.testing.assert_array_equal(alone[key], with_[key], err_msg=key)
+    service = named["with-service"]
+    assert service.wait(timeout=60) == 0, service.out_path.read_text()[-2000:]
+    said = [line for line in service.out_path.read_text().splitlines() if "has finished" in line]
+    assert len(said) == 2 and "its last round, 19, is decided" in said[0], said
+
+
+def _exchange_rows(workdir) -> list[dict]:
+    path = pathlib.Path(workdir) / "exchanges.csv"
+    if not path.exists():
+        return []
+    with open(path) as f:
+        return list(csv.DictReader(f))
+
+
 def test_train_py_machines_go_on_from_their_saved_round_when_the_service_starts_again(
     procs, tmp_path
 ):
@@ -415,7 +497,7 @@ def test_train_py_machines_go_on_from_their_saved_round_when_the_service_starts_
     the round of the state each saved after every round (not from round 0), and end
     with the same parameters."""
     token = tmp_path / "token"
-    token.write_text("run-secret\n")
+    token.write_text("secret\n")
     address = procs.service(3)
     flag = f"--elastic_token_file={token}"
     steps = "--config.num_steps=800"  # 80 rounds: the service is killed after 15
@@ -452,7 +534,7 @@ def test_a_diverging_elastic_run_counts_its_nan_steps_and_exits_3_on_every_machi
     divergence_patience log intervals, and it stops with the synchronous loop's one-line
     divergence error, exit status 3 and `diverged` in summary.json."""
     token = tmp_path / "token"
-    token.write_text("run-secret\n")
+    token.write_text("secret\n")
     address = procs.service(2, heartbeat=10)  # no machine is meant to be lost here
     runs = [
         procs.start(
@@ -502,7 +584,7 @@ def test_train_py_samples_budget_makes_up_lost_steps_and_hands_over_the_final_st
     machine 1, behind when it wakes, joins for the final state: every machine ends
     with the same parameters and step."""
     token = tmp_path / "token"
-    token.write_text("run-secret\n")
+    token.write_text("secret\n")
     address = procs.service(3, heartbeat=30)
     common = (
         f"--elastic_token_file={token}", "--config.elastic_budget=samples",

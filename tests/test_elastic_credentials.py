@@ -4,7 +4,7 @@ The certificates against the `cryptography` library's own verification; the
 refusals off loopback in one line; and, on a jax whose coordination service
 takes mutual TLS (>= 0.11.2: CI's newest), a service with the run's credentials
 that two of its machines join while processes without credentials, or with
-another run's, fail to register and change nothing for the machines.
+another run's, are refused at its gate with their reason and change nothing.
 """
 
 from __future__ import annotations
@@ -84,7 +84,7 @@ def test_off_loopback_without_credentials_is_refused_unless_the_network_is_priva
 
     message = "is not a loopback address and the run has no credentials"
     with pytest.raises(ValueError, match=message):
-        elastic.start("10.11.12.13:29600", 3)
+        elastic.start("10.11.12.13:29600", 3, token=b"t")
     with pytest.raises(ValueError, match=message):
         elastic.ElasticGroup("10.11.12.13:29600", 0, 3, b"t", "fp")
     options = elastic_lib.ElasticOptions(
@@ -119,7 +119,7 @@ def test_credentials_on_a_jax_without_mutual_tls_are_refused_in_one_line(tmp_pat
     service = credentials.load(str(tmp_path / "run"), "service")
     monkeypatch.setattr(_runtime, "mtls_supported", lambda: False)
     with pytest.raises(ValueError, match=r"need mutual TLS .* \(jax >= 0.11.2\)"):
-        elastic.start("127.0.0.1:29600", 2, credentials=service)
+        elastic.start("127.0.0.1:29600", 2, token=b"t", credentials=service)
     with pytest.raises(ValueError, match=r"need mutual TLS"):
         elastic.ElasticGroup(
             "127.0.0.1:29600",
@@ -134,23 +134,32 @@ def test_credentials_on_a_jax_without_mutual_tls_are_refused_in_one_line(tmp_pat
 STRANGER = """
 import sys
 sys.path.insert(0, sys.argv[1])
-from lpdec.elastic import credentials, store
+from lpdec import elastic
+from lpdec.elastic import credentials
 creds = credentials.load(sys.argv[3], 1) if sys.argv[3] else None
-seat = store.ServiceStore(sys.argv[2], 1, 2, connect_timeout=3, heartbeat_timeout=3,
-                          credentials=creds)
-seat.connect()
+group = elastic.ElasticGroup(sys.argv[2], 1, 2, sys.argv[4].encode(), "fp", connect_timeout=3,
+                             heartbeat_timeout=3, credentials=creds)
+try:
+    group.connect()
+except elastic.GateRefused as error:
+    print("REFUSED:", error, flush=True)
+    sys.exit(2)
 print("REGISTERED", flush=True)
 """
 
 
 @pytest.mark.skipif(not _runtime.mtls_supported(), reason="this jax has no mutual TLS")
 def test_processes_without_the_runs_credentials_cannot_register_and_change_nothing(tmp_path):
+    """With mutual TLS, on live slot 1: no certificates and no token; another run's
+    certificates with that run's token; no certificates with the run's token. Each is
+    refused at the gate, before it registers, with its own reason."""
     run, other = str(tmp_path / "run"), credentials_dir(tmp_path)
     credentials.make(run, 2)
     address = f"127.0.0.1:{harness.free_port()}"
     service = elastic.start(
-        address, 2, heartbeat_timeout=3, credentials=credentials.load(run, "service")
-    )
+        address, 2, token=b"token", heartbeat_timeout=3,
+        credentials=credentials.load(run, "service"),
+    )  # fmt: skip
     groups: dict[int, elastic.ElasticGroup] = {}
 
     def connect(m: int) -> None:
@@ -169,22 +178,26 @@ def test_processes_without_the_runs_credentials_cannot_register_and_change_nothi
     try:
         assert sorted(groups) == [0, 1], "the run's own machines could not register"
         live = groups[0].live()
-        # Slot 1 is live; a process without credentials, and one with another run's,
-        # claim it. Each fails to register (jaxlib ends it), in its own process.
-        with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        strangers = [
+            ("", "", "refused machine 1: wrong or missing token"),
+            (other, "another run's token", "refused machine 1: wrong or missing token"),
+            ("", "token", "takes only the run's credentials (mutual TLS)"),
+        ]
+        with concurrent.futures.ThreadPoolExecutor(3) as pool:
             ended = list(
                 pool.map(
-                    lambda creds: subprocess.run(
-                        [sys.executable, "-c", STRANGER, str(ROOT), address, creds],
+                    lambda s: subprocess.run(
+                        [sys.executable, "-c", STRANGER, str(ROOT), address, s[0], s[1]],
                         capture_output=True,
                         text=True,
                         timeout=90,
                     ),  # fmt: skip
-                    ["", other],
+                    strangers,
                 )
             )
-        for proc in ended:
-            assert proc.returncode != 0 and "REGISTERED" not in proc.stdout, proc.stdout
+        for proc, (_, _, reason) in zip(ended, strangers, strict=True):
+            assert proc.returncode == 2 and "REFUSED:" in proc.stdout, proc.stdout + proc.stderr
+            assert reason in proc.stdout, proc.stdout
         time.sleep(4)  # past a heartbeat timeout: the service would have noticed by now
         # The run's machines kept their slots and incarnations, and the store serves them.
         assert groups[0].live() == live and not groups[0].lost() and not groups[1].lost()

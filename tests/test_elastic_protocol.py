@@ -11,6 +11,10 @@ tests/test_elastic.py runs the same protocol on jax's service in real processes.
 from __future__ import annotations
 
 import json
+import os
+import pathlib
+import subprocess
+import sys
 import threading
 import time
 
@@ -95,16 +99,107 @@ def test_a_dead_machine_is_not_waited_for_and_a_restarted_one_only_once_it_train
     assert m0.expected() == {0, 1, 2}
 
 
-def test_a_contribution_without_the_token_is_ignored():
+def test_records_without_the_token_are_never_used():
+    """The signatures' layer, below the gate: a process that wrote records without the
+    token (here on a dead slot of the in-memory service, which has no gate) adds no
+    header any machine reads, and its decision is refused, never applied."""
     service, (m0, m1, _) = _run()
+    service.kill(2)
     stranger = _group(service, 2, token=b"guessed")
-    stranger.mark_active()  # it may claim the slot; its records do not verify
-    _contribute(stranger, 0)  # it decides [2] under its own token: nobody reads that
-    assert m0.expected() == {0, 1, 2}
-    # The real machines see no verified header from it and no verified decision.
+    stranger.mark_active()
+    _contribute(stranger, 0)  # it decides [2] under its own token: nobody applies that
     assert set(m0._headers(0)) == set()  # noqa: SLF001 - the protocol's own view
     with pytest.raises(elastic.ServiceLost, match="not signed with this run's token"):
         _contribute(m0, 0)
+
+
+HAND_WRITTEN = """
+import sys
+from lpdec.elastic import _runtime
+client = _runtime.jax_runtime().get_distributed_runtime_client(
+    sys.argv[1], int(sys.argv[2]), init_timeout=3, heartbeat_timeout=3,
+    shutdown_on_destruction=False)
+client.connect()
+print("REGISTERED", flush=True)
+"""
+
+
+def _hand_written_client(address: str, slot: int) -> subprocess.CompletedProcess:
+    """jaxlib's own client pointed straight at the run's address, skipping the gate
+    (in a process of its own: jaxlib ends the process whose registration fails)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    return subprocess.run(
+        [sys.executable, "-c", HAND_WRITTEN, address, str(slot)],
+        capture_output=True, text=True, timeout=120, cwd=root,
+        env=dict(os.environ, PYTHONPATH=str(root)),
+    )  # fmt: skip
+
+
+def test_a_stranger_claiming_a_live_slot_is_refused_at_the_gate_and_changes_nothing():
+    """jax's service, in this process, behind its gate; three machines registered. On
+    live slot 2: a wrong token, no token and jaxlib's own client skipping the gate.
+    Without the gate each would register slot 2 again, and the service would end the
+    live machine's incarnation; here each is refused before it registers, and slot 2
+    keeps its incarnation and its rounds."""
+    from bench import harness  # noqa: PLC0415
+
+    address = f"127.0.0.1:{harness.free_port()}"
+    service = elastic.start(address, 3, token=TOKEN, heartbeat_timeout=2)
+    groups: dict[int, elastic.ElasticGroup] = {}
+
+    def connect(m: int, token: bytes = TOKEN) -> elastic.ElasticGroup:
+        group = elastic.ElasticGroup(
+            address, m, 3, token, "fp", heartbeat_timeout=2, connect_timeout=20, poll_s=0.01
+        )
+        group.connect()
+        return group
+
+    threads = [
+        threading.Thread(target=lambda m=m: groups.__setitem__(m, connect(m))) for m in range(3)
+    ]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(timeout=60)
+    try:
+        assert sorted(groups) == [0, 1, 2]
+        for group in groups.values():
+            group.mark_active()
+        live = groups[0].live()
+        for token in (b"guessed", b""):
+            with pytest.raises(elastic.GateRefused) as refused:
+                connect(2, token)
+            assert "refused machine 2: wrong or missing token" in str(refused.value)
+            assert "\n" not in str(refused.value)
+        ended = _hand_written_client(address, 2)
+        assert "REGISTERED" not in ended.stdout and ended.returncode != 0
+        assert "RegisterTask" in ended.stderr, ended.stderr[-2000:]  # its registration failed
+        time.sleep(3)  # past the heartbeat timeout: a displaced machine would be gone
+        assert groups[0].live() == live and not any(g.lost() for g in groups.values())
+        # The next round is over all three, slot 2 included, decided on "all".
+        seen: dict[int, elastic.Exchange] = {}
+        rounds = [
+            threading.Thread(
+                target=lambda g=g: seen.__setitem__(g.machine, _contribute(g, 0, 20.0))
+            )
+            for g in groups.values()
+        ]
+        for thread in rounds:
+            thread.start()
+        for thread in rounds:
+            thread.join(timeout=30)
+        assert {m: (e.members, e.included, e.reason) for m, e in seen.items()} == {
+            m: ((0, 1, 2), True, "all") for m in range(3)
+        }
+        # The run's end, said at the gate by a machine with the token, once.
+        groups[0].finish(0)
+        groups[0].close()
+        assert service.finished is not None and service.finished[:2] == (0, 0)
+        assert service.gate.refused == 2  # the hand-written client never got a reply
+    finally:
+        for group in groups.values():
+            group.close()
+        service.shutdown()
 
 
 def test_a_machine_two_rounds_behind_or_past_the_end_is_told_to_join():

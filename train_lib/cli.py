@@ -118,7 +118,8 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
     """
     if flag_values.elastic_restarts > 0 and not flag_values.elastic_child:
         _supervise(flag_values)
-    from train_lib import elastic  # noqa: PLC0415 - only elastic runs need it
+    from lpdec import elastic as lpdec_elastic  # noqa: PLC0415 - only elastic runs need it
+    from train_lib import elastic  # noqa: PLC0415
 
     try:
         slowdown, min_round_s = elastic_flags.pace()  # fault tests only (the environment)
@@ -147,6 +148,9 @@ def run_elastic(flag_values: flags.FlagValues) -> NoReturn:
     except elastic.ElasticLost as error:
         sys.stderr.write(f"error: {error}\n")
         status = EXIT_PEER_LOST
+    except lpdec_elastic.JoinRefused as error:  # the gate: nothing of it registered
+        sys.stderr.write(f"error: {error}\n")
+        status = EXIT_BAD_INPUT
     except RunError as error:
         sys.stderr.write(f"error: {error}\n")
         status = EXIT_BAD_INPUT

@@ -140,7 +140,7 @@ class Cluster:
                 [
                     *self._in(0), sys.executable, "-m", "lpdec.elastic", "serve",
                     "--bind", self.address, "--machines", str(ELASTIC_MACHINES),
-                    "--heartbeat_timeout", str(ELASTIC_HEARTBEAT),
+                    "--heartbeat_timeout", str(ELASTIC_HEARTBEAT), "--token_file", str(self.token),
                     *self._trust("--credentials", "--private_network"),
                 ],
                 1,

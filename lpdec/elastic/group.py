@@ -43,9 +43,10 @@ sides log one line.
 **The token.** Every header, decision, join request and state is signed with
 HMAC-SHA256 under the run's token (never written anywhere); what does not
 verify is ignored, so a process without the token cannot add to a mean, decide
-a round or receive the model. It can still register a slot with the service,
-which has no password: bind the service to an address only the run's
-machines reach (or use jax's mutual TLS).
+a round or receive the model. Nor can it register a slot: `connect` proves the
+token at the service's gate first (`lpdec.elastic.gate`), and a process that
+cannot is refused (`GateRefused`) before anything of it reaches jax's service,
+so a live machine keeps its slot and its incarnation.
 """
 
 from __future__ import annotations
@@ -161,6 +162,7 @@ class ElasticGroup:
                 poll_s=poll_s,
                 credentials=credentials,
                 private_network=private_network,
+                token=token,
             )
         self.address, self.machine, self.machines = address, machine, machines
         self.store = store
@@ -168,13 +170,17 @@ class ElasticGroup:
         self.fingerprint = fingerprint
         self.poll_s = poll_s
         self.incarnation: int | None = None
+        self._finished: int | None = None  # the run's last round, once this machine ended it
 
     # -- connection --------------------------------------------------------
 
     def connect(self) -> None:
-        """Registers this machine's slot (a new incarnation) with the service.
+        """Proves the token at the service's gate, then registers this machine's slot
+        (a new incarnation) with the service.
 
         Raises:
+          GateRefused: the gate refused this machine (a wrong or missing token);
+            nothing registered, the slot's live machine (if any) is untouched.
           ServiceLost: the service did not answer within its connect timeout.
         """
         self.incarnation = self.store.connect()
@@ -190,7 +196,11 @@ class ElasticGroup:
             raise ServiceLost(reason)
 
     def close(self) -> None:
-        """Leaves the service (the others see this slot gone at once)."""
+        """Leaves the service (the others see this slot gone at once); after `finish`,
+        tells the service first that the run has ended (it says so and stops)."""
+        finished, self._finished = self._finished, None
+        if finished is not None:
+            self.store.announce_finished(finished)
         self.store.close()
 
     # -- membership --------------------------------------------------------
@@ -224,6 +234,7 @@ class ElasticGroup:
         self.store.put("finished", str(int(last_round)).encode())
         self.store.delete(f"active/{self.machine}")
         self.store.put(f"done/{self.machine}", str(self.incarnation).encode())
+        self._finished = int(last_round)
 
     def mark_active(self) -> None:
         """Declares this incarnation a trainer: exchanges wait for its contributions."""

@@ -6,8 +6,9 @@ store with a create-only write, a directory read and a blocking read. `Store`
 names them; two implement it:
 
 - `ServiceStore`: jax's coordination service through jaxlib's client (the
-  connection, the liveness thread, jaxlib's errors turned into `ServiceLost`).
-  The one place that talks to jaxlib, and the one that tells its errors apart.
+  gate passed first, the connection, the liveness thread, jaxlib's errors
+  turned into `ServiceLost`). The one place that talks to jaxlib, and the one
+  that tells its errors apart.
 - `MemoryStore`: the same in one process (`MemoryService` holds the keys and
   the live slots; a test kills, restarts and delays machines by hand), so the
   protocol's races run deterministically, without processes or timeouts.
@@ -22,6 +23,7 @@ from typing import Any
 from typing import Protocol
 
 from lpdec.elastic import _runtime
+from lpdec.elastic import gate
 from lpdec.elastic.credentials import Credentials
 from lpdec.elastic.credentials import check as check_credentials
 
@@ -73,6 +75,10 @@ class Store(Protocol):
         """Leaves the service (the others see the slot gone at once)."""
         ...
 
+    def announce_finished(self, last_round: int) -> None:
+        """Tells the service that the run ended after `last_round` (best effort)."""
+        ...
+
 
 ROOT = "lpdec/run"
 
@@ -96,6 +102,8 @@ class ServiceStore:
       credentials: this machine's (`credentials.load(DIR, machine)`): mutual TLS
         with the service. Without them `address` must be loopback unless
         `private_network`.
+      token: the run's secret, proved at the service's gate before this machine
+        registers (`lpdec.elastic.gate`); a wrong or missing one is `GateRefused`.
     """
 
     def __init__(
@@ -109,6 +117,7 @@ class ServiceStore:
         poll_s: float = 0.05,
         credentials: Credentials | None = None,
         private_network: bool = False,
+        token: bytes = b"",
     ):
         _runtime.check_address(address, "address")
         check_credentials(address, credentials, private_network)
@@ -118,15 +127,40 @@ class ServiceStore:
         self.connect_timeout = int(connect_timeout)
         self.poll_s = poll_s
         self.client: Any = None
+        self._token = bytes(token)
+        self._tunnel: gate.Tunnel | None = None
         self._lost = threading.Event()
         self._lost_reason = ""
         self._live: dict[int, int] = {}
 
     def connect(self) -> int:
+        """Passes the gate (GateRefused: a wrong or missing token; nothing registered),
+        then registers the slot. Raises ServiceLost when the service cannot be reached."""
         self._lost.clear()
         runtime = _runtime.jax_runtime()
+        mutual_tls = self.credentials is not None
+        try:
+            gate.probe(
+                self.address,
+                self.machine,
+                self._token,
+                mutual_tls=mutual_tls,
+                timeout=self.connect_timeout,
+            )
+        except OSError as error:
+            raise ServiceLost(
+                f"machine {self.machine} gave up before it registered with the service at "
+                f"{self.address}: not reached within {self.connect_timeout} s "
+                f"({error.strerror or error})"
+            ) from None
+        if mutual_tls:
+            target = gate.service_address(self.address)
+        else:
+            if self._tunnel is None:
+                self._tunnel = gate.Tunnel(self.address, self.machine, self._token)
+            target = self._tunnel.jax_address
         self.client = runtime.get_distributed_runtime_client(
-            self.address,
+            target,
             self.machine,
             init_timeout=self.connect_timeout,
             heartbeat_timeout=self.heartbeat_timeout,
@@ -181,6 +215,12 @@ class ServiceStore:
                 client.shutdown()
             except Exception:  # noqa: BLE001 - leaving a service that is gone is fine
                 pass
+        tunnel, self._tunnel = self._tunnel, None
+        if tunnel is not None:
+            tunnel.close()
+
+    def announce_finished(self, last_round: int) -> None:
+        gate.announce_finished(self.address, self.machine, self._token, last_round)
 
     # jaxlib reports a missing key and a create-only write's collision as status
     # errors whose text names the code; every other error is a lost service.
@@ -265,6 +305,7 @@ class MemoryService:
         self.alive: set[int] = set()
         self.lock = threading.Condition()
         self.refused_writes: set[str] = set()
+        self.finished_notices: list[tuple[int, int]] = []  # (machine, last round)
         self.before_put: Callable[[int, str], None] | None = None
 
     def store(self, machine: int) -> MemoryStore:
@@ -366,3 +407,7 @@ class MemoryStore:
         with self.service.lock:
             self.service.alive.discard(self.machine)
         self.connected = False
+
+    def announce_finished(self, last_round: int) -> None:
+        with self.service.lock:
+            self.service.finished_notices.append((self.machine, int(last_round)))
