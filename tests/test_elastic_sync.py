@@ -85,6 +85,8 @@ def test_an_elastic_run_without_losses_ends_with_the_synchronous_runs_parameters
             address,
             "--machines",
             "2",
+            "--token_file",
+            str(token),
         )  # fmt: skip
     ]
     try:
