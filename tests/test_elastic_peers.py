@@ -5,6 +5,7 @@ the members' vectors (float64), cut and joined independently of the code under t
 """
 
 import pathlib
+import socket
 import threading
 
 import numpy as np
@@ -73,25 +74,53 @@ def test_every_member_ends_with_the_members_mean(machines):
         assert len({out[m].tobytes() for m in members}) == 1  # the same bytes everywhere
 
 
+def _forge(address, head, body):
+    """Writes one message's bytes on a fresh connection; True if the receiver took it
+    (acknowledged it), False if it closed the connection unanswered."""
+    with socket.create_connection(address.rsplit(":", 1), timeout=10) as connection:
+        try:
+            connection.sendall(head + body)
+            return connection.recv(1) != b""
+        except ConnectionError:
+            return False
+
+
 def test_a_stranger_without_the_token_changes_nothing(machines):
+    """Every message the members of round 7 will wait for (each part and each mean, from
+    the very slot each is expected from) is forged first, under a guessed token: each is
+    refused at its header (no acknowledgement, one rejection each), none is in an inbox,
+    and the round's result is the members' mean."""
     rng = np.random.default_rng(1)
     vectors = {m: rng.normal(size=64) for m in machines}
-    stranger = p2p.Peers(0, b"a guessed token")
-
-    def forge(addresses):
-        # Machine 0's "part" of every chunk, and chunk 1's "mean", sent first.
-        for m, address in addresses.items():
-            stranger.send(address, 7, "part", [0, 1, 2][m], np.ones(22).tobytes())
-        stranger.send(addresses[2], 7, "mean", 1, np.ones(21).tobytes())
-
+    members = [0, 1, 2]
+    strangers = {m: p2p.Peers(m, b"a guessed token") for m in members}
     try:
-        out = _round(machines, vectors, [0, 1, 2], round_=7, stranger=forge)
+        forged = []  # (receiver, kind, chunk, claimed sender)
+        for receiver in members:
+            for sender in members:
+                if sender != receiver:  # the receiver's chunk's part; the sender's chunk's mean
+                    forged += [
+                        (receiver, "part", receiver, sender),
+                        (receiver, "mean", sender, sender),
+                    ]
+        assert len(forged) == 12
+        for receiver, kind, chunk, sender in forged:
+            body = np.ones(22).tobytes()
+            head = strangers[sender].frame(7, kind, chunk, body)
+            taken = _forge(machines[receiver].address, head, body)
+            assert not taken, f"machine {receiver} took a forged {kind} {chunk} from {sender}"
+        for receiver, kind, chunk, sender in forged:  # nothing of them waits in an inbox
+            with pytest.raises(p2p.PeerTimeout):
+                machines[receiver].wait(7, kind, chunk, [sender], timeout=0.01)
+        assert [machines[m].rejected for m in members] == [4, 4, 4]
+        out = _round(machines, vectors, members, round_=7)
     finally:
-        stranger.close()
-    expected = np.mean([vectors[m] for m in (0, 1, 2)], axis=0)
-    for m in (0, 1, 2):
+        for stranger in strangers.values():
+            stranger.close()
+    expected = np.mean([vectors[m] for m in members], axis=0)
+    for m in members:
         np.testing.assert_allclose(out[m], expected, rtol=1e-12)
-    assert sum(machines[m].rejected for m in (0, 1, 2)) >= 3
+    assert [machines[m].rejected for m in members] == [4, 4, 4]
 
 
 def test_a_member_that_never_sends_times_out_naming_it(machines):
@@ -126,7 +155,7 @@ def test_with_the_runs_credentials_a_peer_without_them_cannot_connect(tmp_path):
         # intruder's send may or may not fail on its side; the receiver is what counts).
         for intruder in (foreign, service, plain):
             try:
-                intruder.send(ours[1].address, 1, "part", 1, np.ones(5).tobytes())
+                intruder.send(ours[1].address, 1, "part", 1, np.ones(5).tobytes(), timeout=0)
             except OSError:
                 pass
         with pytest.raises(p2p.PeerTimeout):
