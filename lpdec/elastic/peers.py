@@ -83,6 +83,8 @@ MIN_RATE = 1 << 20
 #: Messages one sender may have waiting in the inbox: a round's part and mean, and the
 #: next round's of a member that is ahead, twice over.
 INBOX_MESSAGES = 8
+#: Keys of messages handed out that are remembered (a late copy of one is dropped).
+TAKEN = 4096
 _ACK = b"\x06"
 
 
@@ -166,13 +168,16 @@ class Peers:
         self.max_message_bytes = MAX_MESSAGE_BYTES
         self.set_limits(max_message_bytes, machines if machines is not None else 1 << 16)
         self.max_pending, self.header_s = max_pending, header_s
-        self._listener = socket.create_server((host, port), backlog=64)
+        # A burst of connections waits in the kernel's queue for the accept thread (whose
+        # `max_pending` rule sorts them), not in the SYN retransmits of a short queue.
+        self._listener = socket.create_server((host, port), backlog=1024)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
         # The inbox: {(round, kind, chunk, sender): body}, with each sender's count and
         # bytes (bodies being read count already: they are reserved before the read).
         self._inbox: dict[tuple, bytes] = {}
         self._held: dict[int, list[int]] = {}  # sender -> [messages, bytes]
         self._floor = 0  # rounds below it are forgotten: their messages are dropped
+        self._taken: dict[tuple, None] = {}  # the keys `wait` handed out, oldest first
         self._arrived = threading.Condition()
         self._out: dict[str, socket.socket] = {}
         self._lock = threading.Lock()  # guards _out, _locks, _pending, _senders, _threads
@@ -295,8 +300,9 @@ class Peers:
     def _promote(self, raw: socket.socket, sender: int) -> int:
         """Makes an accepted connection `sender`'s (its first header verified)."""
         with self._lock:
-            if raw in self._pending:
-                self._pending.remove(raw)
+            if raw not in self._pending:  # closed to make room: the sender sends again
+                raise _Refused("closed unheard to make room")
+            self._pending.remove(raw)
             older = self._senders.get(sender)
             self._senders[sender] = raw
         if older is not None:
@@ -307,7 +313,7 @@ class Peers:
         """Whether the message is to be read (room held in its sender's share) or skipped."""
         round_, sender = key[0], key[3]
         with self._arrived:
-            if round_ < self._floor:
+            if round_ < self._floor or key in self._taken:  # forgotten, or sent again
                 self.dropped += 1
                 return False
             held = self._held.setdefault(sender, [0, 0])
@@ -345,6 +351,9 @@ class Peers:
 
     def _take(self, key: tuple) -> bytes:
         body = self._inbox.pop(key)
+        self._taken[key] = None  # a copy sent again (its acknowledgement was lost) is dropped
+        if len(self._taken) > TAKEN:
+            del self._taken[next(iter(self._taken))]
         held = self._held[key[3]]
         held[0] -= 1
         held[1] -= len(body)
@@ -368,6 +377,12 @@ class Peers:
                         f"{missing} within {timeout:g} s"
                     )
                 self._arrived.wait(left)
+
+    def inbox(self) -> tuple[int, int]:
+        """(messages, bytes) waiting in the inbox, bodies being read included."""
+        with self._arrived:
+            held = list(self._held.values())
+        return sum(h[0] for h in held), sum(h[1] for h in held)
 
     def forget(self, before_round: int) -> None:
         """Drops what arrived for rounds before `before_round`, and refuses what comes for them."""
