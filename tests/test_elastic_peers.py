@@ -123,6 +123,47 @@ def test_a_stranger_without_the_token_changes_nothing(machines):
     assert [machines[m].rejected for m in members] == [4, 4, 4]
 
 
+def test_the_inbox_keeps_a_senders_newest_rounds_within_its_share():
+    """What a machine with the token sends and nobody takes stays bounded: at most
+    INBOX_MESSAGES (8) messages and 2 max_message_bytes a sender, the oldest rounds
+    dropped first (then the newcomer, if it is the oldest); a forgotten round's message
+    is dropped; a length beyond max_message_bytes or a slot outside the run is refused
+    at the header (no acknowledgement: the sender's one attempt fails)."""
+    limits = {"machines": 2, "max_message_bytes": 1000}
+    receiver, other = p2p.Peers(0, TOKEN, **limits), p2p.Peers(0, TOKEN, **limits)
+    sender = p2p.Peers(1, TOKEN, machines=2, max_message_bytes=5000)
+    stranger_slot = p2p.Peers(5, TOKEN)
+    try:
+        for r in range(12):
+            sender.send(receiver.address, r, "part", 0, bytes([r]) * 100)
+        assert receiver.inbox() == (8, 800) and receiver.dropped == 4
+        sender.send(receiver.address, 2, "part", 0, b"late")  # older than all 8: dropped
+        assert receiver.inbox() == (8, 800) and receiver.dropped == 5
+        for r in range(4):
+            with pytest.raises(p2p.PeerTimeout):
+                receiver.wait(r, "part", 0, [1], timeout=0.01)
+        for r in range(4, 12):
+            assert receiver.wait(r, "part", 0, [1], timeout=1.0) == {1: bytes([r]) * 100}
+
+        for r in range(3):  # 900 bytes each: two fit in 2 x 1000
+            sender.send(other.address, r, "part", 0, bytes([r]) * 900)
+        assert other.inbox() == (2, 1800) and other.dropped == 1
+        assert other.wait(2, "part", 0, [1], timeout=1.0) == {1: bytes([2]) * 900}
+        other.forget(30)
+        sender.send(other.address, 29, "part", 0, b"x")
+        assert other.inbox() == (0, 0) and other.dropped == 3  # round 1 forgotten, 29 too
+
+        assert receiver.rejected == 0
+        with pytest.raises(OSError):
+            sender.send(receiver.address, 40, "part", 0, bytes(1001), timeout=0)
+        with pytest.raises(OSError):
+            stranger_slot.send(receiver.address, 40, "part", 0, b"x", timeout=0)
+        assert receiver.rejected == 2 and receiver.inbox() == (0, 0)
+    finally:
+        for peer in (receiver, other, sender, stranger_slot):
+            peer.close()
+
+
 def test_a_member_that_never_sends_times_out_naming_it(machines):
     vectors = {m: np.zeros(8) for m in machines}
     peer = machines[0]

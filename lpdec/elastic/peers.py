@@ -323,9 +323,7 @@ class Peers:
                 if not older:
                     self.dropped += 1
                     return False
-                oldest = min(older)
-                held[0] -= 1
-                held[1] -= len(self._inbox.pop(oldest))
+                self._discard(min(older))
                 self.dropped += 1
             held[0] += 1
             held[1] += length
@@ -350,10 +348,13 @@ class Peers:
             self._arrived.notify_all()
 
     def _take(self, key: tuple) -> bytes:
-        body = self._inbox.pop(key)
         self._taken[key] = None  # a copy sent again (its acknowledgement was lost) is dropped
         if len(self._taken) > TAKEN:
             del self._taken[next(iter(self._taken))]
+        return self._discard(key)
+
+    def _discard(self, key: tuple) -> bytes:
+        body = self._inbox.pop(key)
         held = self._held[key[3]]
         held[0] -= 1
         held[1] -= len(body)
@@ -389,7 +390,10 @@ class Peers:
         with self._arrived:
             self._floor = max(self._floor, before_round)
             for key in [k for k in self._inbox if k[0] < before_round]:
-                self._take(key)
+                self._discard(key)
+                self.dropped += 1
+            for key in [k for k in self._taken if k[0] < before_round]:
+                del self._taken[key]
 
     # -- sending --------------------------------------------------------------
 
