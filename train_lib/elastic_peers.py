@@ -209,7 +209,7 @@ class PeerExchange:
             new_flat[a:b] = v[a:b] - decoded
         new_residual = self.unflatten(new_flat) if feedback else residual
 
-        got = []
+        got: list[int] = []
 
         def reduce(j: int, blobs: list[bytes]) -> bytes:
             a, b = cuts[j]
