@@ -63,6 +63,11 @@ class Round:
     void: str = ""  # why the round is void (a member's bytes did not come), or ""
 
 
+def message_bytes(values: int) -> int:
+    """The longest message a machine of a model of `values` parameters may send a peer."""
+    return 8 * values + (1 << 20)
+
+
 class PeerExchange:
     """One machine's peer-to-peer exchange (see the module docstring).
 
@@ -94,6 +99,10 @@ class PeerExchange:
         self.compressor, self.compressed, self.rounds = compressor, compressed, rounds
         self.mean = mean
         self._encoders: dict[int, tuple] = {}
+        # What a member may send: at most the whole pseudo-gradient's payload; no codec
+        # here sends more than 8 bytes a value (a sparsifier's int32 index and float32
+        # value; float32 itself is 4), and 1 MiB covers the packing's framing.
+        peers.set_limits(message_bytes(self.size), group.machines)
 
     # -- flat vectors ----------------------------------------------------------
 
@@ -203,7 +212,7 @@ class PeerExchange:
             new_flat[a:b] = v[a:b] - decoded
         new_residual = self.unflatten(new_flat) if feedback else residual
 
-        got = []
+        got: list[int] = []
 
         def reduce(j: int, blobs: list[bytes]) -> bytes:
             a, b = cuts[j]
