@@ -273,7 +273,7 @@ def _rounds(exchangers, deltas, steps, deadline=20.0, residuals=None):
                 "anchor", deadline,
                 # The one-round exchange's whole payload: here the float32 tree itself.
                 whole_payload=lambda m=m: (elastic.pack(deltas[m]), residuals and residuals[m]),
-                decode_whole=lambda blob: elastic.unpack(blob, deltas[0]),
+                decode_whole=lambda blob, sender: elastic.unpack(blob, deltas[0]),
             )  # fmt: skip
 
         threads.append(threading.Thread(target=run))

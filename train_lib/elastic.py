@@ -70,6 +70,7 @@ from lpdec.elastic.signing import digest
 from train_lib import checkpoint
 from train_lib import elastic_outer
 from train_lib import elastic_peers
+from train_lib import elastic_transport
 from train_lib import evaluation
 from train_lib import loop
 from train_lib import metrics as metrics_lib
@@ -305,13 +306,14 @@ class ElasticTrainer:
         )
         self.evaluator = evaluation.Evaluator(exp, self.programs, anchor=False, identical=True)
         self.peers: elastic.peers.Peers | None = None
-        self.exchanger: elastic_peers.PeerExchange | None = None
+        self.transport: elastic_transport.Transport = elastic_transport.Star(self.group, self._mean)
         if config.elastic_transport == "peers":
             host, port = options.peer_bind()
             self.peers = elastic.peers.Peers(
-                options.machine, options.token, host, port, options.machine_credentials()
-            )
-            self.exchanger = elastic_peers.PeerExchange(
+                options.machine, options.token, host, port, options.machine_credentials(),
+                machines=options.machines,
+            )  # fmt: skip
+            exchange = elastic_peers.PeerExchange(
                 self.group,
                 self.peers,
                 self.anchor,
@@ -320,7 +322,9 @@ class ElasticTrainer:
                 # "mean" moves float32 and is reduced exactly: always scattered.
                 int(config.mean_rounds) if self.outer.compressed else 2,
                 self._mean,
+                decay=self.outer.decay,
             )
+            self.transport = elastic_transport.Peers(exchange, self.seed)
         logging.info(
             "elastic: machine %d of %d, %d worker(s)%s: %s",
             options.machine,
@@ -711,43 +715,6 @@ class ElasticTrainer:
         payload = elastic.unpack(blob, self.outer.payload_like)
         return self.outer.decode(payload, self.outer_state, phase, sender)
 
-    def _star(self, round_, delta, phase, h, anchor_digest):
-        """The exchange through the service: (decision, mean, bytes sent, received)."""
-        blob, residual = self._whole_payload(delta, phase)
-        ex = self.group.exchange(round_, blob, h, anchor_digest, self.options.deadline)
-        if self.outer.feedback:
-            # Sent or dropped, what the payload could not carry stays for next round.
-            self.outer_state["residual"][phase] = residual
-        # A contribution holding NaN/Inf is dropped, by every machine alike (they decode
-        # the same ones), and counted: as lpdec's exchanges skip a non-finite payload.
-        decoded = [(self._decode_whole(c.payload, c.machine, phase), c) for c in ex.contributions]
-        kept = [(d, c.steps) for d, c in decoded if d is not None]
-        self.nonfinite_received += len(decoded) - len(kept)
-        mean = self._mean([d for d, _ in kept], [n for _, n in kept]) if kept else None
-        return ex, mean, ex.bytes_sent, ex.bytes_received
-
-    def _peers(self, round_, delta, phase, h, anchor_digest):
-        """The exchange between the members (config.elastic_transport="peers")."""
-        assert self.exchanger is not None
-        residual = self.outer_state["residual"][phase]
-        r = self.exchanger.round(
-            round_, delta, self.outer.unflatten(residual), self.outer.feedback, h,
-            jax.random.fold_in(jax.random.key(self.seed), round_), anchor_digest,
-            self.options.deadline,
-            whole_payload=lambda: self._whole_payload(delta, phase),
-            decode_whole=lambda blob, sender: self._decode_whole(blob, sender, phase),
-        )  # fmt: skip
-        if r.void == elastic_peers.LATE:
-            raise elastic.Behind(
-                f"machine {self.options.machine}'s contribution to round {round_} came "
-                "after the decision: no member sends it the mean; it joins for the state"
-            )
-        if self.outer.feedback:
-            self.outer_state["residual"][phase] = self.outer.flatten(r.residual)
-        self.nonfinite_received += r.nonfinite
-        mean = None if r.mean is None else self.outer.flatten(r.mean)
-        return r.exchange, mean, r.sent, r.received, r.void
-
     def _round(self, round_: int) -> tuple[dict, tuple[float, float], float]:
         """One round: local steps, the exchange, the outer step; returns its row."""
         phase = self._phase(round_)
@@ -769,12 +736,22 @@ class ElasticTrainer:
             seconds = self.options.min_round_s
         x = self._machine_model(params)
         delta = jax.tree.map(lambda a, b: np.float32(a) - np.asarray(b, np.float32), self.anchor, x)
-        anchor_digest = elastic.tree_digest(self.anchor)
-        void = ""
-        if self.exchanger is None:
-            ex, mean, sent, received = self._star(round_, delta, phase, h, anchor_digest)
-        else:
-            ex, mean, sent, received, void = self._peers(round_, delta, phase, h, anchor_digest)
+        offer = elastic_transport.Offer(
+            delta=delta,
+            residual=self.outer_state["residual"][phase],
+            feedback=self.outer.feedback,
+            steps=h,
+            anchor_digest=elastic.tree_digest(self.anchor),
+            payload=lambda: self._whole_payload(delta, phase),
+            decode=lambda blob, sender: self._decode_whole(blob, sender, phase),
+        )
+        moved = self.transport.round(round_, offer, self.options.deadline)
+        ex, mean, void = moved.exchange, moved.mean, moved.void
+        sent, received = moved.sent, moved.received
+        self.outer_state["residual"][phase] = moved.residual
+        # A contribution holding NaN/Inf is dropped, by every machine alike (they decode
+        # the same ones), and counted: as lpdec's exchanges skip a non-finite payload.
+        self.nonfinite_received += moved.nonfinite
         if void:
             # A member's bytes did not come: this machine's anchor stays where it was (as
             # every member's that missed them), and the round's steps are lost.

@@ -42,6 +42,7 @@ import numpy as np
 import lpdec
 from lpdec import elastic
 from lpdec.elastic import peers as p2p
+from lpdec.kernels_pallas import numerics
 
 #: `Round.void` of a machine whose header came after the decision: it is no member, so
 #: no member sends it the mean; it joins for the state (the star lets it apply the mean).
@@ -80,6 +81,8 @@ class PeerExchange:
       rounds: 2 (reduce-scatter + all-gather) or 1 (all-gather of whole payloads).
       encode_tree / decode_tree: the trainer's whole-tree codec (rounds=1).
       mean: (deltas, steps) -> their mean (the trainer's elastic_mean).
+      decay: error feedback's residual decay (`config.error_decay`): the two-round
+        exchange encodes v = delta + decay * residual.
     """
 
     def __init__(
@@ -91,8 +94,10 @@ class PeerExchange:
         compressed: bool,
         rounds: int,
         mean: Callable[[list, list[int]], Any],
+        decay: float = 1.0,
     ):
         self.group, self.peers = group, peers
+        self.decay = decay  # error feedback's residual decay (config.error_decay)
         self.leaves, self.treedef = jax.tree.flatten(like)
         self.sizes = [int(np.size(x)) for x in self.leaves]
         self.size = sum(self.sizes)
@@ -203,7 +208,12 @@ class PeerExchange:
             n = len(members) - 1
             received = sum(map(len, blobs)) - len(payload)
             return Round(ex, mean, new_residual, len(payload) * n, received, nonfinite)
-        v = flat + self.flatten(residual) if feedback else flat
+        # v = update + decay * residual, rounded as every lpdec exchange rounds it.
+        v = (
+            np.asarray(numerics.feedback_sum(flat, self.flatten(residual), self.decay))
+            if feedback
+            else flat
+        )
         cuts = p2p.split(self.size, len(members), align=ALIGN)
         parts, new_flat = [], np.zeros_like(v)
         for j, (a, b) in enumerate(cuts):
