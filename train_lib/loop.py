@@ -87,7 +87,6 @@ class Chunks:
 
     def __init__(self, exp: setup.Experiment, programs: dict):
         self.layout, self.program = exp.layout, programs["train_chunk"]
-        self.exchange_every = exp.exchange_every
         on_cpu = all(d.platform == "cpu" for d in exp.layout.mesh.devices.flat)
         # Decided on the first chunk (None) from its program, False off CPU.
         self.step_by_step: bool | None = None if on_cpu else False
@@ -119,7 +118,7 @@ class Chunks:
             del self.lowered[length]
             if self.wire is None:
                 sent, source = metrics_lib.wire_bytes(
-                    self.compiled[length], meter, self.layout.per_device, self.exchange_every
+                    self.compiled[length], meter, self.layout.per_device
                 )
                 self.wire = (float(sent), source, meter.collectives, dict(meter.bytes_by_axis))
         return self.compiled[length]
