@@ -54,6 +54,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lpdec import wire
+
 PyTree = Any
 
 
@@ -99,12 +101,17 @@ class ShardPlan:
         Call it inside the per-device program (`NodeLayout.map`). Its gradient is the
         reduce-scatter: differentiated, each block receives the SUM over the workers of
         their gradients; divide by `workers` for the mean (the machine's whole batch).
+        The traffic meter (`lpdec.wire`) counts both, as a training step sends them: the
+        all-gather of the blocks and the reduce-scatter of the whole leaves' gradient.
         """
-        return jax.tree.map(
-            lambda b, dim: jax.lax.all_gather(b, axis_name, axis=dim, tiled=True),
-            blocks,
-            self.dims,
-        )
+
+        def gather(b, dim):
+            wire.record(b, axis_name)
+            whole = jax.lax.all_gather(b, axis_name, axis=dim, tiled=True)
+            wire.record(whole, axis_name)
+            return whole
+
+        return jax.tree.map(gather, blocks, self.dims)
 
     def unshard(self, blocks: PyTree) -> PyTree:
         """Per-device blocks [n, *block] (global or host arrays) -> one model per machine.

@@ -26,12 +26,17 @@ class TrafficMeter:
         with their share of the period).
       bytes_by_axis: `bytes` split by the axis name the collective ran over
         (e.g. inside vs across machines in a hierarchical layout).
+      occasional: number of collectives traced that run on only some calls
+        (recorded under a `share` below 1: a round of a time-varying period,
+        DiLoCo's exchange, a warm-up's); a compiled program holds each of them
+        whole, in a branch of a conditional.
     """
 
     def __init__(self):
         self.bytes = 0.0
         self.collectives = 0.0
         self.bytes_by_axis: dict[str, float] = {}
+        self.occasional = 0
 
 
 _METERS: list[TrafficMeter] = []
@@ -68,6 +73,7 @@ def record(tree: PyTree, axis_name, senders: float = 1.0) -> None:
     nbytes = sum(np.dtype(x.dtype).itemsize * math.prod(x.shape) for x in jax.tree.leaves(tree))
     axis = "+".join(axis_name) if isinstance(axis_name, tuple) else str(axis_name)
     for meter in _METERS:
+        meter.occasional += _SHARE[-1] < 1
         meter.bytes += nbytes * senders * _SHARE[-1]
         meter.collectives += _SHARE[-1]
         meter.bytes_by_axis[axis] = (

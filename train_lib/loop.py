@@ -87,23 +87,38 @@ class Chunks:
 
     def __init__(self, exp: setup.Experiment, programs: dict):
         self.layout, self.program = exp.layout, programs["train_chunk"]
-        self.exchange_every = exp.exchange_every
         on_cpu = all(d.platform == "cpu" for d in exp.layout.mesh.devices.flat)
         # Decided on the first chunk (None) from its program, False off CPU.
         self.step_by_step: bool | None = None if on_cpu else False
         self.compiled: dict[int, Any] = {}
+        # Lowered and not yet compiled, by length: (the lowering, what the meter counted).
+        self.lowered: dict[int, tuple[Any, lpdec.wire.TrafficMeter]] = {}
         # (bytes per node and step, their source, collectives per step, bytes by axis)
         self.wire: tuple[float, str, float, dict] | None = None
+
+    def _lower(self, args):
+        """(the program for `args` lowered, what the traffic meter counted in its trace).
+
+        Once per length, under the meter: jax traces a function once per shape, so a
+        second `lower` of the same length (the first chunk's, after the one that decides
+        `step_by_step`) would show the meter nothing.
+        """
+        length = args[3].shape[1]
+        if length not in self.lowered:
+            with lpdec.wire.traffic_meter() as meter:
+                self.lowered[length] = (self.program.lower(*args), meter)
+        return self.lowered[length]
 
     def _program(self, args):
         """The compiled program for `args` (its length: the batches' step axis)."""
         length = args[3].shape[1]
         if length not in self.compiled:
-            with lpdec.wire.traffic_meter() as meter:
-                self.compiled[length] = self.program.lower(*args).compile()
+            lowered, meter = self._lower(args)
+            self.compiled[length] = lowered.compile()
+            del self.lowered[length]
             if self.wire is None:
                 sent, source = metrics_lib.wire_bytes(
-                    self.compiled[length], meter, self.layout.per_device, self.exchange_every
+                    self.compiled[length], meter, self.layout.per_device
                 )
                 self.wire = (float(sent), source, meter.collectives, dict(meter.bytes_by_axis))
         return self.compiled[length]
@@ -122,7 +137,7 @@ class Chunks:
 
         if self.step_by_step is None:
             one = (params, opt_state, model_state, *inputs(0, batches[:1]), key)
-            self.step_by_step = "convolution" in self.program.lower(*one).as_text()
+            self.step_by_step = "convolution" in self._lower(one)[0].as_text()
         pieces = [[b] for b in batches] if self.step_by_step else [batches]
         calls = [inputs(i, piece) for i, piece in enumerate(pieces)]
         self._program((params, opt_state, model_state, *calls[0], key))  # compiled first

@@ -103,21 +103,23 @@ def health_counts(opt_state) -> tuple[int, int, int]:
     return tuple(int(sum(np.sum(x) for x in field)) for field in zip(*found, strict=True))
 
 
-def wire_bytes(
-    compiled, meter: lpdec.wire.TrafficMeter, per_device: int, exchange_every: int = 1
-) -> tuple[float, str]:
+def wire_bytes(compiled, meter: lpdec.wire.TrafficMeter, per_device: int) -> tuple[float, str]:
     """(bytes one node sends per step, where the count comes from).
 
-    Read from the compiled program when every node has its own device; when
-    nodes share devices the HLO shows none (or inflated) collectives, so the
-    trace-time `meter` counts them (the two agree where both apply:
-    tests/test_algorithms.py). The HLO's collectives of a run that exchanges
-    every `exchange_every` steps (DiLoCo's local_steps) sit in a conditional
-    taken once per that many steps; the meter already weighs them so.
+    Read from the compiled program when every node has its own device and every
+    collective runs on every step; otherwise the trace-time `meter` counts them
+    (the two agree where both apply: tests/test_algorithms.py,
+    tests/test_wire_counts.py). Where nodes share devices the HLO shows none (or
+    inflated) collectives. A collective that runs on only some steps (DiLoCo's
+    exchange, once per local_steps steps; a round of a time-varying
+    topology) sits whole in a branch of a conditional, beside the ones every step
+    runs (the gradient's mean inside a machine, FSDP's gathers), so no one divisor
+    of the HLO's total is right: the meter weighs each collective by its share of
+    the steps.
     """
-    if per_device == 1:
+    if per_device == 1 and not meter.occasional:
         traffic = lpdec.metrics.collective_traffic(compiled.as_text()).total_bytes
-        return traffic / exchange_every, "compiled HLO"
+        return traffic, "compiled HLO"
     return meter.bytes, "trace-time meter"
 
 
