@@ -10,6 +10,7 @@ Every other marked block, on any page, runs as a test of its own, named after it
 and its place there.
 """
 
+import json
 import os
 import pathlib
 import re
@@ -208,3 +209,67 @@ def test_first_program_runs_as_a_script_on_one_device(tmp_path):
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert proc.stdout == PRINTED, f"README.md shows:\n{PRINTED}the program printed:\n{proc.stdout}"
+
+
+def _code(page):
+    """The page's code as a reader copies it: its fenced blocks, then its inline spans."""
+    text = page.read_text()
+    blocks = re.findall(r"```[^\n]*\n(.*?)```", text, re.S)
+    return blocks + re.findall(r"`([^`\n]+)`", re.sub(r"```.*?```", "", text, flags=re.S))
+
+
+def _documented(pattern):
+    """{match: the pages it is on} of `pattern` in every page's code."""
+    found: dict[str, set[str]] = {}
+    for page in PAGES:
+        for code in _code(page):
+            for match in re.findall(pattern, code, re.M):
+                found.setdefault(match.strip(), set()).add(_name(page))
+    return found
+
+
+# Every import statement of the pages' code, and every dotted lpdec name (`lpdec.data.
+# text_directory(...)`: the name, not the call), and every `python -m lpdec.X` module.
+IMPORTS = _documented(r"^\s*(?:import|from)\s+[\w.]+.*$")
+NAMES = _documented(r"(?<![\w./-])lpdec(?:\.[A-Za-z_]\w*)+")
+MODULES = _documented(r"python3? -m (lpdec[\w.]*)")
+# A fresh interpreter that has run `import lpdec` only, as a reader who copied it has:
+# each name is looked up attribute by attribute from there (a subpackage lpdec does not
+# import is an AttributeError here, as in the reader's program).
+_RESOLVE = """
+import importlib.util, json, sys
+import lpdec
+failed = {}
+for name in json.loads(sys.argv[1]):
+    value = lpdec
+    try:
+        for part in name.split(".")[1:]:
+            value = getattr(value, part)
+    except AttributeError as error:
+        failed[name] = str(error)
+for line in json.loads(sys.argv[2]):
+    try:
+        exec(line, {})
+    except Exception as error:
+        failed[line] = repr(error)
+for module in json.loads(sys.argv[3]):
+    if importlib.util.find_spec(module) is None:
+        failed[module] = "no such module"
+print(json.dumps(failed))
+"""
+
+
+def test_every_documented_import_and_lpdec_name_works_as_written():
+    """README.md's and docs/*.md's code, fenced or inline: each import line runs; each
+    `lpdec.a.b` resolves after a plain `import lpdec`; each `python -m lpdec.X` exists."""
+    assert "lpdec.data.text_directory" in NAMES and "import lpdec" in IMPORTS
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, "-c", _RESOLVE, json.dumps(sorted(NAMES)), json.dumps(sorted(IMPORTS)),
+         json.dumps(sorted(MODULES))],
+        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    failed = json.loads(proc.stdout.strip().splitlines()[-1])
+    where = {**IMPORTS, **NAMES, **MODULES}
+    assert not failed, "\n".join(f"{sorted(where[k])}: {k}: {v}" for k, v in failed.items())
