@@ -273,3 +273,34 @@ def test_every_documented_import_and_lpdec_name_works_as_written():
     failed = json.loads(proc.stdout.strip().splitlines()[-1])
     where = {**IMPORTS, **NAMES, **MODULES}
     assert not failed, "\n".join(f"{sorted(where[k])}: {k}: {v}" for k, v in failed.items())
+
+
+# One metrics row written as train.py writes it: from an absl app, by the run's writer.
+_WRITE_A_ROW = """
+import sys
+from absl import app
+from train_lib import metrics
+
+def main(argv):
+    writer = metrics.MetricWriter(sys.argv[1], 0, 10, fields=("step", "train_loss"))
+    writer.write({"step": 3, "train_loss": 1.25})
+
+app.run(main)
+"""
+
+
+def test_the_metrics_line_goes_where_docs_training_md_says(tmp_path):
+    """docs/training.md says each metrics row is a line on stderr (absl logging) and
+    stdout stays empty: the writer, run as train.py runs it, does that."""
+    bullet = re.search(r"^- \*\*Metrics\*\*(.*?)^- ", (ROOT / "docs" / "training.md").read_text(),
+                       re.S | re.M)[1]  # fmt: skip
+    assert "one line to stderr" in bullet and "stdout stays empty" in bullet, bullet
+    env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS="")
+    proc = subprocess.run(
+        [sys.executable, "-c", _WRITE_A_ROW, str(tmp_path)],
+        env=env, capture_output=True, text=True, timeout=300, cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert re.search(r"\] step 3: train_loss=1\.25$", proc.stderr, re.M), proc.stderr[-3000:]
+    assert proc.stdout == ""
+    assert (tmp_path / "metrics.csv").read_text().splitlines() == ["step,train_loss", "3,1.25"]
