@@ -282,3 +282,15 @@ def test_a_uint32_file_read_as_uint16_and_a_trimmed_token_file_warn(tmp_path, ca
     assert not records(caplog, logging.WARNING)
     assert any("train.bin': 2000 uint32 tokens, 222 windows of 9" in m
                for m in records(caplog, logging.INFO))  # fmt: skip
+
+
+def test_train_py_s_text_bytes_trimming_a_directory_is_a_warning(tmp_path, caplog):
+    """lm_tiny reads 1 MB (config.text_bytes) of a directory: train_lib's build says so."""
+    import train_lib
+
+    write(tmp_path / "txt", FILES)
+    config = lm_config(dataset="text_files", data_dir=str(tmp_path / "txt"), text_bytes=5000)
+    with caplog.at_level(logging.INFO):
+        train_lib.build(config)
+    assert any("config.text_bytes) kept" in w for w in records(caplog, logging.WARNING))
+    assert any("read 3 file(s)" in m for m in records(caplog, logging.INFO))
