@@ -84,7 +84,8 @@ def text_files(
 def _walk(
     base: pathlib.Path, keep, skipped: list[pathlib.Path] | None = None
 ) -> list[pathlib.Path]:
-    found, left_out = [], []
+    found: list[pathlib.Path] = []
+    left_out: list[pathlib.Path] = []
     for directory, subdirs, names in os.walk(base):
         kept = [d for d in subdirs if d not in _EXCLUDED_DIRS and not d.startswith(".")]
         left_out += [pathlib.Path(directory, d) for d in subdirs if d not in kept]
