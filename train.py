@@ -9,7 +9,7 @@ multi-host JAX when asked (`--coordinator_address`, `--num_processes`,
 (`train_lib.loop`). That does the work: per-node non-IID partitions of an
 offline data set, the model (fp32 or 8-bit), the optimizer chain (a local
 optimizer and an lpdec algorithm), the steps on every node (`lpdec.layout`: one
-node per device, or several simulated nodes per device), metrics (stdout,
+node per device, or several simulated nodes per device), metrics (a line on stderr,
 `metrics.csv`, TensorBoard event files), orbax checkpoints that a restarted run
 resumes from exactly, and `summary.json`.
 

@@ -5,6 +5,7 @@ lpdec.data.text_directory / token_file, and train.py's datasets "text_files" and
 bytes sliced here, not from the loaders.
 """
 
+import logging
 import mmap
 import os
 
@@ -182,3 +183,114 @@ def test_train_lib_builds_both_datasets_and_refuses_bad_ones_in_one_line(tmp_pat
         train_lib.build(lm_config(dataset="text_files"))
     with pytest.raises(train_lib.ConfigError, match="token_dtype='int8' is not one of"):
         train_lib.build(lm_config(dataset="token_file", data_dir=str(root), token_dtype="int8"))
+
+
+def train_part(body: bytes, fraction: float = 0.05) -> int:
+    """The bytes of a file that go to train: all but its last round(f x size)."""
+    return len(body) - round(fraction * len(body))
+
+
+def records(caplog, level):
+    return [r.getMessage() for r in caplog.records if r.levelno == level]
+
+
+def test_the_text_corpus_logs_what_it_read_and_what_it_skipped(tmp_path, caplog):
+    write(tmp_path, FILES | HIDDEN | {"notes/empty.txt": b""})
+    with caplog.at_level(logging.INFO):
+        data.load_text_directory(tmp_path)
+    train, validation = expected_sides(FILES)
+    (line,) = [m for m in records(caplog, logging.INFO) if "text corpus" in m]
+    assert f"read 4 file(s), {len(train)} train and {len(validation)} validation bytes" in line
+    assert "skipped 2 hidden or excluded (.git, .secret), 1 empty (notes/empty.txt)" in line
+    # Every file is read whole and all of them are text: nothing to warn about.
+    assert not records(caplog, logging.WARNING)
+
+
+def test_a_size_limit_that_trims_the_corpus_warns_with_what_it_left_out(tmp_path, caplog):
+    write(tmp_path, FILES)
+    total = sum(train_part(body) for body in FILES.values())
+    with caplog.at_level(logging.INFO):
+        data.load_text_directory(tmp_path, max_bytes=5000)
+    # In path order: book.txt's 3,800 train bytes and data.csv's 950, each with its
+    # separator, leave 248 of 5,000: notes/a.md's first 247 and a separator; notes/b unread.
+    (warning,) = records(caplog, logging.WARNING)
+    kept = 3800 + 950 + 247
+    assert f"max_bytes=5000 (train.py: config.text_bytes) kept {kept} of its {total}" in warning
+    assert "3 file(s) read, the last one cut, 1 not read (notes/b)" in warning
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        data.load_text_directory(tmp_path, max_bytes=total + len(FILES))  # all, separators too
+    assert not records(caplog, logging.WARNING)
+
+
+@pytest.mark.parametrize(
+    "head, is_text",
+    [
+        (b"\x89PNG\r\n\x1a\n\x00\x00\x00\rIHDR", False),  # an image
+        (b"UTF-8 but for a \x00 byte", False),  # a NUL byte, the corpus's separator
+        (b"caf\xe9 latin-1", False),  # not UTF-8
+        (b"a" + "é".encode() * 600, True),  # UTF-8, a 2-byte character cut at byte 1,024
+        (b"a" * 1024 + b"\x00", True),  # a NUL past the bytes looked at
+    ],
+    ids=["png", "nul", "latin1", "utf8_cut", "nul_late"],
+)
+def test_a_file_that_is_not_text_is_named_in_a_warning(tmp_path, caplog, head, is_text):
+    write(tmp_path, {"book.txt": FILES["book.txt"], "odd/file.bin": head + text(9, 200)})
+    with caplog.at_level(logging.INFO):
+        corpus = data.load_text_directory(tmp_path)
+    warnings = records(caplog, logging.WARNING)
+    if is_text:
+        assert not warnings
+    else:
+        (warning,) = warnings
+        assert "1 file(s) do not look like text" in warning and warning.endswith("odd/file.bin.")
+    # Read all the same: bytes are tokens.
+    bodies = (FILES["book.txt"], head + text(9, 200))
+    assert corpus.train.size == sum(train_part(body) for body in bodies) + 2
+
+
+def test_an_id_beyond_the_vocabulary_names_the_dtype_the_file_may_be(tmp_path):
+    ids = np.random.default_rng(2).integers(0, 50257, 2000)
+    root = write_tokens(tmp_path / "u16", ids, ids[:500], "uint16")
+    # Two uint16 ids a, b read as one uint32: a + 2^16 b, far beyond the vocabulary.
+    top = int((ids[0::2] + (ids[1::2] << 16)).max())
+    with pytest.raises(ValueError, match=f"token id {top}, not below vocab_size=50257") as info:
+        data.token_file(root, vocab_size=50257, context=8, dtype="uint32")
+    assert str(info.value).endswith(
+        "read as uint16 its ids fit: the file may be uint16, set dtype='uint16' "
+        "(config.token_dtype='uint16')."
+    )
+    # Ids that fit neither way: no dtype to suggest.
+    with pytest.raises(ValueError, match="not below vocab_size=100") as info:
+        data.token_file(root, vocab_size=100, context=8, dtype="uint16")
+    assert "may be" not in str(info.value)
+
+
+def test_a_uint32_file_read_as_uint16_and_a_trimmed_token_file_warn(tmp_path, caplog):
+    ids = np.random.default_rng(3).integers(1, 50257, 2000)
+    root = write_tokens(tmp_path / "u32", ids, ids[:500], "uint32")
+    with caplog.at_level(logging.INFO):
+        data.token_file(root, vocab_size=50257, context=8, dtype="uint16", max_bytes=1000)
+    warnings = records(caplog, logging.WARNING)
+    assert any("train.bin': max_bytes=1000 (train.py: config.text_bytes) keeps 500 of its 4000"
+               in w for w in warnings), warnings  # fmt: skip
+    suspect = [w for w in warnings if "the file may be uint32, set dtype='uint32'" in w]
+    assert len(suspect) == 2, warnings  # train.bin (its first 500 ids) and val.bin
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        data.token_file(root, vocab_size=50257, context=8, dtype="uint32")
+    assert not records(caplog, logging.WARNING)
+    assert any("train.bin': 2000 uint32 tokens, 222 windows of 9" in m
+               for m in records(caplog, logging.INFO))  # fmt: skip
+
+
+def test_train_py_s_text_bytes_trimming_a_directory_is_a_warning(tmp_path, caplog):
+    """lm_tiny reads 1 MB (config.text_bytes) of a directory: train_lib's build says so."""
+    import train_lib
+
+    write(tmp_path / "txt", FILES)
+    config = lm_config(dataset="text_files", data_dir=str(tmp_path / "txt"), text_bytes=5000)
+    with caplog.at_level(logging.INFO):
+        train_lib.build(config)
+    assert any("config.text_bytes) kept" in w for w in records(caplog, logging.WARNING))
+    assert any("read 3 file(s)" in m for m in records(caplog, logging.INFO))

@@ -10,7 +10,7 @@
 - `steps`: the per-node programs (train chunk, init, evaluation).
 - `checkpoint`: orbax checkpoints of the train state and the data position, each with a
   checksum and a config fingerprint checked on restore (damaged steps set aside).
-- `metrics`: metrics.csv, TensorBoard, the stdout line, the progress bar, summary.json,
+- `metrics`: metrics.csv, TensorBoard, the stderr line, the progress bar, summary.json,
   and the divergence check.
 - `workdir`: the workdir's checks and its lock (one run per workdir).
 - `processes`: a multi-process start: argument checks, the handshake, the shared workdir.

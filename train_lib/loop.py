@@ -1,7 +1,7 @@
 """The training loop, written once: `run(trainer, workdir, ...)`, and the synchronous run.
 
 A run is a `Trainer` plugged into `run`. The loop owns what every run does the same
-way: the metrics row (stdout, metrics.csv, TensorBoard), the divergence and loss-jump
+way: the metrics row (stderr, metrics.csv, TensorBoard), the divergence and loss-jump
 watches, the save / stop / halt decisions, summary.json and the parameter export. A
 trainer owns what differs: where its state comes from (a checkpoint, or a live
 machine of an elastic run), how it gets to the next log point (compiled chunks of

@@ -1,6 +1,6 @@
 """A run's metrics: read from the devices, written by process 0.
 
-`MetricWriter` writes one row every `log_every` steps to stdout (absl
+`MetricWriter` writes one row every `log_every` steps to stderr (absl
 logging), `workdir/metrics.csv` (columns `METRIC_FIELDS`) and TensorBoard
 event files in `workdir/tensorboard`, and moves a tqdm progress bar on a
 terminal; `write_summary` writes `workdir/summary.json` at the end.
@@ -124,7 +124,7 @@ def wire_bytes(compiled, meter: lpdec.wire.TrafficMeter, per_device: int) -> tup
 
 
 class MetricWriter:
-    """stdout + metrics.csv + TensorBoard + a progress bar, from process 0 only.
+    """stderr (absl logging) + metrics.csv + TensorBoard + a progress bar, from process 0 only.
 
     A resumed run (`resume_step` > 0) keeps the CSV rows up to `resume_step`
     and drops later ones, which the restored run writes again.

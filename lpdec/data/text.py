@@ -28,6 +28,7 @@ Example:
 
 from __future__ import annotations
 
+import codecs
 import dataclasses
 import hashlib
 import os
@@ -35,6 +36,7 @@ import pathlib
 import sysconfig
 
 import numpy as np
+from absl import logging
 
 from lpdec.data import datasets
 
@@ -66,25 +68,33 @@ def python_stdlib_files(root: str | os.PathLike | None = None) -> list[pathlib.P
     return _walk(_resolve_root(root), lambda name: name.endswith(".py"))
 
 
-def text_files(root: str | os.PathLike) -> list[pathlib.Path]:
+def text_files(
+    root: str | os.PathLike, skipped: list[pathlib.Path] | None = None
+) -> list[pathlib.Path]:
     """Every regular file under `root`, whatever its extension, sorted by relative path.
 
     Hidden files and directories (names starting with "."), site-packages,
     dist-packages and __pycache__ are skipped; symbolic links to directories
-    are not followed.
+    are not followed. `skipped`, if given, receives the skipped files and
+    directories (a skipped directory once, not its files).
     """
-    return _walk(_resolve_root(root), lambda name: not name.startswith("."))
+    return _walk(_resolve_root(root), lambda name: not name.startswith("."), skipped)
 
 
-def _walk(base: pathlib.Path, keep) -> list[pathlib.Path]:
-    found = []
+def _walk(
+    base: pathlib.Path, keep, skipped: list[pathlib.Path] | None = None
+) -> list[pathlib.Path]:
+    found: list[pathlib.Path] = []
+    left_out: list[pathlib.Path] = []
     for directory, subdirs, names in os.walk(base):
-        subdirs[:] = [d for d in subdirs if d not in _EXCLUDED_DIRS and not d.startswith(".")]
-        found.extend(
-            pathlib.Path(directory, n)
-            for n in names
-            if keep(n) and os.path.isfile(os.path.join(directory, n))
-        )
+        kept = [d for d in subdirs if d not in _EXCLUDED_DIRS and not d.startswith(".")]
+        left_out += [pathlib.Path(directory, d) for d in subdirs if d not in kept]
+        subdirs[:] = kept
+        for n in names:
+            if os.path.isfile(os.path.join(directory, n)):
+                (found if keep(n) else left_out).append(pathlib.Path(directory, n))
+    if skipped is not None:
+        skipped += sorted(left_out, key=lambda path: path.relative_to(base).parts)
     return sorted(found, key=lambda path: path.relative_to(base).parts)
 
 
@@ -394,6 +404,12 @@ def load_text_directory(
     `max_bytes` caps the train bytes: files are taken in sorted-path order while
     their train parts (and separators) fit, the first one cut to fit if none does.
 
+    It logs (absl, INFO) the files and bytes it read and what it skipped (hidden
+    files and directories, empty files), and warns when `max_bytes` left bytes out
+    (how many, of how many) and when a file does not look like text: a NUL byte (the
+    corpus's file separator) or invalid UTF-8 in its first `TEXT_CHECK_BYTES`. Such
+    a file is read all the same: bytes are tokens, whatever they encode.
+
     Raises:
       ValueError: (one line) no files under `root`, or no bytes in them.
     """
@@ -404,23 +420,32 @@ def load_text_directory(
     ):
         raise ValueError(f"max_bytes must be None or a positive integer; got {max_bytes!r}.")
     base = _resolve_root(root)
-    files = text_files(base)
+    hidden: list[pathlib.Path] = []
+    files = text_files(base, hidden)
     if not files:
         raise ValueError(f"no files under {str(base)!r} (hidden ones are skipped).")
     groups = [_group(f.relative_to(base)) for f in files]
     group_names = tuple(sorted(set(groups)))
     sides: dict[str, tuple[list, list]] = {"train": ([], []), "validation": ([], [])}
     left = max_bytes
-    for path, group in zip(files, groups, strict=True):
+    read, empty, not_text, left_out = [], [], [], []
+    trimmed = 0  # train bytes that max_bytes left out of the files it read
+    for index, (path, group) in enumerate(zip(files, groups, strict=True)):
+        if left is not None and left < 2:
+            left_out = files[index:]
+            break
         with open(path, "rb") as f:
             text = f.read()
         if not text:
+            empty.append(path)
             continue
+        read.append(path)
+        if not _looks_like_text(text):
+            not_text.append(path)
         cut = len(text) - round(validation_fraction * len(text))
         parts = {"train": text[:cut], "validation": text[cut:]}
         if left is not None:
-            if left < 2:
-                break
+            trimmed += max(0, len(parts["train"]) - (left - 1))
             parts["train"] = parts["train"][: left - 1]
             left -= len(parts["train"]) + 1
         for side, part in parts.items():
@@ -434,6 +459,21 @@ def load_text_directory(
     )
     if not train[0].size:
         raise ValueError(f"the files under {str(base)!r} are empty.")
+    _log_text_directory(
+        base, read, train[0].size, validation[0].size, hidden, empty, not_text, max_bytes
+    )
+    unread = [f for f in left_out if f.stat().st_size]
+    if trimmed or unread:
+        sizes = [f.stat().st_size for f in unread]
+        total = train[0].size - len(read) + trimmed
+        total += sum(s - round(validation_fraction * s) for s in sizes)
+        logging.warning(
+            "text corpus under %r: max_bytes=%d (train.py: config.text_bytes) kept %d of its "
+            "%d train bytes: %d file(s) read%s, %d not read (%s); raise it (0 in train.py: "
+            "all) to train on the rest.",
+            str(base), max_bytes, train[0].size - len(read), total, len(read),
+            ", the last one cut" if trimmed else "", len(unread), _some(base, unread),
+        )  # fmt: skip
     return TextCorpus(
         train=train[0],
         validation=validation[0],
@@ -442,6 +482,50 @@ def load_text_directory(
         group_names=group_names,
         root=str(base),
     )
+
+
+#: How much of each file `load_text_directory` checks for text (a NUL byte, invalid UTF-8).
+TEXT_CHECK_BYTES = 1024
+
+
+def _looks_like_text(data: bytes) -> bool:
+    """No NUL byte and valid UTF-8 in the first TEXT_CHECK_BYTES bytes (a character that
+    the cut splits counts as valid)."""
+    head = data[:TEXT_CHECK_BYTES]
+    if bytes([FILE_SEPARATOR]) in head:
+        return False
+    try:
+        codecs.getincrementaldecoder("utf-8")().decode(head, final=len(data) <= len(head))
+    except UnicodeDecodeError:
+        return False
+    return True
+
+
+def _some(base: pathlib.Path, paths: list[pathlib.Path], count: int = 5) -> str:
+    """The first `count` of `paths`, relative to `base`, and how many more."""
+    names = ", ".join(p.relative_to(base).as_posix() for p in paths[:count])
+    return names + (f" and {len(paths) - count} more" if len(paths) > count else "")
+
+
+def _log_text_directory(base, read, train_bytes, validation_bytes, hidden, empty, not_text, cap):
+    """`load_text_directory`'s account of what it read: one INFO line, and a warning for
+    files that do not look like text."""
+    skipped = [
+        f"{len(hidden)} hidden or excluded ({_some(base, hidden)})" if hidden else "",
+        f"{len(empty)} empty ({_some(base, empty)})" if empty else "",
+    ]
+    logging.info(
+        "text corpus under %r: read %d file(s), %d train and %d validation bytes "
+        "(separators included; max_bytes=%s); skipped %s.",
+        str(base), len(read), train_bytes, validation_bytes, cap,
+        ", ".join(s for s in skipped if s) or "none",
+    )  # fmt: skip
+    if not_text:
+        logging.warning(
+            "text corpus under %r: %d file(s) do not look like text (a NUL byte or invalid "
+            "UTF-8 in the first %d bytes), read as bytes all the same: %s.",
+            str(base), len(not_text), TEXT_CHECK_BYTES, _some(base, not_text),
+        )  # fmt: skip
 
 
 def text_directory(
@@ -470,11 +554,45 @@ def text_directory(
     return _text_dataset(corpus, context, validation_windows, "text_files")
 
 
+def _other_dtype_hint(path: str, dtype: str, vocab_size: int) -> str:
+    """A hint for an id beyond the vocabulary: the other token dtype, if the whole file
+    read as that holds only ids below `vocab_size` (a uint16 file read as uint32 pairs
+    its ids into ids of 2^16 and more); "" otherwise."""
+    other = TOKEN_DTYPES[1 - TOKEN_DTYPES.index(dtype)]
+    if os.path.getsize(path) % np.dtype(other).itemsize:
+        return ""
+    tokens = np.memmap(path, dtype=other, mode="r")
+    for start in range(0, tokens.size, _SCAN_TOKENS):
+        if int(tokens[start : start + _SCAN_TOKENS].max()) >= vocab_size:
+            return ""
+    return (
+        f"; read as {other} its ids fit: the file may be {other}, set "
+        f"dtype={other!r} (config.token_dtype={other!r})"
+    )
+
+
+def _warn_if_uint32(path: str, tokens: np.ndarray) -> None:
+    """Warn when a file read as uint16 has 0 at every odd place of its first 64k ids, as a
+    little-endian uint32 file of ids below 2^16 has (their upper halves): its ids then
+    pass the vocabulary check, and half of them are 0."""
+    head = np.asarray(tokens[: 1 << 16])
+    if head.size >= _UINT32_SUSPECT_TOKENS and not head.size % 2 and not head[1::2].any():
+        logging.warning(
+            "%r read as uint16 holds id 0 at every second place of its first %d tokens, as "
+            "a uint32 file read as uint16 does: the file may be uint32, set dtype='uint32' "
+            "(config.token_dtype='uint32').",
+            path, head.size,
+        )  # fmt: skip
+
+
 #: The token files of a pre-tokenized corpus, as nanoGPT's prepare scripts write them.
 TOKEN_FILES = ("train.bin", "val.bin")
 TOKEN_DTYPES = ("uint16", "uint32")
 # Tokens checked against the vocabulary per read: the file is scanned, never loaded whole.
 _SCAN_TOKENS = 1 << 24
+# A uint16 file is taken for a uint32 one (`_warn_if_uint32`) from this many tokens on: a
+# real corpus with every second id 0 over so many is not one anybody trains on.
+_UINT32_SUSPECT_TOKENS = 64
 
 
 def token_file(
@@ -491,7 +609,10 @@ def token_file(
     The files are read through `np.memmap`, never whole: x_train is a view of
     train.bin cut into windows of context + 1 tokens, and a batch reads only its
     windows. Every id is checked to lie below `vocab_size` (in chunks of 16M
-    tokens) before training starts. y_train is 0 (one group).
+    tokens) before training starts. y_train is 0 (one group). It logs (absl, INFO)
+    each file's tokens and windows, and warns when `max_bytes` leaves tokens of
+    train.bin out and when a file read as uint16 looks like uint32 (id 0 at every
+    second place).
 
     Args:
       directory: holds train.bin and val.bin (nanoGPT's layout).
@@ -505,7 +626,8 @@ def token_file(
 
     Raises:
       ValueError: (one line) a missing or empty file, a size that is not a whole
-        number of tokens, fewer tokens than one window, or an id >= vocab_size.
+        number of tokens, fewer tokens than one window, or an id >= vocab_size (which
+        names the other dtype when the file read as that fits the vocabulary).
     """
     _check_length(context)
     _check_validation_windows(validation_windows)
@@ -532,8 +654,13 @@ def token_file(
                 f"({itemsize} bytes each): is dtype right?"
             )
         tokens = np.memmap(path, dtype=dtype, mode="r")
-        if name == TOKEN_FILES[0] and max_bytes is not None:
+        if name == TOKEN_FILES[0] and max_bytes is not None and max_bytes < size:
             tokens = tokens[: max_bytes // itemsize]
+            logging.warning(
+                "%r: max_bytes=%d (train.py: config.text_bytes) keeps %d of its %d tokens; "
+                "raise it (0 in train.py: all) to train on the rest.",
+                path, max_bytes, tokens.size, size // itemsize,
+            )  # fmt: skip
         if tokens.size < context + 1:
             raise ValueError(
                 f"{path!r} holds {tokens.size} tokens, fewer than one window of "
@@ -542,11 +669,16 @@ def token_file(
         for start in range(0, tokens.size, _SCAN_TOKENS):
             top = int(tokens[start : start + _SCAN_TOKENS].max())
             if top >= vocab_size:
+                hint = _other_dtype_hint(path, dtype, vocab_size)
                 raise ValueError(
                     f"{path!r} holds token id {top}, not below vocab_size={vocab_size} "
-                    "(config.model_kwargs.vocab_size)."
+                    f"(config.model_kwargs.vocab_size){hint}."
                 )
+        if dtype == "uint16":
+            _warn_if_uint32(path, tokens)
         x[name] = windows(tokens, context + 1)
+        logging.info("%r: %d %s tokens, %d windows of %d", path, tokens.size, dtype,
+                     tokens.size // (context + 1), context + 1)  # fmt: skip
     x_train, x_test = x[TOKEN_FILES[0]], _spaced(x[TOKEN_FILES[1]], validation_windows)
     return datasets.Dataset(
         x_train=x_train,
