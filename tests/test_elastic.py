@@ -366,10 +366,11 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     assert summaries["m0"]["final"]["train_loss"] < 1.0  # it trained (2.3 at the start)
 
 
-def _pair(procs, tmp_path, name, *extra, during=None):
+def _pair(procs, tmp_path, name, *extra, during=None, env=None):
     """Two machines of elastic_mlp (100 steps, H=10) on a service of their own; their
     final parameters (every machine's must be the same bytes) and summaries.
-    `during(address, runs)`, if given, runs while they train."""
+    `during(address, runs)`, if given, runs while they train; `env`: the machines'
+    extra environment (the fault tests' pacing, LPDEC_ELASTIC_PACE)."""
     token = tmp_path / "token"
     token.write_text("secret\n")
     address = procs.service(2, heartbeat=10, name=f"{name}-service")
@@ -389,6 +390,7 @@ def _pair(procs, tmp_path, name, *extra, during=None):
             "--config.log_every=50",
             "--config.model_kwargs.hidden_sizes=(32,)",
             *extra,
+            env=env,
         )  # fmt: skip
         for m in range(2)
     ]
@@ -460,7 +462,12 @@ def test_train_py_strangers_on_a_live_slot_are_refused_and_change_nothing(
         alive.append(runs[1].poll() is None)
 
     with_, summaries, _ = _pair(
-        procs, tmp_path, "with", *steps, "--elastic_min_round_s=1.5", during=intrude
+        procs,
+        tmp_path,
+        "with",
+        *steps,
+        during=intrude,
+        env={"LPDEC_ELASTIC_PACE": "min_round_s=1.5"},
     )
     for proc in strangers.values():
         text = proc.out_path.read_text()
