@@ -153,7 +153,7 @@ def measure(workdir: pathlib.Path) -> dict:
     }
 
 
-def render(results: dict, steps: int, kill_at: int) -> str:
+def render(results: dict, steps: int, kill_at: int, note: str = "") -> str:
     sync = results["synchronous"]
     lines = [
         "## The language model, elastic (`bench/elastic_lm.py`)",
@@ -165,7 +165,7 @@ def render(results: dict, steps: int, kill_at: int) -> str:
         "process of 4 devices per machine on loopback, meeting at a service; killed: machine "
         f"1's command killed (kill -9) at step {kill_at} and started again. Time per step: "
         "first to last logged step, evaluations left out, exchanges in. "
-        f"`python -m bench.elastic_lm`; {versions()}, {os.cpu_count()} cores.",
+        f"`python -m bench.elastic_lm`; {versions()}, {os.cpu_count()} cores." + note,
         "",
         "| run | final validation bits per byte | against synchronous | time per step | "
         "against synchronous |",
@@ -190,6 +190,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--kill_at", type=int, default=500)
     parser.add_argument("--no-write", action="store_true", help="print, leave BENCHMARKS.md")
+    parser.add_argument("--note", default="", help="a sentence added to the section's header")
     args = parser.parse_args(argv)
     if not 0 < args.kill_at < args.steps or args.kill_at % 10:
         parser.error(f"--kill_at={args.kill_at} must be a multiple of 10 in (0, --steps)")
@@ -201,7 +202,7 @@ def main(argv: list[str] | None = None) -> None:
         "killed": measure(elastic(root, "killed", args.steps, args.kill_at)),
     }
     (root / "results.json").write_text(json.dumps(results, indent=1))
-    body = render(results, args.steps, args.kill_at)
+    body = render(results, args.steps, args.kill_at, f" {args.note}" if args.note else "")
     print(body)
     if not args.no_write:
         replace_section(
