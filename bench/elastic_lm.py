@@ -2,6 +2,7 @@
 
     python -m bench.elastic_lm     # configs/lm_study.py, 2,000 steps (~40 min on 2 cores)
     python -m bench.elastic_lm --steps 40 --kill_at 20 --no-write   # a quick look
+    python -m bench.elastic_lm --timing 300    # the time per step alone, on quiet cores
 
 configs/lm_study.py's recipe (lm_tiny's transformer, 2 machines x 4 workers, each
 machine's model split over its workers, DiLoCo H=10 with a 4-bit min-max exchange
@@ -184,6 +185,25 @@ def render(results: dict, steps: int, kill_at: int, note: str = "") -> str:
     return "\n".join(lines)
 
 
+def render_timing(results: dict, steps: int) -> str:
+    sync, el = results["synchronous"], results["elastic"]
+    return "\n".join(
+        [
+            f"### Time per step on quiet cores (`python -m bench.elastic_lm --timing {steps}`)",
+            "",
+            f"The same two layouts for {steps} steps, one after the other, with nothing else "
+            "running on the machine (first to last logged step, evaluations left out, the "
+            f"exchanges in). {versions()}, {os.cpu_count()} cores.",
+            "",
+            "| run | time per step | against synchronous |",
+            "|---|---|---|",
+            f"| synchronous (one process of 8 devices) | {sync['step_s']:.3f} s | 1.00x |",
+            f"| elastic (2 processes of 4 devices) | {el['step_s']:.3f} s | "
+            f"{el['step_s'] / sync['step_s']:.2f}x |",
+        ]
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="/tmp/lpdec_bench_elastic_lm")
@@ -191,11 +211,30 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kill_at", type=int, default=500)
     parser.add_argument("--no-write", action="store_true", help="print, leave BENCHMARKS.md")
     parser.add_argument("--note", default="", help="a sentence added to the section's header")
+    parser.add_argument(
+        "--timing", type=int, default=0, metavar="STEPS",
+        help="only the time per step: synchronous and elastic for STEPS steps (quiet cores)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     if not 0 < args.kill_at < args.steps or args.kill_at % 10:
         parser.error(f"--kill_at={args.kill_at} must be a multiple of 10 in (0, --steps)")
     root = pathlib.Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
+    if args.timing:
+        root = root / f"timing-{args.timing}"
+        root.mkdir(exist_ok=True)
+        timing = {
+            "synchronous": measure(synchronous(root, args.timing)),
+            "elastic": measure(elastic(root, "elastic", args.timing, None)),
+        }
+        body = render_timing(timing, args.timing)
+        print(body)
+        if not args.no_write:
+            replace_section(
+                ROOT / "BENCHMARKS.md", "bench/elastic_lm.py timing", body,
+                header=BENCHMARKS_HEADER,
+            )  # fmt: skip
+        return
     results = {
         "synchronous": measure(synchronous(root, args.steps)),
         "elastic": measure(elastic(root, "elastic", args.steps, None)),
