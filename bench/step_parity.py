@@ -1,0 +1,177 @@
+"""The step across processes, like for like: lpdec's all-reduce against PyTorch DDP (issue 51).
+
+    python -m bench.step_parity            # ~10 min on 2 idle cores; writes BENCHMARKS.md
+
+configs/lm_study.py's transformer (lm_tiny's: 120,576 parameters, 64-byte windows),
+Adam, float32, 4,096 tokens a step in all, on loopback. Every process is pinned to
+one core of its own (`taskset -c`) and runs one thread: XLA with
+`--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`, PyTorch with
+`torch.set_num_threads(1)`; so neither oversubscribes the 2 cores. Layout (a), DDP's:
+one process per machine holding the whole model, 2 machines of 2,048 tokens each.
+
+The rows, each one run (`train.py` for lpdec, `bench/ddp_lm.py` for DDP), the
+median seconds per step after the first logged interval (compilation out):
+
+- lpdec, one process (the compute of 4,096 tokens, no collective);
+- lpdec, 2 processes, no exchange (`algorithm="none"`): each process's compute and
+  dispatch of 2,048 tokens, no collective;
+- lpdec, 2 processes, the fp32 all-reduce of the gradients (`algorithm="allreduce"`);
+- DDP, 2 processes (gloo, buckets overlapped with the backward pass).
+
+The all-reduce's share is the third row less the second: the collective and the
+synchronisation it brings. `--psum` adds the micro-benchmark behind
+`lpdec.gossip.local_sum`'s one buffer per dtype (bench/_psum_tree.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import pathlib
+import statistics
+import subprocess
+import sys
+
+from bench import harness
+from bench._sections import BENCHMARKS_HEADER
+from bench._sections import replace_section
+from bench._sections import versions
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+TOKENS = 4096
+WINDOW = 64
+
+
+def _env() -> dict:
+    env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=1 {ONE_THREAD}"
+    env["OMP_NUM_THREADS"] = "1"
+    return env
+
+
+def _lpdec(workdir: pathlib.Path, processes: int, algorithm: str, steps: int) -> list[list[str]]:
+    port = harness.free_port()
+    windows = TOKENS // WINDOW // processes
+    commands = []
+    for p in range(processes):
+        command = [
+            "taskset", "-c", str(p % (os.cpu_count() or 1)), sys.executable,
+            str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'lm_study.py'}",
+            f"--workdir={workdir}", f"--config.num_nodes={processes}",
+            "--config.hierarchical=False", "--config.machines=0",
+            "--config.shard_model=False", f"--config.algorithm={algorithm}",
+            "--config.local_steps=1", "--config.error_feedback=False",
+            "--config.outer_warmup_rounds=0", f"--config.batch_size={windows}",
+            f"--config.num_steps={steps}", f"--config.log_every={steps // 5}",
+            f"--config.warmup_steps={steps // 20}", "--config.validation_windows=64",
+        ]  # fmt: skip
+        if processes > 1:
+            command += [
+                f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
+                f"--process_id={p}",
+            ]  # fmt: skip
+        commands.append(command)
+    return commands
+
+
+def _run(commands: list[list[str]], log: pathlib.Path, timeout: float = 1200) -> None:
+    procs = [
+        subprocess.Popen(
+            c, stdout=open(f"{log}.{i}", "w"), stderr=subprocess.STDOUT, env=_env(),  # noqa: SIM115
+            cwd=ROOT, start_new_session=True,
+        )  # fmt: skip
+        for i, c in enumerate(commands)
+    ]
+    try:
+        for proc in procs:
+            if proc.wait(timeout=timeout) != 0:
+                raise SystemExit(f"a run failed: see {log}.*")
+    finally:
+        for proc in procs:
+            harness.kill_group(proc)
+
+
+def lpdec_step(root: pathlib.Path, name: str, processes: int, algorithm: str, steps: int):
+    workdir = root / name
+    if not (workdir / "metrics.csv").exists():
+        _run(_lpdec(workdir, processes, algorithm, steps), root / f"{name}.log")
+    rows = list(csv.DictReader(open(workdir / "metrics.csv")))
+    # The first interval holds the compilation; the others are steady.
+    return statistics.median(float(r["step_time_s"]) for r in rows[1:])
+
+
+def ddp_step(root: pathlib.Path, steps: int) -> float:
+    out = root / "ddp_rank0.json"
+    if not out.exists():
+        port = harness.free_port()
+        commands = [
+            ["taskset", "-c", str(rank), sys.executable, str(ROOT / "bench" / "ddp_lm.py"),
+             "--rank", str(rank), "--world", "2", "--master", f"127.0.0.1:{port}",
+             "--threads", "1", "--batch-per-thread", str(TOKENS // WINDOW // 2),
+             "--d-model", "64", "--lr", "8e-3", "--steps", str(steps), "--warmup", "5",
+             "--out", str(root / f"ddp_rank{rank}.json")]
+            for rank in range(2)
+        ]  # fmt: skip
+        _run(commands, root / "ddp.log")
+    return float(json.loads(out.read_text())["seconds_per_step"])
+
+
+def render(rows: dict, steps: int) -> str:
+    ddp = rows["ddp"]
+    allreduce, none = rows["allreduce_2"], rows["none_2"]
+    lines = [
+        "## The step across processes, like for like (`bench/step_parity.py`)",
+        "",
+        "configs/lm_study.py's transformer (120,576 parameters), Adam, float32, 4,096 "
+        "tokens a step in all; layout (a): one process per machine holding the whole "
+        "model, 2 machines of 2,048 tokens; every process pinned to its own core "
+        "(`taskset -c`) with one thread (XLA's eigen pool off, "
+        "`intra_op_parallelism_threads=1`; `torch.set_num_threads(1)`), on loopback. "
+        f"Median seconds per step over {steps} steps after the first interval. "
+        f"`python -m bench.step_parity`; {versions()}, {os.cpu_count()} cores.",
+        "",
+        "| run | seconds per step | against DDP |",
+        "|---|---|---|",
+        f"| lpdec, one process, 4,096 tokens | {rows['one']:.4f} | "
+        f"{rows['one'] / ddp:.2f}x |",
+        f"| lpdec, 2 processes, no exchange (compute and dispatch of 2,048 tokens) | "
+        f"{none:.4f} | {none / ddp:.2f}x |",
+        f"| lpdec, 2 processes, fp32 all-reduce of the gradients | {allreduce:.4f} | "
+        f"{allreduce / ddp:.2f}x |",
+        f"| PyTorch DDP, 2 processes (gloo, buckets) | {ddp:.4f} | 1.00x |",
+        "",
+        f"The all-reduce's share of lpdec's 2-process step: {allreduce - none:.4f} s "
+        f"({100 * (allreduce - none) / allreduce:.0f}%); the rest is each process's "
+        "compute, host dispatch and per-step Python.",
+    ]
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--workdir", default="/tmp/lpdec_bench_step_parity")
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--no-write", action="store_true")
+    args = parser.parse_args(argv)
+    root = pathlib.Path(args.workdir)
+    root.mkdir(parents=True, exist_ok=True)
+    rows = {
+        "one": lpdec_step(root, "one", 1, "none", args.steps),
+        "none_2": lpdec_step(root, "none_2", 2, "none", args.steps),
+        "allreduce_2": lpdec_step(root, "allreduce_2", 2, "allreduce", args.steps),
+        "ddp": ddp_step(root, args.steps),
+    }
+    (root / "results.json").write_text(json.dumps(rows, indent=1))
+    body = render(rows, args.steps)
+    print(body)
+    if not args.no_write:
+        replace_section(
+            ROOT / "BENCHMARKS.md", "bench/step_parity.py", body, header=BENCHMARKS_HEADER
+        )
+
+
+if __name__ == "__main__":
+    main()
