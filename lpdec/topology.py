@@ -405,7 +405,7 @@ class Topology:
                 raise ValueError(f"topology {self.name} is not {kind}: {violation}")
         return self
 
-    def check_axis_size(self, axis_size: int, axis_name: str = "nodes") -> None:
+    def check_axis_size(self, axis_size: int, axis_name: str | tuple[str, ...] = "nodes") -> None:
         """Raises ValueError unless the named axis has one entry per node.
 
         Call it at trace time, e.g. with ``jax.lax.axis_size(axis_name)``.

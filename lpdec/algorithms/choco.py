@@ -64,7 +64,7 @@ class ChocoState(NamedTuple):
       health: non-finite counters.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     lag: Any
     consensus: Any
@@ -83,7 +83,7 @@ class ChocoPerPeerState(NamedTuple):
       health: non-finite counters.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     x_hat: Any
     replicas: tuple

@@ -77,7 +77,7 @@ class CompressedMeanState(NamedTuple):
         without.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     health: health_lib.Health
     residual: jax.Array | tuple
@@ -209,7 +209,7 @@ def _unpack_rows(packed: jax.Array, row: Any) -> Any:
             out.append(raw.reshape((rows, *x.shape)))
         else:
             out.append(jax.lax.bitcast_convert_type(raw.reshape((rows, *x.shape, width)), x.dtype))
-    return treedef.unflatten(out)
+    return jax.tree.unflatten(treedef, out)
 
 
 def _row_of(payload: Any) -> Any:
@@ -376,7 +376,9 @@ def step(
     live = [i for i, u in enumerate(leaves) if u.size]
     out = [jnp.zeros_like(u) for u in leaves]
     if not live:  # nothing to send
-        return treedef.unflatten(out), state._replace(count=state.count + 1, health=health)
+        return jax.tree.unflatten(treedef, out), state._replace(
+            count=state.count + 1, health=health
+        )
     # NaN everywhere marks a non-finite update in every chunk.
     flat = jnp.concatenate([leaves[i].astype(jnp.float32).reshape(-1) for i in live])
     flat = jnp.where(ok, flat, jnp.nan)
@@ -411,7 +413,9 @@ def step(
         out[i] = mean[offset : offset + leaf.size].reshape(leaf.shape).astype(leaf.dtype)
         offset += leaf.size
     health = health_lib.count_received(health, skipped)
-    return treedef.unflatten(out), CompressedMeanState(state.count + 1, state.key, health, residual)
+    return jax.tree.unflatten(treedef, out), CompressedMeanState(
+        state.count + 1, state.key, health, residual
+    )
 
 
 def compressed_mean(
