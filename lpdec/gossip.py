@@ -375,7 +375,7 @@ def accumulate(
         received.payloads, received.weights, received.senders, strict=True
     ):
         payload_leaves = compress_base.flatten_up_to(treedef, payload)
-        keys = [None] * n
+        keys: list[jax.Array | None] = [None] * n
         if sender_key is not None:
             keys = list(jax.random.split(sender_key(sender), n))
         ok = payload_is_finite(compressor, payload)

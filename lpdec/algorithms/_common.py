@@ -91,7 +91,7 @@ def check_float_params(params: PyTree, name: str) -> None:
         )
 
 
-def key_from_seed(seed: int) -> jax.Array:
+def key_from_seed(seed: int | jax.Array) -> jax.Array:
     """A raw uint32[2] key (plain array leaves checkpoint and shard like any state)."""
     return jax.random.key_data(jax.random.key(seed))
 

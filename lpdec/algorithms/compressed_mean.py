@@ -323,6 +323,7 @@ def _gathered_mean(
         return _chunk_key(state.key, state.count, sender, _GATHER_ONLY, 0)
 
     if error_feedback:
+        assert residual is not None  # the caller passes the state's residual with feedback
         payload, error = compressor.encode_feedback(vector, residual, key_of(device_id(me)), decay)
     else:
         payload = compressor.encode(vector, key_of(device_id(me)))
@@ -385,7 +386,7 @@ def step(
     share = flat
     if hp.local_axis is not None:
         share = gossip.local_reduce_scatter(_pad(flat, local_size), axis_name=hp.local_axis)
-    common = dict(
+    common: dict[str, Any] = dict(
         compressor=hp.compressor,
         axis_name=hp.axis_name,
         device_id=device_id,
@@ -393,7 +394,10 @@ def step(
     )
     if hp.rounds == 1:
         # One round sends the whole share once: the residual enters inside the encode.
-        residual = state.residual if hp.error_feedback else None
+        residual = None
+        if hp.error_feedback:
+            assert not isinstance(state.residual, tuple)  # init_fn's residual: an array
+            residual = state.residual
         mean, skipped, error = _gathered_mean(
             share, state, residual=residual, decay=hp.error_decay, **common
         )
@@ -401,10 +405,11 @@ def step(
         if hp.error_feedback:
             share = numerics.feedback_sum(share, state.residual, hp.error_decay)
         mean, skipped, error = _two_round_mean(share, state, **common)
-    residual = state.residual
+    new_residual = state.residual
     if hp.error_feedback:
         # v = share (+ decay * residual) non-finite: keep the old residual.
-        residual = jnp.where(jnp.all(jnp.isfinite(error)), error, state.residual)
+        assert error is not None and not isinstance(state.residual, tuple)  # both arrays here
+        new_residual = jnp.where(jnp.all(jnp.isfinite(error)), error, state.residual)
     if hp.local_axis is not None:
         mean = gossip.local_all_gather(mean, axis_name=hp.local_axis)[: flat.size]
     offset = 0
@@ -414,7 +419,7 @@ def step(
         offset += leaf.size
     health = health_lib.count_received(health, skipped)
     return jax.tree.unflatten(treedef, out), CompressedMeanState(
-        state.count + 1, state.key, health, residual
+        state.count + 1, state.key, health, new_residual
     )
 
 

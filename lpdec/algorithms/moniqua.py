@@ -274,6 +274,7 @@ def step(
     updates, _, health = _common.guard_updates(updates, state.health)
     x = _common.f32(params)
     theta_t = None if hp.theta is None else _common.at_step(hp.theta, state.count)
+    alpha: float | jax.Array
     if isinstance(hp.slack, (int, float)):
         # A known α goes into the weights, rounded once as W' itself.
         mixing, alpha = hp.topology.with_slack(hp.slack), 1.0

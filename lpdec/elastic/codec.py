@@ -138,7 +138,7 @@ def nesterov_step(anchor: Any, momentum: Any, delta: Any, lr: float, mu: float):
     m <- delta + mu * m;  anchor <- anchor - lr * (delta + mu * m).  Returns
     (anchor, momentum); mu = 0 is plain SGD (momentum stays zero).
     """
-    lr, mu = np.float32(lr), np.float32(mu)
+    lr, mu = np.float32(lr), np.float32(mu)  # type: ignore[assignment]  # float32 from here on
 
     def one(a, m, d):
         d = np.asarray(d, np.float32)

@@ -75,8 +75,9 @@ def _contexts(credentials: Credentials) -> tuple[ssl.SSLContext, ssl.SSLContext]
 
 def _is_machine_of_run(connection: ssl.SSLSocket, prefix: str) -> bool:
     cert = connection.getpeercert() or {}
-    uris = [v for k, v in cert.get("subjectAltName", ()) if k == "URI"]
-    return any(uri.startswith(prefix + "machine/") for uri in uris)
+    # typeshed types every certificate field as one union; subjectAltName is (kind, value) pairs.
+    uris = [v for k, v in cert.get("subjectAltName", ()) if k == "URI"]  # type: ignore[str-unpack]
+    return any(uri.startswith(prefix + "machine/") for uri in uris)  # type: ignore[union-attr]
 
 
 class Peers:
@@ -102,6 +103,8 @@ class Peers:
         self.machine = machine
         self._token = bytes(token)
         self._credentials = credentials
+        self._server_tls: ssl.SSLContext | None
+        self._client_tls: ssl.SSLContext | None
         self._server_tls, self._client_tls = _contexts(credentials) if credentials else (None, None)
         self._listener = socket.create_server((host, port), backlog=64)
         self.address = f"{host}:{self._listener.getsockname()[1]}"
@@ -241,7 +244,8 @@ class Peers:
         for message in messages:
             by_peer.setdefault(message[0], []).append(message)
         futures = [
-            self._pool.submit(lambda ms: [self.send(*m) for m in ms], ms) for ms in by_peer.values()
+            self._pool.submit(lambda ms: [self.send(*m) for m in ms], ms)  # type: ignore[func-returns-value]
+            for ms in by_peer.values()
         ]
         for future in futures:
             future.result()
