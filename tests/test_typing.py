@@ -87,6 +87,10 @@ def test_lpdec_type_checks_clean_with_mypys_defaults(tmp_path):
 
 
 def test_a_users_file_sees_lpdecs_types_after_the_readme_install(tmp_path):
+    import setuptools  # the build backend pip runs here, without build isolation
+
+    major = int(setuptools.__version__.split(".")[0])
+    assert major >= 77, f"setuptools {setuptools.__version__}: the test extra needs >= 77.0.1"
     python = _fresh_environment(tmp_path / "venv")
     install = [str(python), "-m", "pip", "install", "--quiet", "--no-deps", "--no-index"]
     install += ["--no-build-isolation", "--ignore-installed", *_readme_install_arguments()]
