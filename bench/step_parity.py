@@ -80,8 +80,12 @@ def _lpdec(workdir: pathlib.Path, processes: int, algorithm: str, steps: int) ->
 def _run(commands: list[list[str]], log: pathlib.Path, timeout: float = 1200) -> None:
     procs = [
         subprocess.Popen(
-            c, stdout=open(f"{log}.{i}", "w"), stderr=subprocess.STDOUT, env=_env(),  # noqa: SIM115
-            cwd=ROOT, start_new_session=True,
+            c,
+            stdout=open(f"{log}.{i}", "w"),
+            stderr=subprocess.STDOUT,
+            env=_env(),  # noqa: SIM115
+            cwd=ROOT,
+            start_new_session=True,
         )  # fmt: skip
         for i, c in enumerate(commands)
     ]
@@ -135,8 +139,7 @@ def render(rows: dict, steps: int) -> str:
         "",
         "| run | seconds per step | against DDP |",
         "|---|---|---|",
-        f"| lpdec, one process, 4,096 tokens | {rows['one']:.4f} | "
-        f"{rows['one'] / ddp:.2f}x |",
+        f"| lpdec, one process, 4,096 tokens | {rows['one']:.4f} | {rows['one'] / ddp:.2f}x |",
         f"| lpdec, 2 processes, no exchange (compute and dispatch of 2,048 tokens) | "
         f"{none:.4f} | {none / ddp:.2f}x |",
         f"| lpdec, 2 processes, fp32 all-reduce of the gradients | {allreduce:.4f} | "

@@ -335,11 +335,12 @@ def _consensus(compressor: Modulo | None, x_own: PyTree, q_own, q_other, x_other
     if compressor is None:
         return jax.tree.map(jnp.subtract, x_other, x_own)
     leaves, treedef = jax.tree.flatten(x_own)
-    return treedef.unflatten(
+    return jax.tree.unflatten(
+        treedef,
         [
             compressor.decode(b, reference=r) - compressor.decode(a, reference=r)
             for r, a, b in zip(leaves, q_own, q_other, strict=True)
-        ]
+        ],
     )
 
 

@@ -142,7 +142,7 @@ def local_all_gather(x: PyTree, *, axis_name: str) -> PyTree:
     return jax.lax.all_gather(x, axis_name, tiled=True)
 
 
-def local_sum(x: PyTree, *, axis_name: str) -> PyTree:
+def local_sum(x: PyTree, *, axis_name: AxisName) -> PyTree:
     """Full-precision sum over `axis_name`: one all-reduce of one buffer per dtype.
 
     The leaves of each dtype are concatenated into one vector before the
@@ -173,12 +173,12 @@ def local_sum(x: PyTree, *, axis_name: str) -> PyTree:
     return jax.tree.unflatten(treedef, out)
 
 
-def node_index(axis_name: str) -> jax.Array:
+def node_index(axis_name: AxisName) -> jax.Array:
     """This node's index along `axis_name` (int32 scalar)."""
     return jax.lax.axis_index(axis_name)
 
 
-def per_node(values: np.ndarray, axis_name: str) -> jax.Array:
+def per_node(values: np.ndarray, axis_name: AxisName) -> jax.Array:
     """Picks this node's entry of a static per-node numpy array."""
     return jnp.asarray(values)[node_index(axis_name)]
 
@@ -327,7 +327,7 @@ def exchange(payload: PyTree, round_: Round, *, axis_name: AxisName) -> Received
     )
 
 
-def mix(tree: PyTree, round_: Round, *, axis_name: str) -> tuple[PyTree, jax.Array]:
+def mix(tree: PyTree, round_: Round, *, axis_name: AxisName) -> tuple[PyTree, jax.Array]:
     """Full-precision gossip: sum_j W_ij x_j in float32 (one ppermute per edge class).
 
     A neighbour whose tree holds NaN/Inf is replaced by the node's own value
@@ -342,14 +342,14 @@ def mix(tree: PyTree, round_: Round, *, axis_name: str) -> tuple[PyTree, jax.Arr
     acc = [received.self_weight * x for x in own]
     skipped = jnp.int32(0)
     for payload, weight in zip(received.payloads, received.weights, strict=True):
-        neighbor = treedef.flatten_up_to(payload)
+        neighbor = compress_base.flatten_up_to(treedef, payload)
         ok = jnp.all(jnp.stack([jnp.all(jnp.isfinite(y)) for y in neighbor]))
         acc = [
             a + weight * jnp.where(ok, y.astype(jnp.float32), x)
             for a, y, x in zip(acc, neighbor, own, strict=True)
         ]
         skipped = skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
-    return treedef.unflatten(acc), skipped
+    return jax.tree.unflatten(treedef, acc), skipped
 
 
 def payload_is_finite(compressor: compress_base.Compressor, payload: PyTree) -> jax.Array:
@@ -394,13 +394,13 @@ def accumulate(
     skipped = jnp.int32(0)
     leaves, treedef = jax.tree.flatten(acc)
     n = len(leaves)
-    refs = [None] * n if reference is None else treedef.flatten_up_to(reference)
-    subs = None if substitute is None else treedef.flatten_up_to(substitute)
+    refs = [None] * n if reference is None else compress_base.flatten_up_to(treedef, reference)
+    subs = None if substitute is None else compress_base.flatten_up_to(treedef, substitute)
     for payload, weight, sender in zip(
         received.payloads, received.weights, received.senders, strict=True
     ):
-        payload_leaves = treedef.flatten_up_to(payload)
-        keys = [None] * n
+        payload_leaves = compress_base.flatten_up_to(treedef, payload)
+        keys: list[jax.Array | None] = [None] * n
         if sender_key is not None:
             keys = list(jax.random.split(sender_key(sender), n))
         ok = payload_is_finite(compressor, payload)
@@ -414,7 +414,7 @@ def accumulate(
             fallback = [a + weight * x for a, x in zip(leaves, subs, strict=True)]
         leaves = [jnp.where(ok, a, b) for a, b in zip(new, fallback, strict=True)]
         skipped = skipped + jnp.where(ok, 0, 1).astype(jnp.int32)
-    return treedef.unflatten(leaves), skipped
+    return jax.tree.unflatten(treedef, leaves), skipped
 
 
 def accumulate_per_class(

@@ -172,13 +172,13 @@ class NodeLayout:
 
         if self.nested:
 
-            def body(*args):
+            def nested_body(*args):
                 return jax.vmap(fn, in_axes=axes, axis_name=self.local_axis)(*args)
 
             # jax 0.10 rejects collectives over a vmap axis nested in shard_map under
             # check_vma, so the nested layout runs unchecked.
             return shard_map(
-                body,
+                nested_body,
                 mesh=self.mesh,
                 in_specs=specs,
                 out_specs=jax.P(self.mesh_axis),

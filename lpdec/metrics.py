@@ -174,6 +174,8 @@ def collective_traffic(hlo_text: str) -> CollectiveTraffic:
 def compiled_traffic(fn, *args, **kwargs) -> CollectiveTraffic:
     """Compiles `jax.jit(fn)` for `args` and returns its `collective_traffic`."""
     text = jax.jit(fn).lower(*args, **kwargs).compile().as_text()
+    if text is None:
+        raise RuntimeError("this backend gives no text of the compiled program to count.")
     return collective_traffic(text)
 
 

@@ -173,8 +173,8 @@ class Round:
 
 def _unreachable(num_nodes: int, edges: Sequence[tuple[int, int]]) -> tuple[int, int] | None:
     """None if the directed graph is strongly connected, else (a, b) with b unreachable from a."""
-    forward = [[] for _ in range(num_nodes)]
-    backward = [[] for _ in range(num_nodes)]
+    forward: list[list[int]] = [[] for _ in range(num_nodes)]
+    backward: list[list[int]] = [[] for _ in range(num_nodes)]
     for s, d in edges:
         forward[s].append(d)
         backward[d].append(s)
@@ -354,9 +354,9 @@ class Topology:
             w = self.mixing_matrix(t)
             where = f" (round {t})" if self.is_time_varying else ""
             if requirement == "symmetric":
-                bad = np.argwhere(np.abs(w - w.T) > atol)
-                if len(bad):
-                    i, j = bad[0]
+                asymmetric = np.argwhere(np.abs(w - w.T) > atol)
+                if len(asymmetric):
+                    i, j = asymmetric[0]
                     return f"W[{i}, {j}] = {w[i, j]:.6g} but W[{j}, {i}] = {w[j, i]:.6g}{where}"
                 continue
             axes = {
@@ -405,7 +405,7 @@ class Topology:
                 raise ValueError(f"topology {self.name} is not {kind}: {violation}")
         return self
 
-    def check_axis_size(self, axis_size: int, axis_name: str = "nodes") -> None:
+    def check_axis_size(self, axis_size: int, axis_name: str | tuple[str, ...] = "nodes") -> None:
         """Raises ValueError unless the named axis has one entry per node.
 
         Call it at trace time, e.g. with ``jax.lax.axis_size(axis_name)``.
@@ -603,10 +603,11 @@ def random_matching(n: int, seed: int, period: int = 16) -> Topology:
             diagonal = np.ones(n)
             diagonal[pairs.ravel()] = 0.5
             perm = [(a, b) for a, b in pairs] + [(b, a) for a, b in pairs]
-            edges = (EdgeClass(perm, tuple(1.0 - diagonal)),) if len(perm) else ()
+            edges = (EdgeClass(tuple(perm), tuple(1.0 - diagonal)),) if len(perm) else ()
             rounds.append(Round(tuple(diagonal), edges))
         if _unreachable(n, [e for r in rounds for e in r.edges]) is None:
-            return Topology(f"random_matching({n}, seed={seed}, period={period})", n, False, rounds)
+            name = f"random_matching({n}, seed={seed}, period={period})"
+            return Topology(name, n, False, tuple(rounds))
     raise ValueError(f"random_matching: no connected schedule of {period} rounds; raise period")
 
 

@@ -120,7 +120,7 @@ def pack(tree: PyTree) -> tuple[list[jax.Array], Callable[[list[jax.Array]], PyT
         buffers.append(jnp.concatenate(parts) if len(parts) > 1 else parts[0])
 
     def unpack(received: list[jax.Array]) -> PyTree:
-        out = [None] * len(leaves)
+        out: list[jax.Array | None] = [None] * len(leaves)
         for i, x in zip(large, received, strict=False):
             out[i] = x
         if small:
@@ -133,6 +133,6 @@ def pack(tree: PyTree) -> tuple[list[jax.Array], Callable[[list[jax.Array]], PyT
                 else:
                     width = np.dtype(dtype).itemsize
                     out[i] = jax.lax.bitcast_convert_type(raw.reshape(shape + (width,)), dtype)
-        return treedef.unflatten(out)
+        return jax.tree.unflatten(treedef, out)
 
     return buffers, unpack

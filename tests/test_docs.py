@@ -89,28 +89,37 @@ def test_the_documented_programs_type_check(tmp_path):
     """Every marked block, as the test above runs it, passes mypy against lpdec's own
     annotations (lpdec ships py.typed; optax and jax's other untyped neighbours are
     skipped): a name lpdec does not export statically, or a call that does not match
-    a signature, fails here as it would in a user's editor."""
+    a signature, fails here as it would in a user's editor. A call with a wrong
+    argument type, checked in the same run, must be reported: with lpdec not found or
+    not analysed (every name Any) the test fails."""
     files = []
     for page, i, code in BLOCKS:
         path = tmp_path / f"{page.stem}_{i}.py"
         path.write_text("import optax\nimport lpdec\n" + code)
         files.append(str(path))
+    wrong = tmp_path / "wrong_call.py"
+    wrong.write_text("import lpdec\nlpdec.choco(lpdec.minmax(bits=8), lpdec.ring(8))\n")
     assert (ROOT / "lpdec" / "py.typed").exists()
     # lpdec's modules are analysed; the libraries under them are not (skipped, their
     # names typed Any): analysing jax, numpy and flax took 3/4 of the test's time and
-    # checks nothing of lpdec's API.
+    # checks nothing of lpdec's API. Only they may be missing: lpdec not found is an error.
     skipped = "jax,jaxlib,flax,optax,numpy,orbax,chex,ml_collections,scipy,absl,etils"
+    modules = ",".join(f"{m},{m}.*" for m in skipped.split(","))
     (tmp_path / "mypy.ini").write_text(
-        "[mypy]\nfollow_imports = silent\nignore_missing_imports = True\n"
-        f"[mypy-{','.join(f'{m}.*' for m in skipped.split(','))}]\nfollow_imports = skip\n"
+        "[mypy]\nfollow_imports = silent\n"
+        f"[mypy-{modules}]\nfollow_imports = skip\nignore_missing_imports = True\n"
     )
     env = dict(os.environ, MYPYPATH=str(ROOT))
     proc = subprocess.run(
         [sys.executable, "-m", "mypy", "--config-file", str(tmp_path / "mypy.ini"),
-         "--cache-dir", str(tmp_path / "cache"), *files],
+         "--cache-dir", str(tmp_path / "cache"), *files, str(wrong)],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=600,
     )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-2000:]
+    errors = [line for line in proc.stdout.splitlines() if ": error:" in line]
+    expected = 'wrong_call.py:2: error: Argument 1 to "choco" has incompatible type "MinMax"'
+    output = proc.stdout[-3000:] + proc.stderr[-2000:]
+    assert [e for e in errors if not e.startswith("wrong_call.py")] == [], output
+    assert any(e.startswith(expected) for e in errors), output
 
 
 def _github_anchor(heading):

@@ -91,7 +91,7 @@ def check_float_params(params: PyTree, name: str) -> None:
         )
 
 
-def key_from_seed(seed: int) -> jax.Array:
+def key_from_seed(seed: int | jax.Array) -> jax.Array:
     """A raw uint32[2] key (plain array leaves checkpoint and shard like any state)."""
     return jax.random.key_data(jax.random.key(seed))
 
@@ -155,15 +155,16 @@ def decode(
     decode relative to the receiver's model (modulo).
     """
     treedef = jax.tree.structure(like)
-    payloads = treedef.flatten_up_to(payload)
+    payloads = compress_base.flatten_up_to(treedef, payload)
     n = len(payloads)
-    refs = [None] * n if reference is None else treedef.flatten_up_to(reference)
+    refs = [None] * n if reference is None else compress_base.flatten_up_to(treedef, reference)
     keys = [None] * n if key is None else list(jax.random.split(key, n))
-    return treedef.unflatten(
+    return jax.tree.unflatten(
+        treedef,
         [
             compressor.decode(p, reference=r, key=k).astype(jnp.float32)
             for p, r, k in zip(payloads, refs, keys, strict=True)
-        ]
+        ],
     )
 
 

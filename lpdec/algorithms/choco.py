@@ -36,6 +36,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 from typing import NamedTuple
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -64,7 +65,7 @@ class ChocoState(NamedTuple):
       health: non-finite counters.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     lag: Any
     consensus: Any
@@ -83,7 +84,7 @@ class ChocoPerPeerState(NamedTuple):
       health: non-finite counters.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     x_hat: Any
     replicas: tuple
@@ -130,6 +131,9 @@ def step(
 ) -> tuple[optax.Updates, ChocoState | ChocoPerPeerState]:
     """One CHOCO step; must run under the named axis `axis_name`."""
     gossip.require_axis(hp.axis_name, "choco", topology=hp.topology)
+    # The state's class follows hp.replicas: read as the one each branch below has.
+    summed = cast(ChocoState, state)
+    per_peer = cast(ChocoPerPeerState, state)
     compressor, axis_name = hp.compressor, hp.axis_name
     gamma = _common.at_step(hp.gamma, state.count)
     round_ = hp.topology.rounds[0]
@@ -139,10 +143,10 @@ def step(
     # the encoder's loops and never stored.
     key = _common.node_key(state.key, state.count, me)
     if hp.replicas == "sum":
-        diff = jax.tree.map(jnp.add, state.lag, updates)
+        diff = jax.tree.map(jnp.add, summed.lag, updates)
     else:
         diff = jax.tree.map(
-            lambda p, u, h: (p.astype(jnp.float32) + u) - h, params, updates, state.x_hat
+            lambda p, u, h: (p.astype(jnp.float32) + u) - h, params, updates, per_peer.x_hat
         )
     payload = compress_tree.encode_tree(compressor, diff, key)
     received = gossip.exchange(payload, round_, axis_name=axis_name)
@@ -166,14 +170,14 @@ def step(
 
     if hp.replicas == "sum":
         # c_i += sum_{j != i} W_ij q_j - (1 - W_ii) q_i.
-        own = jax.tree.map(lambda c, d: c - off_diagonal * d, state.consensus, q)
+        own = jax.tree.map(lambda c, d: c - off_diagonal * d, summed.consensus, q)
         consensus, skipped = gossip.accumulate(compressor, received, own, sender_key=sender_key)
         new_updates = jax.tree.map(move, updates, consensus, params)
         # e+ = e + (x+ - x) - q = (x~ - x^ - q) + gamma c+: the quantization residual
         # plus the consensus move; e + gamma c+ when the local step was dropped.
         lag = jax.tree.map(
             lambda e, r, d, c: jnp.where(sent_ok, r - d, e) + gamma * c,
-            state.lag,
+            summed.lag,
             diff,
             q,
             consensus,
@@ -183,9 +187,9 @@ def step(
         )
         return new_updates, new_state
 
-    x_hat = jax.tree.map(jnp.add, state.x_hat, q)
+    x_hat = jax.tree.map(jnp.add, per_peer.x_hat, q)
     copies, skipped = gossip.accumulate_per_class(
-        compressor, received, state.replicas, sender_key=sender_key
+        compressor, received, per_peer.replicas, sender_key=sender_key
     )
     # sum_j W_ij (x^_j - x^_i) = sum_c w_c replica_c - (1 - W_ii) x^_i (row-stochastic W).
     consensus = jax.tree.map(
@@ -196,10 +200,10 @@ def step(
         *copies,
     )
     new_updates = jax.tree.map(move, updates, consensus, params)
-    new_state = ChocoPerPeerState(
+    new_per_peer = ChocoPerPeerState(
         state.count + 1, state.key, x_hat, copies, health_lib.count_received(health, skipped)
     )
-    return new_updates, new_state
+    return new_updates, new_per_peer
 
 
 def choco(

@@ -129,7 +129,7 @@ class ClippedGossipState(NamedTuple):
       health: non-finite counters.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     x_hat: Any
     replicas: tuple

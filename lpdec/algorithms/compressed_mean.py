@@ -77,7 +77,7 @@ class CompressedMeanState(NamedTuple):
         without.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     health: health_lib.Health
     residual: jax.Array | tuple
@@ -170,7 +170,7 @@ def init(params: optax.Params, hp: Hyperparams) -> CompressedMeanState:
 
 
 def _chunk_key(
-    key: jax.Array, step: jax.Array, sender: jax.Array, round_: int, chunk: jax.Array
+    key: jax.Array, step: jax.Array, sender: jax.Array, round_: int, chunk: jax.Array | int
 ) -> jax.Array:
     """The key `sender` encodes chunk `chunk` with in round `round_` (1 or 2).
 
@@ -220,7 +220,7 @@ def _unpack_rows(packed: jax.Array, row: Any) -> Any:
             out.append(raw.reshape((rows, *x.shape)))
         else:
             out.append(jax.lax.bitcast_convert_type(raw.reshape((rows, *x.shape, width)), x.dtype))
-    return treedef.unflatten(out)
+    return jax.tree.unflatten(treedef, out)
 
 
 def _row_of(payload: Any) -> Any:
@@ -334,6 +334,7 @@ def _gathered_mean(
         return one_round_key(state.key, state.count, sender)
 
     if error_feedback:
+        assert residual is not None  # the caller passes the state's residual with feedback
         payload, error = compressor.encode_feedback(vector, residual, key_of(device_id(me)), decay)
     else:
         payload = compressor.encode(vector, key_of(device_id(me)))
@@ -387,14 +388,16 @@ def step(
     live = [i for i, u in enumerate(leaves) if u.size]
     out = [jnp.zeros_like(u) for u in leaves]
     if not live:  # nothing to send
-        return treedef.unflatten(out), state._replace(count=state.count + 1, health=health)
+        return jax.tree.unflatten(treedef, out), state._replace(
+            count=state.count + 1, health=health
+        )
     # NaN everywhere marks a non-finite update in every chunk.
     flat = jnp.concatenate([leaves[i].astype(jnp.float32).reshape(-1) for i in live])
     flat = jnp.where(ok, flat, jnp.nan)
     share = flat
     if hp.local_axis is not None:
         share = gossip.local_reduce_scatter(_pad(flat, local_size), axis_name=hp.local_axis)
-    common = dict(
+    common: dict[str, Any] = dict(
         compressor=hp.compressor,
         axis_name=hp.axis_name,
         device_id=device_id,
@@ -402,7 +405,10 @@ def step(
     )
     if hp.rounds == 1:
         # One round sends the whole share once: the residual enters inside the encode.
-        residual = state.residual if hp.error_feedback else None
+        residual = None
+        if hp.error_feedback:
+            assert not isinstance(state.residual, tuple)  # init_fn's residual: an array
+            residual = state.residual
         mean, skipped, error = _gathered_mean(
             share, state, residual=residual, decay=hp.error_decay, **common
         )
@@ -410,10 +416,11 @@ def step(
         if hp.error_feedback:
             share = numerics.feedback_sum(share, state.residual, hp.error_decay)
         mean, skipped, error = _two_round_mean(share, state, **common)
-    residual = state.residual
+    new_residual = state.residual
     if hp.error_feedback:
         # v = share (+ decay * residual) non-finite: keep the old residual.
-        residual = jnp.where(jnp.all(jnp.isfinite(error)), error, state.residual)
+        assert error is not None and not isinstance(state.residual, tuple)  # both arrays here
+        new_residual = jnp.where(jnp.all(jnp.isfinite(error)), error, state.residual)
     if hp.local_axis is not None:
         mean = gossip.local_all_gather(mean, axis_name=hp.local_axis)[: flat.size]
     offset = 0
@@ -422,7 +429,9 @@ def step(
         out[i] = mean[offset : offset + leaf.size].reshape(leaf.shape).astype(leaf.dtype)
         offset += leaf.size
     health = health_lib.count_received(health, skipped)
-    return treedef.unflatten(out), CompressedMeanState(state.count + 1, state.key, health, residual)
+    return jax.tree.unflatten(treedef, out), CompressedMeanState(
+        state.count + 1, state.key, health, new_residual
+    )
 
 
 def compressed_mean(

@@ -76,7 +76,7 @@ class D2State(NamedTuple):
       health: non-finite counters (`lpdec.Health`).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     prev_params: Any
     prev_update: Any
@@ -139,15 +139,17 @@ def step(
     )
     me = gossip.node_index(hp.axis_name)
     key = _common.node_key(state.key, state.count, me)
-    payload = compress_tree.encode_tree(hp.compressor, half, key)
-    half_hat = _common.decode(hp.compressor, payload, half, reference=half, key=key)
+    compressor = hp.compressor
+    assert compressor is not None  # __post_init__ put identity() in place of None
+    payload = compress_tree.encode_tree(compressor, half, key)
+    half_hat = _common.decode(compressor, payload, half, reference=half, key=key)
     received = gossip.exchange(payload, round_, axis_name=hp.axis_name)
 
     def sender_key(sender):
         return _common.node_key(state.key, state.count, sender)
 
     correction, skipped, _ = moniqua.consensus_step(
-        hp.compressor, received, half_hat, reference=half, sender_key=sender_key
+        compressor, received, half_hat, reference=half, sender_key=sender_key
     )
     new = jax.tree.map(jnp.add, half, correction)
     health = health_lib.count_received(health, skipped)

@@ -64,7 +64,7 @@ class DCDState(NamedTuple):
       health: non-finite counters (`lpdec.Health`).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     neighbors: Any
     health: health_lib.Health

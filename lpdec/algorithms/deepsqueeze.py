@@ -53,7 +53,7 @@ class DeepSqueezeState(NamedTuple):
       health: non-finite counters (`lpdec.Health`).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     error: Any
     health: health_lib.Health

@@ -102,7 +102,7 @@ class DiLoCoState(NamedTuple):
         this node skipped (a NaN/Inf gradient or resulting parameter).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     inner: PyTree
     outer: PyTree
     anchor: PyTree

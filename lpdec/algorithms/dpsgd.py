@@ -33,7 +33,7 @@ class DPSGDState(NamedTuple):
       health: non-finite counters (`lpdec.Health`).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     health: health_lib.Health
 
 

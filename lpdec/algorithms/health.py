@@ -79,4 +79,5 @@ def totals(opt_state: Any) -> Health:
     sums = [np.int64(0)] * len(Health._fields)
     for h in found:
         sums = [t + np.sum(np.asarray(x), dtype=np.int64) for t, x in zip(sums, h, strict=True)]
-    return Health(*(np.int64(t) for t in sums))
+    # Host-side totals: numpy int64 scalars where a traced Health holds jax arrays.
+    return Health(*(np.int64(t) for t in sums))  # type: ignore[arg-type]

@@ -105,7 +105,7 @@ class MoniquaState(NamedTuple):
       health: non-finite counters (`lpdec.Health`).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     health: health_lib.Health
 
@@ -177,8 +177,8 @@ def _encode(
     leaves, treedef = jax.tree.flatten(tree)
     keys = list(jax.random.split(key, len(leaves)))
     kwargs = _leaf_kwargs(theta)
-    return treedef.unflatten(
-        [compressor.encode(x, k, **kwargs) for x, k in zip(leaves, keys, strict=True)]
+    return jax.tree.unflatten(
+        treedef, [compressor.encode(x, k, **kwargs) for x, k in zip(leaves, keys, strict=True)]
     )
 
 
@@ -216,7 +216,7 @@ def consensus_step(
       payloads beyond `warn_beyond`; both int32 scalars).
     """
     own, treedef = jax.tree.flatten(x_hat)
-    refs = treedef.flatten_up_to(reference)
+    refs = compress_base.flatten_up_to(treedef, reference)
     n = len(own)
     kwargs = _leaf_kwargs(theta)
     acc = [jnp.zeros_like(x) for x in own]
@@ -228,7 +228,9 @@ def consensus_step(
         ok = gossip.payload_is_finite(compressor, payload)
         decoded = [
             compressor.decode(p, reference=r, key=k, **kwargs).astype(jnp.float32)
-            for p, r, k in zip(treedef.flatten_up_to(payload), refs, keys, strict=True)
+            for p, r, k in zip(
+                compress_base.flatten_up_to(treedef, payload), refs, keys, strict=True
+            )
         ]
         acc = [
             a + weight * jnp.where(ok, y - x, 0.0)
@@ -245,7 +247,7 @@ def consensus_step(
                 )
             )
             beyond = beyond + (ok & far).astype(jnp.int32)
-    return treedef.unflatten(acc), skipped, beyond
+    return jax.tree.unflatten(treedef, acc), skipped, beyond
 
 
 def step(
@@ -272,6 +274,7 @@ def step(
     updates, _, health = _common.guard_updates(updates, state.health)
     x = _common.f32(params)
     theta_t = None if hp.theta is None else _common.at_step(hp.theta, state.count)
+    alpha: float | jax.Array
     if isinstance(hp.slack, (int, float)):
         # A known α goes into the weights, rounded once as W' itself.
         mixing, alpha = hp.topology.with_slack(hp.slack), 1.0

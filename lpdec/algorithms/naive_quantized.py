@@ -41,7 +41,7 @@ class NaiveQuantizedState(NamedTuple):
       health: non-finite counters (`lpdec.Health`).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     health: health_lib.Health
 

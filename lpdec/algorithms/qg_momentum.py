@@ -60,7 +60,7 @@ class QGMomentumState(NamedTuple):
         m_hat^(t-1); step t + 1 first folds in d^(t), which needs its params.
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     prev_params: Any
     prev_lr: jax.Array
     m_hat: Any

@@ -88,7 +88,7 @@ def _unflatten(vector: jax.Array, like: PyTree) -> PyTree:
     for leaf in leaves:
         out.append(vector[start : start + leaf.size].reshape(leaf.shape).astype(leaf.dtype))
         start += leaf.size
-    return treedef.unflatten(out)
+    return jax.tree.unflatten(treedef, out)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

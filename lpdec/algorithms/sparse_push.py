@@ -65,7 +65,7 @@ class SparsePushState(NamedTuple):
       health: non-finite counters (`lpdec.Health`).
     """
 
-    count: jax.Array
+    count: jax.Array  # type: ignore[assignment]  # a field shadowing tuple.count, as in optax
     key: jax.Array
     x: Any
     push_weight: jax.Array

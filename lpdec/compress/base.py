@@ -16,7 +16,11 @@ from __future__ import annotations
 import abc
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
+from typing import TypeVar
+from typing import dataclass_transform
+from typing import overload
 
 import jax
 import jax.numpy as jnp
@@ -30,18 +34,40 @@ ROUNDINGS = ("nearest", "stochastic")
 _PAYLOAD_TYPES: set[type] = set()
 
 
+_C = TypeVar("_C", bound=type)
+
+
+@overload
 def payload_dataclass(
-    cls=None, *, data: tuple[str, ...], meta: tuple[str, ...] = ("shape", "dtype")
-):
+    cls: None = None, *, data: tuple[str, ...], meta: tuple[str, ...] = ("shape", "dtype")
+) -> Callable[[_C], _C]: ...
+@overload
+def payload_dataclass(
+    cls: _C, *, data: tuple[str, ...], meta: tuple[str, ...] = ("shape", "dtype")
+) -> _C: ...
+# dataclass_transform: type checkers see the fields (__init__, frozen) of each payload.
+@dataclass_transform(frozen_default=True)
+def payload_dataclass(
+    cls: _C | None = None, *, data: tuple[str, ...], meta: tuple[str, ...] = ("shape", "dtype")
+) -> _C | Callable[[_C], _C]:
     """Makes `cls` a frozen dataclass registered as a pytree with `data` leaves."""
 
-    def wrap(c):
-        c = dataclasses.dataclass(frozen=True)(c)
-        c = jax.tree_util.register_dataclass(c, data_fields=list(data), meta_fields=list(meta))
-        _PAYLOAD_TYPES.add(c)
-        return c
+    def wrap(c: _C) -> _C:
+        frozen: Any = dataclasses.dataclass(frozen=True)(c)
+        frozen = jax.tree_util.register_dataclass(
+            frozen, data_fields=list(data), meta_fields=list(meta)
+        )
+        _PAYLOAD_TYPES.add(frozen)
+        return frozen
 
     return wrap if cls is None else wrap(cls)
+
+
+def flatten_up_to(treedef: Any, tree: Any) -> list[Any]:
+    """`treedef.flatten_up_to(tree)`: the subtrees of `tree` at `treedef`'s leaves (a
+    payload per leaf, whole). `treedef` is typed Any: jaxlib's PyTreeDef (a C++ class)
+    has no type information in every supported jaxlib."""
+    return treedef.flatten_up_to(tree)
 
 
 def is_payload(x) -> bool:
@@ -67,8 +93,10 @@ class Compressor(abc.ABC):
     `wire_bytes(num_elements, dtype)` is the exact byte count of the payload.
     """
 
-    #: whether `encode` consumes randomness (stochastic rounding, random-k).
-    needs_key: bool = False
+    @property
+    def needs_key(self) -> bool:
+        """Whether `encode` consumes randomness (stochastic rounding, random-k)."""
+        return False
 
     @abc.abstractmethod
     def encode(self, x: jax.Array, key: jax.Array | None = None) -> Any:

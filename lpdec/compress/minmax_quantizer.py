@@ -55,7 +55,7 @@ class MinMax(base.Compressor):
     bits: int = 8
     rounding: str = "nearest"
     chunk_size: int | None = None
-    implementation: str | None = None
+    implementation: kernels.Implementation = None
     tree_layout: str = "leaves"
 
     def __post_init__(self):
@@ -79,9 +79,15 @@ class MinMax(base.Compressor):
     def needs_key(self) -> bool:
         return self.rounding == "stochastic"
 
+    @property
+    def _chunk_size(self) -> int:
+        """`chunk_size` as `__post_init__` set it (an int: None there means the default)."""
+        assert self.chunk_size is not None
+        return self.chunk_size
+
     def _layout(self, num_elements: int) -> tuple[int, int]:
         """(rows, chunk): a leaf smaller than chunk_size is one chunk of its own size."""
-        chunk = max(1, min(self.chunk_size, num_elements))
+        chunk = max(1, min(self._chunk_size, num_elements))
         return -(-num_elements // chunk), chunk
 
     def num_chunks(self, num_elements: int) -> int:
@@ -123,7 +129,7 @@ class MinMax(base.Compressor):
                 seeds,
                 bits=self.bits,
                 stochastic=self.needs_key,
-                chunk=self.chunk_size,
+                chunk=self._chunk_size,
                 implementation=self.implementation,
             )
         else:
@@ -225,7 +231,7 @@ def minmax(
     rounding: str = "nearest",
     chunk_size: int | None = None,
     *,
-    implementation: str | None = None,
+    implementation: kernels.Implementation = None,
     tree_layout: str = "leaves",
 ) -> MinMax:
     """Min-max quantizer with per-chunk scales, bit-packed codes.

@@ -35,7 +35,7 @@ class Modulo(base.Compressor):
     bits: int = 8
     theta: float = 1.0
     rounding: str = "nearest"
-    implementation: str | None = None
+    implementation: kernels.Implementation = None
 
     def __post_init__(self):
         kernels.check_bits(self.bits)
@@ -145,7 +145,7 @@ def modulo(
     theta: float = 1.0,
     rounding: str = "nearest",
     *,
-    implementation: str | None = None,
+    implementation: kernels.Implementation = None,
 ) -> Modulo:
     """Moniqua's modulo quantizer: sends Q((x / B) mod 1) with no scales at all.
 

@@ -35,7 +35,7 @@ class MX(base.Compressor):
 
     format: str = "fp4"
     rounding: str = "nearest"
-    implementation: str | None = None
+    implementation: kernels.Implementation = None
 
     def __post_init__(self):
         mx_kernels.check_format(self.format)
@@ -109,7 +109,9 @@ class MX(base.Compressor):
         return jnp.all(payload.scales != mx_kernels.NAN_SCALE)
 
 
-def mx(format: str = "fp4", rounding: str = "nearest", *, implementation: str | None = None) -> MX:
+def mx(
+    format: str = "fp4", rounding: str = "nearest", *, implementation: kernels.Implementation = None
+) -> MX:
     """Block-scaled float quantizer of the OCP Microscaling formats: MXFP4 or MXFP8.
 
     Each block of 32 consecutive elements (the flattened array; the last block

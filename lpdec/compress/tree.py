@@ -17,14 +17,14 @@ def encode_tree(compressor: base.Compressor, tree: Any, key: jax.Array | None = 
     """
     leaves, treedef = jax.tree.flatten(tree)
     keys = [None] * len(leaves) if key is None else list(jax.random.split(key, len(leaves)))
-    return treedef.unflatten(compressor.encode_leaves(leaves, keys))
+    return jax.tree.unflatten(treedef, compressor.encode_leaves(leaves, keys))
 
 
 def decode_tree(compressor: base.Compressor, payloads: Any, like: Any) -> Any:
     """Decodes a tree of payloads produced by `encode_tree` from a tree shaped like `like`."""
     treedef = jax.tree.structure(like)
-    flat = treedef.flatten_up_to(payloads)
-    return treedef.unflatten([compressor.decode(p) for p in flat])
+    flat = base.flatten_up_to(treedef, payloads)
+    return jax.tree.unflatten(treedef, [compressor.decode(p) for p in flat])
 
 
 def tree_wire_bytes(compressor: base.Compressor, tree: Any) -> int:

@@ -181,9 +181,9 @@ def _crop_and_flip(images: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     num, height, width, _ = images.shape
     pad = _CROP_PADDING
     padded = np.pad(images, ((0, 0), (pad, pad), (pad, pad), (0, 0)))
-    top = rng.integers(0, 2 * pad + 1, size=num)
-    left = rng.integers(0, 2 * pad + 1, size=num)
-    flip = rng.random(num) < 0.5
+    top = np.asarray(rng.integers(0, 2 * pad + 1, size=num))
+    left = np.asarray(rng.integers(0, 2 * pad + 1, size=num))
+    flip = np.asarray(rng.random(num) < 0.5)
     cols = np.where(flip[:, None], np.arange(width)[::-1], np.arange(width))
     rows = top[:, None] + np.arange(height)
     cols = left[:, None] + cols

@@ -315,10 +315,11 @@ def cifar10(
       ValueError: a file is not a whole number of records.
     """
     directory = _cifar10_dir(data_dir)
-    mean = np.asarray(mean, np.float32)
-    std = np.asarray(std, np.float32)
-    train = [_read_cifar10_file(os.path.join(directory, f), mean, std) for f in CIFAR10_TRAIN_FILES]
-    x_test, y_test = _read_cifar10_file(os.path.join(directory, CIFAR10_TEST_FILE), mean, std)
+    center, scale = np.asarray(mean, np.float32), np.asarray(std, np.float32)
+    train = [
+        _read_cifar10_file(os.path.join(directory, f), center, scale) for f in CIFAR10_TRAIN_FILES
+    ]
+    x_test, y_test = _read_cifar10_file(os.path.join(directory, CIFAR10_TEST_FILE), center, scale)
     return Dataset(
         np.concatenate([x for x, _ in train]),
         np.concatenate([y for _, y in train]),

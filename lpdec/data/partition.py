@@ -97,8 +97,8 @@ def skew_partition(labels: np.ndarray, num_nodes: int, skew: float, seed: int) -
         num_sorted = math.floor(skew_q * int(size))
         sorted_pool.append(by_label[start : start + num_sorted])
         random_pool.append(by_label[start + num_sorted : start + size])
-    sorted_pool = np.concatenate(sorted_pool)
-    random_pool = np.random.default_rng(seed).permutation(np.concatenate(random_pool))
+    sorted_all = np.concatenate(sorted_pool)
+    random_all = np.random.default_rng(seed).permutation(np.concatenate(random_pool))
 
     per_node_sorted = math.floor(total * skew_q / num_nodes)
     per_node_random = math.floor(total * (1 - skew_q) / num_nodes)
@@ -106,8 +106,8 @@ def skew_partition(labels: np.ndarray, num_nodes: int, skew: float, seed: int) -
     for k in range(num_nodes):
         part = np.concatenate(
             [
-                sorted_pool[k * per_node_sorted : (k + 1) * per_node_sorted],
-                random_pool[k * per_node_random : (k + 1) * per_node_random],
+                sorted_all[k * per_node_sorted : (k + 1) * per_node_sorted],
+                random_all[k * per_node_random : (k + 1) * per_node_random],
             ]
         )
         if part.size == 0:

@@ -149,7 +149,8 @@ def _capped(
     Round r holds every group's r-th file in increasing place u; within a
     round, files go in increasing u.
     """
-    rank, seen = {}, {}
+    rank: dict[int, int] = {}
+    seen: dict[int, int] = {}
     for i in sorted(indices, key=lambda i: places[i]):
         rank[i] = seen.get(group_ids[i], 0)
         seen[group_ids[i]] = rank[i] + 1
@@ -653,7 +654,7 @@ def token_file(
                 f"{path!r} holds {size} bytes, not a whole number of {dtype} tokens "
                 f"({itemsize} bytes each): is dtype right?"
             )
-        tokens = np.memmap(path, dtype=dtype, mode="r")
+        tokens: np.ndarray = np.memmap(path, dtype=dtype, mode="r")
         if name == TOKEN_FILES[0] and max_bytes is not None and max_bytes < size:
             tokens = tokens[: max_bytes // itemsize]
             logging.warning(

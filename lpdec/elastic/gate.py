@@ -366,6 +366,7 @@ class Gate:
                 sock.close()
                 return
             upstream = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            assert self.upstream is not None  # a tunnelling gate has its service's socket
             upstream.connect(self.upstream.removeprefix("unix:"))
             sock.settimeout(None)
             _pipe(sock, upstream, on_end=self._tunnels.release)

@@ -118,8 +118,9 @@ def _contexts(credentials: Credentials) -> tuple[ssl.SSLContext, ssl.SSLContext]
 
 def _is_machine_of_run(connection: ssl.SSLSocket, prefix: str) -> bool:
     cert = connection.getpeercert() or {}
-    uris = [v for k, v in cert.get("subjectAltName", ()) if k == "URI"]
-    return any(uri.startswith(prefix + "machine/") for uri in uris)
+    # typeshed types every certificate field as one union; subjectAltName is (kind, value) pairs.
+    uris = [v for k, v in cert.get("subjectAltName", ()) if k == "URI"]  # type: ignore[str-unpack]
+    return any(uri.startswith(prefix + "machine/") for uri in uris)  # type: ignore[union-attr]
 
 
 class _Refused(Exception):

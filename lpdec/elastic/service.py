@@ -154,7 +154,7 @@ def serve_forever(
             flush=True,
         )
 
-    service.on_first_finished = said
+    service.on_first_finished = said  # type: ignore[method-assign]  # this command's own report
     done = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: done.set())

@@ -78,9 +78,9 @@ def codes_from_levels(t, top: int):
     checks), with identical codes: the bounds are integers, so clipping before
     or after rounding gives the same result.
     """
-    top = jnp.float32(top)
+    bound = jnp.float32(top)
     t = jnp.where(t > 0, t, jnp.float32(0))
-    t = jnp.where(t < top, t, top)
+    t = jnp.where(t < bound, t, bound)
     pattern = jax.lax.bitcast_convert_type(t + jnp.float32(_MAGIC), jnp.uint32)
     return pattern.astype(jnp.uint8)
 

@@ -145,9 +145,9 @@ def _floor_codes(t, top: int):
     floor is monotone and fixes the bounds; on [0, top] floor is truncation, which
     the float -> integer conversion does.
     """
-    top = jnp.float32(top)
+    bound = jnp.float32(top)
     t = jnp.where(t > 0, t, jnp.float32(0))
-    t = jnp.where(t < top, t, top)
+    t = jnp.where(t < bound, t, bound)
     return t.astype(jnp.int32).astype(jnp.uint8)
 
 

@@ -40,6 +40,7 @@ path), which the public ops run under `platforms.dispatch`, and
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -119,7 +120,8 @@ def packed_buffers(xs, chunk: int, target) -> list[list[int]]:
     """
     if target is None or target.platform != "gpu":
         return []
-    buffers, open_buffer = [], {}  # dtype -> (indices, rows) of the buffer being filled
+    buffers: list[Any] = []
+    open_buffer: dict[Any, Any] = {}  # dtype -> (indices, rows) of the buffer being filled
     for i, x in enumerate(xs):
         rows = _blocks.num_rows(x.size, chunk)
         if not x.size or not minmax.quantize_lowers(target, rows, chunk, x.dtype):
@@ -135,7 +137,7 @@ def packed_buffers(xs, chunk: int, target) -> list[list[int]]:
 
 def quantize_tree_packed_on(xs, seeds, *, chunk: int, bits: int, stochastic: bool, target):
     """The encode `target` runs: packed buffers on GPU (`packed_buffers`), else array by array."""
-    out = [None] * len(xs)
+    out: list[Any] = [None] * len(xs)
     for index in packed_buffers(xs, chunk, target):
         results = _gpu_quantize_packed_tree(
             [xs[i] for i in index],
@@ -211,7 +213,7 @@ def quantize_tree_packed(
 
 def quantize_leaves_on(xs, seeds, *, chunks, bits: int, stochastic: bool, target):
     """`minmax.quantize_on` of each array; on GPU the arrays the kernel takes share one launch."""
-    out = [None] * len(xs)
+    out: list[Any] = [None] * len(xs)
     batched = []
     for i, (x, chunk) in enumerate(zip(xs, chunks, strict=True)):
         rows, chunk = minmax.chunking(x.size, chunk, x.shape)

@@ -140,13 +140,13 @@ def quantize(flat, seeds, *, fmt: str, stochastic: bool, target, pack=False, blo
     their own bytes). `seeds`: uint32 [1, 2]. `block_rows`: MX blocks per grid step
     (default: about `target.block_elements` elements).
     """
-    fmt = mx_jnp.check_format(fmt)
-    size, per = flat.size, codes_per_byte(fmt, pack)
+    element = mx_jnp.check_format(fmt)
+    size, per = flat.size, codes_per_byte(element, pack)
     return _call(
         functools.partial(_quantize_kernel, stochastic=stochastic),
         size=size,
         per=per,
-        fmt=fmt,
+        fmt=element,
         target=target,
         block_rows=block_rows,
         in_specs=[target.scalar_spec((1, 2)), _blocks.whole(size)],
@@ -164,13 +164,13 @@ def quantize(flat, seeds, *, fmt: str, stochastic: bool, target, pack=False, blo
 def dequantize(codes, scales, *, fmt: str, size: int, dtype, target, packed=False, block_rows=None):
     """GPU kernel: the `size` values of flat codes (bytes, with `packed`) times their
     blocks' scales, as flat `dtype`."""
-    fmt = mx_jnp.check_format(fmt)
-    per = codes_per_byte(fmt, packed)
+    element = mx_jnp.check_format(fmt)
+    per = codes_per_byte(element, packed)
     return _call(
         _dequantize_kernel,
         size=size,
         per=per,
-        fmt=fmt,
+        fmt=element,
         target=target,
         block_rows=block_rows,
         in_specs=[_blocks.whole(codes.size), _blocks.whole(scales.size)],
@@ -183,13 +183,13 @@ def dequantize_accumulate(
     acc, weight, codes, scales, *, fmt: str, target, packed=False, block_rows=None
 ):
     """GPU kernel: flat float32 acc + weight * dequantize, in place on acc."""
-    fmt = mx_jnp.check_format(fmt)
-    size, per = acc.size, codes_per_byte(fmt, packed)
+    element = mx_jnp.check_format(fmt)
+    size, per = acc.size, codes_per_byte(element, packed)
     return _call(
         _accumulate_kernel,
         size=size,
         per=per,
-        fmt=fmt,
+        fmt=element,
         target=target,
         block_rows=block_rows,
         in_specs=[

@@ -108,10 +108,10 @@ def round_up_significand(value, bits: int = 16):
             f = np.nextafter(f, np.float32(np.inf))
         u = (int(np.array(f).view(np.uint32)) + mask) & ~mask & 0xFFFFFFFF
         return float(np.array(u, np.uint32).view(np.float32))
-    f = jnp.asarray(value, jnp.float32)
-    u = jax.lax.bitcast_convert_type(f, jnp.uint32)
-    u = (u + jnp.uint32(mask)) & jnp.uint32(~mask & 0xFFFFFFFF)
-    return jax.lax.bitcast_convert_type(u, jnp.float32)
+    traced = jnp.asarray(value, jnp.float32)
+    word = jax.lax.bitcast_convert_type(traced, jnp.uint32)
+    word = (word + jnp.uint32(mask)) & jnp.uint32(~mask & 0xFFFFFFFF)
+    return jax.lax.bitcast_convert_type(word, jnp.float32)
 
 
 def feedback_sum(update, residual, decay):

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import types
 from collections.abc import Callable
 from typing import Literal
 
@@ -28,12 +29,18 @@ from lpdec.kernels_pallas._blocks import Block
 
 # Each backend's Pallas module may move or disappear between jax releases (jax 0.11
 # deprecates Triton); without it that platform takes the jnp path.
+pallas_triton: types.ModuleType | None
+pallas_tpu: types.ModuleType | None
 try:
-    from jax.experimental.pallas import triton as pallas_triton
+    from jax.experimental.pallas import triton as _triton
+
+    pallas_triton = _triton
 except ImportError:  # pragma: no cover - depends on the installed jax
     pallas_triton = None
 try:
-    from jax.experimental.pallas import tpu as pallas_tpu
+    from jax.experimental.pallas import tpu as _tpu
+
+    pallas_tpu = _tpu
 except ImportError:  # pragma: no cover - depends on the installed jax
     pallas_tpu = None
 

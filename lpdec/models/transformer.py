@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import math
 from typing import Any
+from typing import Literal
 
 import flax.linen as nn
 import jax
@@ -108,7 +109,7 @@ class _Block(nn.Module):
     residual_std: float
     norm: str
     dtype: Any
-    attention_implementation: str | None
+    attention_implementation: Literal["xla", "cudnn"] | None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -181,7 +182,7 @@ class Transformer(nn.Module):
     tie_embeddings: bool = True
     norm: str | None = "layernorm"
     dtype: Any = jnp.float32
-    attention_implementation: str | None = None
+    attention_implementation: Literal["xla", "cudnn"] | None = None
     precision: str = "fp32"
     num_classes: int | None = None
 

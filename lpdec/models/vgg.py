@@ -68,7 +68,7 @@ class VGG11(nn.Module):
                 continue
             index += 1
             x = QuantConv(
-                layer,
+                int(layer),
                 (3, 3),
                 padding=1,
                 use_bias=norm == "none",

@@ -235,8 +235,8 @@ class QuantDense(nn.Module):
 
     features: int
     use_bias: bool = True
-    dtype: jnp.dtype | None = None
-    param_dtype: jnp.dtype = jnp.float32
+    dtype: jax.typing.DTypeLike | None = None
+    param_dtype: jax.typing.DTypeLike = jnp.float32
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = nn.initializers.zeros_init()
     precision: str = "fp32"
@@ -304,8 +304,8 @@ class QuantConv(nn.Module):
     kernel_dilation: int | Sequence[int] = 1
     feature_group_count: int = 1
     use_bias: bool = True
-    dtype: jnp.dtype | None = None
-    param_dtype: jnp.dtype = jnp.float32
+    dtype: jax.typing.DTypeLike | None = None
+    param_dtype: jax.typing.DTypeLike = jnp.float32
     kernel_init: Initializer = default_kernel_init
     bias_init: Initializer = nn.initializers.zeros_init()
     precision: str = "fp32"
