@@ -19,8 +19,8 @@ median seconds per step after the first logged interval (compilation out):
 - DDP, 2 processes (gloo, buckets overlapped with the backward pass).
 
 The all-reduce's share is the third row less the second: the collective and the
-synchronisation it brings. `--psum` adds the micro-benchmark behind
-`lpdec.gossip.local_sum`'s one buffer per dtype (bench/_psum_tree.py).
+synchronisation it brings. `--before DIR:LABEL` adds the all-reduce row of another
+run of this script (an older commit's checkout, run just before) to the table.
 """
 
 from __future__ import annotations
@@ -115,15 +115,18 @@ def ddp_step(root: pathlib.Path, steps: int) -> float:
             ["taskset", "-c", str(rank), sys.executable, str(ROOT / "bench" / "ddp_lm.py"),
              "--rank", str(rank), "--world", "2", "--master", f"127.0.0.1:{port}",
              "--threads", "1", "--batch-per-thread", str(TOKENS // WINDOW // 2),
-             "--d-model", "64", "--lr", "8e-3", "--steps", str(steps), "--warmup", "5",
+             "--d-model", "64", "--layers", "2", "--heads", "4", "--lr", "8e-3",
+             "--steps", str(steps), "--warmup", "5",
              "--out", str(root / f"ddp_rank{rank}.json")]
             for rank in range(2)
         ]  # fmt: skip
         _run(commands, root / "ddp.log")
-    return float(json.loads(out.read_text())["seconds_per_step"])
+    result = json.loads(out.read_text())
+    assert result["parameters"] == 120_576, result  # lm_tiny's transformer
+    return float(result["s_per_step"])
 
 
-def render(rows: dict, steps: int) -> str:
+def render(rows: dict, steps: int, before: dict | None = None, label: str = "") -> str:
     ddp = rows["ddp"]
     allreduce, none = rows["allreduce_2"], rows["none_2"]
     lines = [
@@ -145,6 +148,15 @@ def render(rows: dict, steps: int) -> str:
         f"| lpdec, 2 processes, fp32 all-reduce of the gradients | {allreduce:.4f} | "
         f"{allreduce / ddp:.2f}x |",
         f"| PyTorch DDP, 2 processes (gloo, buckets) | {ddp:.4f} | 1.00x |",
+    ]
+    if before is not None:
+        old = before["allreduce_2"]
+        lines += [
+            f"| lpdec, 2 processes, fp32 all-reduce, before ({label}: a tree's psum, one "
+            f"collective per gradient array; its DDP there {before['ddp']:.4f}) | {old:.4f} | "
+            f"{old / before['ddp']:.2f}x |",
+        ]
+    lines += [
         "",
         f"The all-reduce's share of lpdec's 2-process step: {allreduce - none:.4f} s "
         f"({100 * (allreduce - none) / allreduce:.0f}%); the rest is each process's "
@@ -158,6 +170,10 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workdir", default="/tmp/lpdec_bench_step_parity")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--before", default="", metavar="DIR:LABEL",
+        help="another run's --workdir (e.g. an older commit's) and its label: its all-reduce row",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     root = pathlib.Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
@@ -168,7 +184,11 @@ def main(argv: list[str] | None = None) -> None:
         "ddp": ddp_step(root, args.steps),
     }
     (root / "results.json").write_text(json.dumps(rows, indent=1))
-    body = render(rows, args.steps)
+    before, label = None, ""
+    if args.before:
+        where, _, label = args.before.partition(":")
+        before = json.loads((pathlib.Path(where) / "results.json").read_text())
+    body = render(rows, args.steps, before, label)
     print(body)
     if not args.no_write:
         replace_section(
