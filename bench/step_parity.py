@@ -45,24 +45,30 @@ TOKENS = 4096
 WINDOW = 64
 
 
-def _env() -> dict:
+def _env(devices: int = 1) -> dict:
     env = dict(os.environ, PYTHONPATH=str(ROOT), PYTHONUNBUFFERED="1")
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count=1 {ONE_THREAD}"
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices} {ONE_THREAD}"
     env["OMP_NUM_THREADS"] = "1"
     return env
 
 
-def _lpdec(workdir: pathlib.Path, processes: int, algorithm: str, steps: int) -> list[list[str]]:
+def _lpdec(
+    workdir: pathlib.Path, processes: int, algorithm: str, steps: int, workers: int = 1
+) -> list[list[str]]:
+    """Layout (a) (`workers=1`): each process one device holding the whole model; layout
+    (b): each process a machine of `workers` devices, its model split over them (FSDP)."""
     port = harness.free_port()
-    windows = TOKENS // WINDOW // processes
+    nodes = processes * workers
+    windows = TOKENS // WINDOW // nodes
+    sharded = "True" if workers > 1 else "False"
     commands = []
     for p in range(processes):
         command = [
             "taskset", "-c", str(p % (os.cpu_count() or 1)), sys.executable,
             str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'lm_study.py'}",
-            f"--workdir={workdir}", f"--config.num_nodes={processes}",
-            "--config.hierarchical=False", "--config.machines=0",
-            "--config.shard_model=False", f"--config.algorithm={algorithm}",
+            f"--workdir={workdir}", f"--config.num_nodes={nodes}",
+            f"--config.hierarchical={sharded}", "--config.machines=0",
+            f"--config.shard_model={sharded}", f"--config.algorithm={algorithm}",
             "--config.local_steps=1", "--config.error_feedback=False",
             "--config.outer_warmup_rounds=0", f"--config.batch_size={windows}",
             f"--config.num_steps={steps}", f"--config.log_every={steps // 5}",
@@ -77,13 +83,15 @@ def _lpdec(workdir: pathlib.Path, processes: int, algorithm: str, steps: int) ->
     return commands
 
 
-def _run(commands: list[list[str]], log: pathlib.Path, timeout: float = 1200) -> None:
+def _run(
+    commands: list[list[str]], log: pathlib.Path, timeout: float = 1200, devices: int = 1
+) -> None:
     procs = [
         subprocess.Popen(
             c,
             stdout=open(f"{log}.{i}", "w"),
-            stderr=subprocess.STDOUT,
-            env=_env(),  # noqa: SIM115
+            stderr=subprocess.STDOUT,  # noqa: SIM115
+            env=_env(devices),
             cwd=ROOT,
             start_new_session=True,
         )  # fmt: skip
@@ -98,29 +106,37 @@ def _run(commands: list[list[str]], log: pathlib.Path, timeout: float = 1200) ->
             harness.kill_group(proc)
 
 
-def lpdec_step(root: pathlib.Path, name: str, processes: int, algorithm: str, steps: int):
+def lpdec_step(
+    root: pathlib.Path, name: str, processes: int, algorithm: str, steps: int, workers: int = 1
+) -> float:
     workdir = root / name
     if not (workdir / "metrics.csv").exists():
-        _run(_lpdec(workdir, processes, algorithm, steps), root / f"{name}.log")
+        commands = _lpdec(workdir, processes, algorithm, steps, workers)
+        _run(commands, root / f"{name}.log", devices=workers)
     rows = list(csv.DictReader(open(workdir / "metrics.csv")))
     # The first interval holds the compilation; the others are steady.
     return statistics.median(float(r["step_time_s"]) for r in rows[1:])
 
 
-def ddp_step(root: pathlib.Path, steps: int) -> float:
-    out = root / "ddp_rank0.json"
+def ddp_step(root: pathlib.Path, steps: int, per_machine: int = 1) -> float:
+    """DDP over 2 machines of `per_machine` processes each (one per worker in layout
+    (b)), each process on its machine's core with one thread."""
+    world = 2 * per_machine
+    name = "ddp" if per_machine == 1 else f"ddp_{world}"
+    out = root / f"{name}_rank0.json"
     if not out.exists():
         port = harness.free_port()
         commands = [
-            ["taskset", "-c", str(rank), sys.executable, str(ROOT / "bench" / "ddp_lm.py"),
-             "--rank", str(rank), "--world", "2", "--master", f"127.0.0.1:{port}",
-             "--threads", "1", "--batch-per-thread", str(TOKENS // WINDOW // 2),
+            ["taskset", "-c", str(rank // per_machine), sys.executable,
+             str(ROOT / "bench" / "ddp_lm.py"),
+             "--rank", str(rank), "--world", str(world), "--master", f"127.0.0.1:{port}",
+             "--threads", "1", "--batch-per-thread", str(TOKENS // WINDOW // world),
              "--d-model", "64", "--layers", "2", "--heads", "4", "--lr", "8e-3",
              "--steps", str(steps), "--warmup", "5",
-             "--out", str(root / f"ddp_rank{rank}.json")]
-            for rank in range(2)
+             "--out", str(root / f"{name}_rank{rank}.json")]
+            for rank in range(world)
         ]  # fmt: skip
-        _run(commands, root / "ddp.log")
+        _run(commands, root / f"{name}.log")
     result = json.loads(out.read_text())
     assert result["parameters"] == 120_576, result  # lm_tiny's transformer
     return float(result["s_per_step"])
@@ -157,6 +173,12 @@ def render(rows: dict, steps: int, before: dict | None = None, label: str = "") 
             f"{old / before['ddp']:.2f}x |",
         ]
     lines += [
+        f"| layout (b), 2 machines x 4 workers: lpdec, 2 processes of 4 devices, the model "
+        f"split over them (FSDP), fp32 all-reduce between the machines | "
+        f"{rows['allreduce_2x4']:.4f} | {rows['allreduce_2x4'] / rows['ddp_8']:.2f}x (of "
+        "the next row) |",
+        f"| layout (b): PyTorch DDP, 8 processes (one per worker, 4 on each core) | "
+        f"{rows['ddp_8']:.4f} | 1.00x |",
         "",
         f"The all-reduce's share of lpdec's 2-process step: {allreduce - none:.4f} s "
         f"({100 * (allreduce - none) / allreduce:.0f}%); the rest is each process's "
@@ -182,6 +204,10 @@ def main(argv: list[str] | None = None) -> None:
         "none_2": lpdec_step(root, "none_2", 2, "none", args.steps),
         "allreduce_2": lpdec_step(root, "allreduce_2", 2, "allreduce", args.steps),
         "ddp": ddp_step(root, args.steps),
+        # Layout (b): 2 machines x 4 workers: lpdec's FSDP inside a machine against DDP
+        # with one process per worker.
+        "allreduce_2x4": lpdec_step(root, "allreduce_2x4", 2, "allreduce", args.steps, 4),
+        "ddp_8": ddp_step(root, args.steps, per_machine=4),
     }
     (root / "results.json").write_text(json.dumps(rows, indent=1))
     before, label = None, ""
