@@ -104,14 +104,29 @@ class ShardPlan:
         The traffic meter (`lpdec.wire`) counts both, as a training step sends them: the
         all-gather of the blocks and the reduce-scatter of the whole leaves' gradient.
         """
-
-        def gather(b, dim):
-            wire.record(b, axis_name)
-            whole = jax.lax.all_gather(b, axis_name, axis=dim, tiled=True)
-            wire.record(whole, axis_name)
-            return whole
-
-        return jax.tree.map(gather, blocks, self.dims)
+        leaves, treedef = jax.tree.flatten(blocks)
+        dims = jax.tree.leaves(self.dims)  # ints, in the blocks' leaf order
+        out = list(leaves)
+        # One all-gather per dtype of every block, concatenated (its gradient: one
+        # reduce-scatter), not one per leaf: a collective's fixed cost paid once.
+        groups: dict[Any, list[int]] = {}
+        for i, block in enumerate(leaves):
+            groups.setdefault(jnp.result_type(block), []).append(i)
+        for indices in groups.values():
+            flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in indices])
+            wire.record(flat, axis_name)
+            rows = jax.lax.all_gather(flat, axis_name)  # [k, S]: row w, worker w's blocks
+            wire.record(rows, axis_name)  # the reduce-scatter of the whole leaves' gradient
+            at = 0
+            for i in indices:
+                block, dim = leaves[i], dims[i]
+                pieces = rows[:, at : at + block.size].reshape((self.workers, *block.shape))
+                at += block.size
+                # Block w at w * b .. (w + 1) * b along `dim`: the tiled all-gather's order.
+                shape = list(block.shape)
+                shape[dim] *= self.workers
+                out[i] = jnp.moveaxis(pieces, 0, dim).reshape(shape)
+        return jax.tree.unflatten(treedef, out)
 
     def unshard(self, blocks: PyTree) -> PyTree:
         """Per-device blocks [n, *block] (global or host arrays) -> one model per machine.

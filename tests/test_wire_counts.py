@@ -26,9 +26,10 @@ The hand counts, from the documents of each piece (never from the code under tes
   vector padded to L ceil(P / L)), the rounds over the machines on the 1/L shard, a
   float32 all-gather of the shard.
 - local_mean: one all-reduce of the float32 gradient and its contributor count (4 P +
-  4 bytes). FSDP (lpdec.fsdp): each step gathers every leaf from its k blocks (operand:
-  the block, 4 d / k) and its gradient comes back through a reduce-scatter (operand: the
-  whole leaf, 4 d); DiLoCo's exchange then runs on a worker's blocks, P / k elements.
+  4 bytes). FSDP (lpdec.fsdp): each step gathers every leaf from its k blocks in one
+  all-gather of all the blocks (operand: the blocks, 4 d / k summed over the leaves) and
+  the gradient comes back through one reduce-scatter (operand: the whole leaves, 4 d
+  summed); DiLoCo's exchange then runs on a worker's blocks, P / k elements.
 - DiLoCo (Douillard et al., 2023): the exchange once per H = local_steps steps: its
   bytes and collectives / H per step.
 """
@@ -118,7 +119,8 @@ def diloco_fsdp(leaves, c, axis):
     rounds, collectives = compressed_mean_bytes(p // workers, machines, c.bits, c.mean_rounds)
     h = c.local_steps
     inside = sum(4 * d // workers + 4 * d for d in leaves)
-    return {"workers": inside, "machines": rounds / h}, 2 * len(leaves) + collectives / h
+    # One all-gather of every block and its gradient's reduce-scatter (lpdec.fsdp).
+    return {"workers": inside, "machines": rounds / h}, 2 + collectives / h
 
 
 SMALL_MNIST1D = dict(num_samples=2000)
