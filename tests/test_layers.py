@@ -34,7 +34,8 @@ MAY_IMPORT = {
     "lpdec.async_sim": ("lpdec.compress", "lpdec.topology"),
     # init_nodes checks the chain it initialises (check_chain reads the algorithms' states).
     "lpdec.layout": ("lpdec.gossip", "lpdec.algorithms"),
-    "lpdec.fsdp": (),
+    # The traffic meter counts the gathers a step sends.
+    "lpdec.fsdp": ("lpdec.wire",),
     "lpdec.testing": ("lpdec.gossip", "lpdec.layout"),
     "lpdec.nn": ("lpdec.compress", "lpdec.kernels_pallas"),
     "lpdec.models": ("lpdec.nn",),

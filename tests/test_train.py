@@ -557,8 +557,9 @@ def test_moniqua_theta_warnings_reach_the_metrics(tmp_path):
     common = dict(algorithm="moniqua", compressor="modulo", num_steps=20, checkpoint_every=0)
     tight = train.train_and_evaluate(tiny_config(theta=1e-3, **common), str(tmp_path / "tight"))
     # Generous, not absurd: this int8 MLP's nodes wrap below theta ~ 10 (warnings at 1, 4,
-    # 7), and theta = 100 makes the 8-bit decode error (delta B = 0.39) diverge the run.
-    loose = train.train_and_evaluate(tiny_config(theta=20.0, **common), str(tmp_path / "loose"))
+    # 7; at 20, 4 warnings with jax 0.12 and numpy 2.5, none with jax 0.10), and theta = 50
+    # makes the 8-bit decode error diverge the run (30 and 40: none, finite, on both).
+    loose = train.train_and_evaluate(tiny_config(theta=30.0, **common), str(tmp_path / "loose"))
     assert math.isfinite(loose["final"]["train_loss"])
     assert tight["final"]["theta_warnings"] > 0
     assert loose["final"]["theta_warnings"] == 0

@@ -156,6 +156,15 @@ CASES = {
     "lm_small": ("lm_small", SMALL_TEXT, diloco_fsdp, "chunk"),
     "lm_study": ("lm_study", dict(SMALL_TEXT, warmup_steps=1), diloco_fsdp, "chunk"),
     "lm_gpu-one-device": ("lm_gpu", dict(SMALL_GPU_MODEL, devices=1), diloco_flat, "chunk"),
+    # Its own data are the user's token files; on the standard library's bytes with a
+    # byte vocabulary, its layout and exchange are the config's (the vocabulary changes
+    # only the leaves' sizes, which the count reads from the run).
+    "lm_tokens_50k": (
+        "lm_tokens_50k",
+        dict(SMALL_TEXT, dataset="stdlib_text", model_kwargs={"vocab_size": 256}),
+        diloco_fsdp,
+        "chunk",
+    ),
 }
 
 

@@ -42,7 +42,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from lpdec.algorithms import _common
 from lpdec.algorithms.compressed_mean import one_round_key
 from train_lib import optimizers
 
@@ -63,7 +62,8 @@ class OuterStep:
         self.feedback = self.compressed and bool(config.error_feedback)
         self.decay = float(config.error_decay)
         self.compressor = compressor
-        self.key = _common.key_from_seed(int(config.seed))
+        # compressed_mean's shared key (its state's `key`, from its `seed`).
+        self.key = jax.random.key_data(jax.random.key(int(config.seed)))
         self.leaves, self.treedef = jax.tree.flatten(anchor)
         self.sizes = [int(np.size(x)) for x in self.leaves]
         self.size = sum(self.sizes)
@@ -152,7 +152,8 @@ class OuterStep:
     def _apply_fn(self, phase, mean, opt_state, anchor):
         tx = self.outer if phase == "outer" else self.plain
         updates, opt_state = tx.update(mean, opt_state, anchor)
-        return jax.tree.map(jnp.add, anchor, _common.f32(updates)), opt_state
+        updates = jax.tree.map(lambda u: jnp.asarray(u, jnp.float32), updates)
+        return jax.tree.map(jnp.add, anchor, updates), opt_state
 
     def apply(self, anchor: PyTree, state: dict, phase: str, mean: np.ndarray | None) -> PyTree:
         """The anchor after this round's outer step on `mean` (a flat vector; None: no
