@@ -19,8 +19,8 @@ median seconds per step after the first logged interval (compilation out):
 - DDP, 2 processes (gloo, buckets overlapped with the backward pass).
 
 The all-reduce's share is the third row less the second: the collective and the
-synchronisation it brings. `--before DIR:LABEL` adds the all-reduce row of another
-run of this script (an older commit's checkout, run just before) to the table.
+synchronisation it brings. `--before DIR:ROW:LABEL` adds a row of another run of
+this script (an older commit's checkout, run just before) to the table.
 """
 
 from __future__ import annotations
@@ -142,7 +142,13 @@ def ddp_step(root: pathlib.Path, steps: int, per_machine: int = 1) -> float:
     return float(result["s_per_step"])
 
 
-def render(rows: dict, steps: int, before: dict | None = None, label: str = "") -> str:
+ROW_NAMES = {
+    "allreduce_2": "layout (a): lpdec, 2 processes, fp32 all-reduce",
+    "allreduce_2x4": "layout (b): lpdec, 2 processes of 4 devices, FSDP, fp32 all-reduce",
+}
+
+
+def render(rows: dict, steps: int, before: list | None = None) -> str:
     ddp = rows["ddp"]
     allreduce, none = rows["allreduce_2"], rows["none_2"]
     lines = [
@@ -165,13 +171,10 @@ def render(rows: dict, steps: int, before: dict | None = None, label: str = "") 
         f"{allreduce / ddp:.2f}x |",
         f"| PyTorch DDP, 2 processes (gloo, buckets) | {ddp:.4f} | 1.00x |",
     ]
-    if before is not None:
-        old = before["allreduce_2"]
-        lines += [
-            f"| lpdec, 2 processes, fp32 all-reduce, before ({label}: a tree's psum, one "
-            f"collective per gradient array; its DDP there {before['ddp']:.4f}) | {old:.4f} | "
-            f"{old / before['ddp']:.2f}x |",
-        ]
+    for where, key, label in before or []:
+        old, what = where[key], ROW_NAMES[key]
+        reference = where["ddp"] if key == "allreduce_2" else where.get("ddp_8", rows["ddp_8"])
+        lines.append(f"| {what}, before ({label}) | {old:.4f} | {old / reference:.2f}x |")
     lines += [
         f"| layout (b), 2 machines x 4 workers: lpdec, 2 processes of 4 devices, the model "
         f"split over them (FSDP), fp32 all-reduce between the machines | "
@@ -193,8 +196,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument(
-        "--before", default="", metavar="DIR:LABEL",
-        help="another run's --workdir (e.g. an older commit's) and its label: its all-reduce row",
+        "--before", action="append", default=[], metavar="DIR:ROW:LABEL",
+        help="a row (allreduce_2 or allreduce_2x4) of another run's --workdir (an older "
+        "commit's checkout, run just before) and its label; may be repeated",
     )  # fmt: skip
     args = parser.parse_args(argv)
     root = pathlib.Path(args.workdir)
@@ -210,11 +214,11 @@ def main(argv: list[str] | None = None) -> None:
         "ddp_8": ddp_step(root, args.steps, per_machine=4),
     }
     (root / "results.json").write_text(json.dumps(rows, indent=1))
-    before, label = None, ""
-    if args.before:
-        where, _, label = args.before.partition(":")
-        before = json.loads((pathlib.Path(where) / "results.json").read_text())
-    body = render(rows, args.steps, before, label)
+    before = []
+    for spec in args.before:
+        where, key, label = spec.split(":", 2)
+        before.append((json.loads((pathlib.Path(where) / "results.json").read_text()), key, label))
+    body = render(rows, args.steps, before)
     print(body)
     if not args.no_write:
         replace_section(
