@@ -13,6 +13,9 @@ node per device, or several simulated nodes per device), metrics (a line on stde
 `metrics.csv`, TensorBoard event files), orbax checkpoints that a restarted run
 resumes from exactly, and `summary.json`.
 
+An elastic machine's flags (`--elastic_service=HOST:PORT` and the rest of the
+group, `train_lib/elastic_flags.py`) are listed by `--helpfull`.
+
 The config becomes objects in one place, `train_lib.setup.build` (names are
 looked up in `train_lib.registry`); the command line's details (a bad flag in
 one line, `--help` listing the config's fields, the exit statuses) are in
