@@ -8,24 +8,28 @@ standalone; `lpdec.elastic.ElasticGroup` is the protocol).
 
 A machine is one DiLoCo replica trained data-parallel over its devices (the
 config's `num_nodes / machines` workers average their gradients every step, as
-the hierarchical DiLoCo of `train.py` does). A round:
+the hierarchical DiLoCo of `train.py` does; with `config.shard_model` its model
+is split over them, FSDP: `setup.machine_config`). Its round is the synchronous
+run's DiLoCo cut where the wire is (`train_lib.elastic_outer.OuterStep`):
 
 1. `h` local steps (this machine's `--elastic_local_steps`, default
-   `config.local_steps`) from the anchor, on this machine's data shard;
-2. delta = anchor - x, encoded with the config's exchange (`mean`: float32;
-   `compressed_mean`: its compressor, with error feedback when
-   `config.error_feedback`), posted to the service;
+   `config.local_steps`; one step in the `config.sync_steps` warm-up rounds) from
+   the anchor, on this machine's data (its slot's nodes' batches);
+2. delta = anchor - x, encoded as `lpdec.compressed_mean`'s one-round exchange
+   encodes it (`mean`: float32; `compressed_mean`: the compressor's own encode,
+   with error feedback and `error_decay`), moved by the run's transport
+   (`train_lib.elastic_transport`: through the service, or between the members);
 3. the round's decision names the contributions that arrived in time (every
    live machine's, or whatever came before `--elastic_deadline`); every machine
    decodes the same ones in the same order, takes their mean
    (`config.elastic_mean`: "contributors", weighted by their local steps,
    `lpdec.elastic.step_weighted_mean`; "slots", their sum over the run's
-   machines, `lpdec.elastic.slot_mean`) and the outer Nesterov step in float32
-   numpy: the same anchor, bit for bit, on every machine, which also starts the
-   next round from it;
+   machines, `lpdec.elastic.slot_mean`) and DiLoCo's optax outer step
+   (`train_lib.optimizers.outer`, its momentum warm-up included): the same
+   anchor, bit for bit, on every machine, which also starts the next round;
 4. the lowest machine of the decision answers join requests with the state to
-   start the next round from: anchor, outer momentum, its inner optimizer
-   state, the round.
+   start the next round from: anchor, the outer optimizer's state, its inner
+   optimizer state, the round.
 
 How long the run is (`config.elastic_budget`): "rounds", ceil(num_steps / H)
 exchanges whoever takes part; "samples", until the local steps the exchanges took
