@@ -467,7 +467,7 @@ def test_train_py_strangers_on_a_live_slot_are_refused_and_change_nothing(
         "with",
         *steps,
         during=intrude,
-        env={"LPDEC_ELASTIC_PACE": "min_round_s=1.5"},
+        env={"LPDEC_ELASTIC_PACE": "min_round_s=1.0"},
     )
     for proc in strangers.values():
         text = proc.out_path.read_text()

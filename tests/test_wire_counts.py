@@ -125,13 +125,16 @@ def diloco_fsdp(leaves, c, axis):
 
 SMALL_MNIST1D = dict(num_samples=2000)
 SMALL_TEXT = dict(text_bytes=200_000, validation_windows=16)
+# The language models' layout and exchange are their configs'; one thin block (the count
+# reads the leaves' sizes from the run) keeps each case's compilation short in CI.
+THIN = dict(SMALL_TEXT, model_kwargs=dict(d_model=32, num_layers=1, num_heads=4))
 # lm_gpu's transformer at lm_tiny's size, with attention CPUs run: the exchange's protocol
 # is the config's; only the parameter count it is applied to is smaller.
 SMALL_GPU_MODEL = dict(
     SMALL_TEXT,
     sequence_length=64,
     model_kwargs=dict(
-        context=64, d_model=64, num_layers=2, num_heads=4, attention_implementation="xla"
+        context=64, d_model=32, num_layers=1, num_heads=4, attention_implementation="xla"
     ),
 )
 
@@ -152,16 +155,16 @@ CASES = {
     "link_mlp": ("link_mlp", SMALL_MNIST1D, dpsgd_ring, "chunk"),
     "elastic_mlp": ("elastic_mlp", SMALL_MNIST1D, diloco_flat, "chunk"),
     "link_diloco": ("link_diloco", SMALL_MNIST1D, diloco_machines, "chunk"),
-    "lm_tiny": ("lm_tiny", SMALL_TEXT, diloco_fsdp, "chunk"),
-    "lm_small": ("lm_small", SMALL_TEXT, diloco_fsdp, "chunk"),
-    "lm_study": ("lm_study", dict(SMALL_TEXT, warmup_steps=1), diloco_fsdp, "chunk"),
+    "lm_tiny": ("lm_tiny", THIN, diloco_fsdp, "chunk"),
+    "lm_small": ("lm_small", THIN, diloco_fsdp, "chunk"),
+    "lm_study": ("lm_study", dict(THIN, warmup_steps=1), diloco_fsdp, "chunk"),
     "lm_gpu-one-device": ("lm_gpu", dict(SMALL_GPU_MODEL, devices=1), diloco_flat, "chunk"),
     # Its own data are the user's token files; on the standard library's bytes with a
     # byte vocabulary, its layout and exchange are the config's (the vocabulary changes
     # only the leaves' sizes, which the count reads from the run).
     "lm_tokens_50k": (
         "lm_tokens_50k",
-        dict(SMALL_TEXT, dataset="stdlib_text", model_kwargs={"vocab_size": 256}),
+        dict(THIN, dataset="stdlib_text", model_kwargs=dict(THIN["model_kwargs"], vocab_size=256)),
         diloco_fsdp,
         "chunk",
     ),
