@@ -127,9 +127,13 @@ def get_config() -> ml_collections.ConfigDict:
     config.ratio = 0.01  # top_k / random_k: fraction kept (0.01 = "99% compression")
 
     # Local optimization (seed 002: Nesterov 0.9, weight decay 1e-4, lr 0.1).
-    config.optimizer = "nesterov"  # sgd, nesterov, qg_momentum, adam
+    config.optimizer = "nesterov"  # sgd, nesterov, qg_momentum, adam, muon
     config.learning_rate = 0.1
     config.momentum = 0.9
+    # optimizer="muon": Muon on the hidden 2-D kernels at learning_rate (its momentum
+    # muon_beta), Adam on the other leaves at muon_adam_lr (the same schedule).
+    config.muon_adam_lr = 8e-3
+    config.muon_beta = 0.95
     config.weight_decay = 1e-4
     config.lr_schedule = "piecewise"  # constant, cosine, piecewise
     config.lr_boundaries = (0.5, 0.75)  # fractions of training (epochs 100 and 150 of 200)

@@ -8,6 +8,8 @@ exchanges of `registry.EXCHANGES` chain after their mean.
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -57,8 +59,96 @@ def make_schedule(config: ml_collections.ConfigDict, total_steps: int) -> optax.
 # The node's own optimizer: `build(view, schedule)`; `make_local_optimizer` adds weight decay.
 # ----------------------------------------------------------------------------
 
+def _is_hidden_matrix(path, leaf) -> bool:
+    """Muon's leaves: 2-D kernels of dense layers, not the embeddings nor the output head."""
+    names = [str(getattr(key, "key", getattr(key, "name", key))) for key in path]
+    return (
+        getattr(leaf, "ndim", 0) == 2
+        and bool(names)
+        and names[-1] == "kernel"
+        and not any("embed" in name or name == "head" for name in names)
+    )
+
+
+# Muon's quintic Newton-Schulz coefficients (Jordan et al. 2024): five steps take a
+# matrix's singular values into about [0.7, 1.2] without computing them.
+_NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalize(x: jax.Array, steps: int = 5, eps: float = 1e-7) -> jax.Array:
+    """About U V^T of the 2-D `x` = U S V^T: Muon's Newton-Schulz iteration, in float32."""
+    a, b, c = _NEWTON_SCHULZ
+    tall = x.shape[0] > x.shape[1]
+    y = x.T if tall else x
+    y = y.astype(jnp.float32) / (jnp.linalg.norm(x.astype(jnp.float32)) + eps)
+    for _ in range(steps):
+        gram = y @ y.T
+        y = a * y + (b * gram + c * gram @ gram) @ y
+    return (y.T if tall else y).astype(x.dtype)
+
+
+def scale_by_muon(beta: float = 0.95, steps: int = 5) -> optax.GradientTransformation:
+    """Muon's direction for 2-D leaves: Nesterov momentum, orthogonalized, scaled.
+
+    m <- beta m + (1 - beta) g; the update is orthogonalize((1 - beta) g + beta m)
+    times sqrt(max(1, rows / cols)), as in Muon's reference implementation.
+    """
+
+    def init(params):
+        return jax.tree.map(jnp.zeros_like, params)
+
+    def update(updates, momentum, params=None):
+        del params
+        momentum = jax.tree.map(lambda m, g: beta * m + (1 - beta) * g, momentum, updates)
+
+        def direction(g, m):
+            rows, cols = g.shape
+            scale = max(1.0, rows / cols) ** 0.5
+            return scale * orthogonalize((1 - beta) * g + beta * m, steps)
+
+        return jax.tree.map(direction, updates, momentum), momentum
+
+    return optax.GradientTransformation(init, update)
+
+
+def muon(c, lr: optax.Schedule) -> optax.GradientTransformation:
+    """Muon (Jordan et al. 2024; as DiLoCo's inner optimizer, MuLoCo, arXiv 2505.23725).
+
+    The hidden layers' 2-D kernels take Muon's step (`scale_by_muon`, momentum
+    `c.muon_beta`) at the schedule `lr`; every other leaf (embeddings, the output
+    head, norms, biases, convolutions) takes Adam at the same schedule times
+    `c.muon_adam_lr / c.learning_rate`, as Muon's authors keep Adam for those. Each
+    matrix is orthogonalized whole, so a machine's model cannot be split over its
+    workers (`setup` refuses `shard_model` with it).
+    """
+    ratio = c.muon_adam_lr / c.learning_rate
+
+    def labels(params):
+        return jax.tree_util.tree_map_with_path(
+            lambda path, leaf: "muon" if _is_hidden_matrix(path, leaf) else "adam", params
+        )
+
+    return optax.multi_transform(
+        {
+            "muon": optax.chain(
+                scale_by_muon(beta=c.muon_beta), optax.scale_by_learning_rate(lr)
+            ),
+            "adam": optax.adam(lambda step: lr(step) * ratio),
+        },
+        labels,
+    )
+
+
+def _check_muon(c) -> None:
+    if not c.muon_adam_lr > 0:
+        raise ConfigError(f"config.muon_adam_lr={c.muon_adam_lr!r} must be > 0.")
+    if not 0 <= c.muon_beta < 1:
+        raise ConfigError(f"config.muon_beta={c.muon_beta!r} must be in [0, 1).")
+
+
 OPTIMIZERS = {
     "adam": Entry(lambda c, lr: optax.adam(lr)),
+    "muon": Entry(muon, ("learning_rate", "muon_adam_lr", "muon_beta"), _check_muon),
     "nesterov": Entry(
         lambda c, lr: optax.sgd(lr, momentum=c.momentum, nesterov=True), ("momentum",)
     ),

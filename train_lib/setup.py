@@ -468,6 +468,12 @@ def _check_fit(config: ml_collections.ConfigDict) -> None:
             "machines (config.hierarchical=True with several processes, or config.machines "
             "simulated in one process)."
         )
+    if config.shard_model and config.optimizer == "muon":
+        _fail(
+            "config.optimizer='muon' orthogonalizes each weight matrix whole, and "
+            "config.shard_model=True gives each worker a block of it: set "
+            "config.shard_model=False (each worker then holds the machine's whole model)."
+        )
     if config.shard_model and config.num_nodes // machines != devices // machines:
         _fail(
             f"config.shard_model=True needs one worker on every device of a machine: "
