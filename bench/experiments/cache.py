@@ -34,6 +34,7 @@ STUDIES = (
     "mx",
     "ad_psgd",
     "lm",
+    "scale",
 )
 
 

@@ -18,6 +18,7 @@ from bench.experiments import moniqua
 from bench.experiments import mx
 from bench.experiments import precision
 from bench.experiments import qgm
+from bench.experiments import scale
 from bench.experiments import render
 from bench.experiments import table2
 from bench.experiments import theorem1
@@ -43,6 +44,7 @@ STUDY_FUNCTIONS = {
     "mx": mx.mx,
     "ad_psgd": ad_psgd.ad_psgd,
     "lm": lm.lm,
+    "scale": scale.scale,
 }
 
 

@@ -188,13 +188,20 @@ def label(name: str, fields: dict) -> str:
 
 
 def tune(
-    runner: Runner, name: str, fixed: dict, grids: dict, extend: dict, base=lm_config
+    runner: Runner,
+    name: str,
+    fixed: dict,
+    grids: dict,
+    extend: dict,
+    base=lm_config,
+    study: str = STUDY,
 ) -> tuple:
     """Sweeps the product of `grids` at seed 0 from `fixed`; returns (best fields, records).
 
-    A field of `extend` (field -> factor) whose winner lies on its grid's edge gets one
-    more value past that edge (times or over the factor), at most twice. Runs not
-    trained yet (another invocation's, with --train-only) are None and rank nowhere.
+    A field of `extend` (field -> factor, or a function (edge value, +1 or -1) -> the
+    next value) whose winner lies on its grid's edge gets one more value past that
+    edge (times or over the factor), at most twice. Runs not trained yet (another
+    invocation's, with --train-only) are None and rank nowhere.
     """
     grids = {k: sorted(v) for k, v in grids.items()}
     records: dict[tuple, dict | None] = {}
@@ -204,7 +211,7 @@ def tune(
             if values not in records:
                 config = runner.config(base, seed=0, **fixed, **fields)
                 shown = {k: config[k] for k in TUNED if k in fixed or k in fields}
-                records[values] = runner.run(STUDY, label(name, shown), config, optional=True)
+                records[values] = runner.run(study, label(name, shown), config, optional=True)
         done = {v: r for v, r in records.items() if r is not None}
         if len(done) < len(records):
             return None, records
@@ -212,11 +219,12 @@ def tune(
         grew = False
         for i, (field, grid) in enumerate(grids.items()):
             factor = extend.get(field) if len(grid) >= 3 else None
+            step = factor if callable(factor) else lambda x, d, f=factor: x * f**d
             if factor and best[i] == grid[0]:
-                grid.insert(0, grid[0] / factor)
+                grid.insert(0, step(grid[0], -1))
                 grew = True
             elif factor and best[i] == grid[-1]:
-                grid.append(grid[-1] * factor)
+                grid.append(step(grid[-1], +1))
                 grew = True
         if not grew:
             break
@@ -235,12 +243,17 @@ def _product(grids: dict) -> list[tuple]:
 
 
 def seeds(
-    runner: Runner, name: str, fields: dict, count: int = SEEDS, base=lm_config
+    runner: Runner,
+    name: str,
+    fields: dict,
+    count: int = SEEDS,
+    base=lm_config,
+    study: str = STUDY,
 ) -> list | None:
     """The run of `fields` over `count` seeds: the trained ones (None: not one yet)."""
     count = 1 if runner.quick else count
     records = [
-        runner.run(STUDY, name, runner.config(base, seed=seed, **fields), optional=True)
+        runner.run(study, name, runner.config(base, seed=seed, **fields), optional=True)
         for seed in range(count)
     ]
     return [r for r in records if r is not None] or None

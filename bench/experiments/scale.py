@@ -1,0 +1,170 @@
+"""Study "scale": DiLoCo beyond two machines (issue 52), on the lm study's protocol.
+
+The lm study's model, data and budget (configs/lm_tiny.py's transformer on this
+Python's standard library, 8 workers, 2,048 tokens a machine... 16,384 tokens a step
+in all, 2,000 steps, Adam 8e-3 with warm-up and cosine), its tuned data-parallel
+baseline (the fp32 all-reduce, 3 seeds: the same 8 workers' mean whatever the machine
+count, so one baseline serves 2, 4 and 8 machines) and its 2-machine recipe
+(configs/lm_study.py: H=10, the 4-bit min-max exchange with error feedback, outer
+Nesterov 0.7 / 0.6 warmed up over the first 200 steps). What changes is the number
+of machines at the same tokens per step: 4 machines x 2 workers and 8 x 1.
+
+1. 4 machines, tuned as the field tunes: the outer learning rate x the outer momentum
+   jointly (3 x 3 at seed 0, a winning edge extended), at H=10 and at H=5 (the
+   momentum warm-up over the same 200 steps); the better winner over 3 seeds.
+2. Muon as the inner optimizer (MuLoCo, arXiv 2505.23725): the all-reduce with Muon,
+   its learning rate swept, beside the all-reduce with Adam; DiLoCo with Muon on 4
+   machines at the tuned outer step, its learning rate swept; the winner over 3 seeds
+   counts against the better of the two baselines.
+3. A lever of the literature with its ablation: the outer momentum decayed to 0 over
+   the last rounds (Pier, arXiv 2511.17849, warms the outer momentum up and decays it;
+   the recipe already warms it up).
+4. 8 machines x 1: the 2-machine recipe, the outer learning rate swept again at the
+   4-machine winner's momentum, the winner over 3 seeds.
+
+Long: each run of lm_tiny takes about 3.5 min alone on 2 cores; runs already in
+docs/experiments.json (the lm study's 4-machine outer sweep and its baselines) count
+with --keep-published.
+"""
+
+from __future__ import annotations
+
+from bench.experiments import scale_tables
+from bench.experiments.lm import ALLREDUCE
+from bench.experiments.lm import DILOCO
+from bench.experiments.lm import EF4
+from bench.experiments.lm import TUNED
+from bench.experiments.lm import label
+from bench.experiments.lm import lm_config
+from bench.experiments.lm import seeds
+from bench.experiments.lm import tune
+from bench.experiments.runner import Runner
+from configs import lm_study
+
+STUDY = "scale"
+# The 2-machine recipe (configs/lm_study.py): the inner rate, H=10 and the outer step.
+RECIPE = dict(
+    learning_rate=lm_study.get_config().learning_rate,
+    local_steps=lm_study.get_config().local_steps,
+    outer_lr=lm_study.get_config().outer_lr,
+    outer_momentum=lm_study.get_config().outer_momentum,
+    outer_warmup_rounds=lm_study.get_config().outer_warmup_rounds,
+)
+# The momentum warm-up lasts 200 steps whatever H.
+WARMUP_STEPS = RECIPE["outer_warmup_rounds"] * RECIPE["local_steps"]
+OUTER_LR_GRID = (0.7, 1.0, 1.4)
+OUTER_MOMENTUM_GRID = (0.6, 0.8, 0.9)
+H_VALUES = (10, 5)
+MUON_LR_GRID = (0.01, 0.02, 0.04)
+EIGHT_OUTER_LR_GRID = (0.7, 1.0, 1.4)
+
+
+def momentum_step(value: float, direction: int) -> float:
+    """The next outer momentum past a grid's edge: 1 - momentum halved or doubled."""
+    return round(1 - (1 - value) * (0.5 if direction > 0 else 2.0), 4)
+
+
+EXTEND = {"outer_lr": 1.4, "outer_momentum": momentum_step}
+
+
+def at(machines: int, h: int, **fields) -> dict:
+    """DiLoCo 4-bit EF at `machines` x (8 / machines) workers and H=h, from the recipe."""
+    setting = DILOCO | EF4 | RECIPE | {"machines": machines, "local_steps": h}
+    setting["outer_warmup_rounds"] = WARMUP_STEPS // h
+    if machines == 8:  # one worker a machine: nothing to split
+        setting["shard_model"] = False
+    return setting | fields
+
+
+def without(setting: dict, grids: dict) -> dict:
+    """`setting` less the fields `grids` sweeps (`tune` sets those)."""
+    return {k: v for k, v in setting.items() if k not in grids}
+
+
+def name(machines: int, h: int, extra: str = "") -> str:
+    return f"DiLoCo H={h} 4-bit EF on {machines} machines x {8 // machines}{extra}"
+
+
+def shown(setting: dict) -> dict:
+    return {k: setting[k] for k in TUNED}
+
+
+def plan(runner: Runner) -> dict:
+    """Every run of the study, in order of importance; pieces not trained yet are None."""
+    quick = runner.quick
+    grid = (lambda g: g[:1]) if quick else (lambda g: g)
+    out: dict = {}
+    study = dict(study=STUDY)
+    # The baselines and the 2-machine recipe: the lm study's runs (3 seeds each).
+    ar = {"learning_rate": lm_study.ALLREDUCE_LEARNING_RATE}
+    # Listed under the lm study's own label: its records predate the vocab_size field of
+    # model_kwargs, so only the label finds them again.
+    out["allreduce"] = seeds(runner, label("all-reduce fp32", ar), ALLREDUCE | ar, study="lm")
+    two = at(2, 10)
+    out["2 machines"] = seeds(runner, name(2, 10), two, **study)
+    out["4 machines recipe"] = seeds(runner, name(4, 10), at(4, 10), **study)
+    # 1. 4 machines: outer learning rate x outer momentum at H=10 and H=5.
+    outer_grids = {"outer_lr": grid(OUTER_LR_GRID), "outer_momentum": grid(OUTER_MOMENTUM_GRID)}
+    winners = {}
+    for h in H_VALUES:
+        best, out[f"4 machines H={h} sweep"] = tune(
+            runner, name(4, h), without(at(4, h), outer_grids), outer_grids, EXTEND, **study
+        )
+        if best is not None:
+            winners[h] = best
+    out["4 machines best"] = None
+    if len(winners) == len(H_VALUES):
+        sweeps = {h: out[f"4 machines H={h} sweep"] for h in H_VALUES}
+
+        def seed0(h):
+            values = tuple(winners[h][k] for k in outer_grids)
+            return scale_tables.score(sweeps[h][values])
+
+        h = min(H_VALUES, key=seed0)
+        best = at(4, h, **winners[h])
+        out["4 machines best"] = seeds(runner, name(4, h), best, **study)
+        out["4 machines best setting"] = best
+    # 2. Muon inner: the all-reduce with Muon (each worker the whole model: Muon
+    # orthogonalizes whole matrices), and DiLoCo with Muon on 4 machines.
+    muon = {"optimizer": "muon", "shard_model": False}
+    rates = {"learning_rate": grid(MUON_LR_GRID)}
+    muon_ar, out["muon allreduce sweep"] = tune(
+        runner, "all-reduce fp32 Muon", ALLREDUCE | muon, rates, {"learning_rate": 2.0}, **study
+    )
+    inner = out.get("4 machines best setting") or at(4, 10)
+    muon_dl, out["muon diloco sweep"] = tune(
+        runner, name(4, inner["local_steps"], ", Muon inner"), without(inner | muon, rates), rates,
+        {"learning_rate": 2.0}, **study,
+    )  # fmt: skip
+    if muon_ar is not None:
+        out["muon allreduce"] = seeds(
+            runner, label("all-reduce fp32 Muon", muon_ar), ALLREDUCE | muon | muon_ar, **study
+        )
+    if muon_dl is not None:
+        setting = inner | muon | muon_dl
+        out["muon diloco"] = seeds(
+            runner, label(name(4, inner["local_steps"], ", Muon inner"), shown(setting)),
+            setting, **study,
+        )  # fmt: skip
+    # 4. 8 machines x 1: the recipe, then the outer learning rate swept at the 4-machine
+    # winner's momentum and H.
+    out["8 machines recipe"] = seeds(runner, name(8, 10), at(8, 10), **study)
+    if out.get("4 machines best setting") is not None:
+        four = out["4 machines best setting"]
+        h = four["local_steps"]
+        fixed = at(8, h, outer_momentum=four["outer_momentum"])
+        eight, out["8 machines sweep"] = tune(
+            runner, name(8, h), without(fixed, {"outer_lr": None}), {"outer_lr": grid(EIGHT_OUTER_LR_GRID)},
+            {"outer_lr": 1.4}, **study,
+        )  # fmt: skip
+        if eight is not None:
+            setting = fixed | eight
+            out["8 machines best"] = seeds(
+                runner, label(name(8, h), shown(setting)), setting, **study
+            )
+    return out
+
+
+def scale(runner: Runner, docs: str) -> str:
+    """The study's section: its runs (`plan`), rendered by bench/experiments/scale_tables.py."""
+    return scale_tables.section(plan(runner), lm_config(runner.quick), docs)

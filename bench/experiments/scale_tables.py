@@ -1,0 +1,123 @@
+"""The "Beyond two machines" section of EXPERIMENTS.md (bench/experiments/scale.py's runs).
+
+A piece of the plan not trained yet renders as "not run yet".
+"""
+
+# Markdown table rows are long lines by nature.
+
+from __future__ import annotations
+
+import numpy as np
+
+from bench.experiments.lm_tables import across
+from bench.experiments.lm_tables import cell
+from bench.experiments.lm_tables import gap
+from bench.experiments.lm_tables import score
+from configs import default
+
+__all__ = ["score", "section"]
+
+# The scaling-law study (arXiv 2503.09799, Table 4): DiLoCo's final loss over
+# data-parallel's at 2 / 4 / 8 replicas, 35M parameters (H=30, outer Nesterov 0.9, the
+# outer learning rate tuned per replica count).
+FIELD_35M = {2: 0.7, 4: 2.0, 8: 3.9}
+GOALS = {4: 1.0, 8: 2.0}
+COMMAND = "python -m bench.experiments scale --keep-published"
+
+
+def _bytes(records) -> str:
+    if not records:
+        return "-"
+    return f"{across(records[0]):,.0f}"
+
+
+def _fraction(records, base) -> str:
+    if not records or not base:
+        return "-"
+    sent, full = across(records[0]), across(base[0])
+    return f"1/{full / sent:.0f}" if sent else "0"
+
+
+def _setting(records) -> str:
+    if not records:
+        return "-"
+    c = default.get_config().to_dict() | records[0]["config"]  # records hold changed fields
+    text = f"H={c.get('local_steps')}, outer {c.get('outer_lr'):g} / {c.get('outer_momentum'):g}"
+    if c.get("optimizer") == "muon":
+        text += f", Muon {c.get('learning_rate'):g}"
+    return text
+
+
+def _sweep(title: str, sweep: dict | None, fields: tuple[str, ...]) -> list[str]:
+    if not sweep:
+        return [f"{title}: not run yet.", ""]
+    lines = [f"{title} (seed 0, final validation bits per byte):", ""]
+    lines += ["| " + " | ".join(fields) + " | bits per byte |", "|" + "---|" * (len(fields) + 1)]
+    ranked = sorted(sweep.items(), key=lambda kv: score(kv[1]) if kv[1] else np.inf)
+    for values, record in ranked:
+        result = "not run yet" if record is None else f"{score(record):.4f}"
+        if record is not None and record.get("sweep_winner"):
+            result = f"**{result}** (winner)"
+        lines.append("| " + " | ".join(f"{v:g}" for v in values) + f" | {result} |")
+    return lines + [""]
+
+
+def section(out: dict, config, docs: str) -> str:
+    """The section from `scale.plan`'s runs (`config`: the lm study's recipe)."""
+    del docs  # no plots
+    base = out.get("allreduce")
+    target = float(np.mean([score(r) for r in base])) if base else None
+    lines = [
+        "## Beyond two machines",
+        "",
+        "DiLoCo at 2, 4 and 8 machines on the lm study's protocol (configs/lm_tiny.py's "
+        f"transformer, {config.num_steps:,} steps, the same 8 workers and tokens per step "
+        "at every machine count) against its tuned fp32 all-reduce "
+        f"({cell(base)} bits per byte over 3 seeds). Command: `{COMMAND}` "
+        "(bench/experiments/scale.py; each run about 3.5 min on 2 cores).",
+        "",
+        "| machines | recipe | setting | final validation bits per byte (gap) | bytes / worker / step between machines | of the all-reduce's | scaling-law study, 35M (2503.09799 Table 4) | goal |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    rows = [
+        (2, "2-machine recipe (configs/lm_study.py)", out.get("2 machines")),
+        (4, "2-machine recipe", out.get("4 machines recipe")),
+        (4, "tuned: outer lr x momentum, H", out.get("4 machines best")),
+        (4, "tuned, Muon inner", out.get("muon diloco")),
+        (8, "2-machine recipe", out.get("8 machines recipe")),
+        (8, "tuned: outer lr at the 4-machine momentum", out.get("8 machines best")),
+    ]
+    for machines, recipe, records in rows:
+        goal = f"within +{GOALS[machines]:.1f}%" if machines in GOALS else "-"
+        lines.append(
+            f"| {machines} | {recipe} | {_setting(records)} | {cell(records, target)} | "
+            f"{_bytes(records)} | {_fraction(records, base)} | +{FIELD_35M[machines]:.1f}% | {goal} |"
+        )
+    muon_ar = out.get("muon allreduce")
+    lines += [
+        "",
+        "The data-parallel baselines: the all-reduce with Adam "
+        f"{cell(base)}; with Muon {cell(muon_ar, target)}. A method counts against the "
+        "better of the two.",
+        "",
+    ]
+    outer = ("outer_lr", "outer_momentum")
+    for h in (10, 5):
+        lines += _sweep(f"4 machines, H={h}: outer learning rate x momentum",
+                        out.get(f"4 machines H={h} sweep"), outer)  # fmt: skip
+    lines += _sweep("All-reduce with Muon: learning rate", out.get("muon allreduce sweep"),
+                    ("learning_rate",))  # fmt: skip
+    lines += _sweep("4 machines, DiLoCo with Muon inner: learning rate",
+                    out.get("muon diloco sweep"), ("learning_rate",))  # fmt: skip
+    lines += _sweep("8 machines: outer learning rate", out.get("8 machines sweep"), ("outer_lr",))
+    for machines in (4, 8):
+        gaps = [gap(out.get(k), target) for k in out if k.startswith(f"{machines} machines")
+                and isinstance(out.get(k), list)]  # fmt: skip
+        gaps = [g for g in gaps if g is not None]
+        if gaps and machines in GOALS:
+            met = "met" if min(gaps) <= GOALS[machines] else "not met"
+            lines.append(
+                f"- {machines} machines: best gap {min(gaps):+.2f}% against the goal "
+                f"+{GOALS[machines]:.1f}%: {met}."
+            )
+    return "\n".join(lines) + "\n"
