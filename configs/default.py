@@ -99,6 +99,9 @@ def get_config() -> ml_collections.ConfigDict:
     # The outer momentum rises linearly from 0 to outer_momentum over this many
     # rounds (0: from the first round).
     config.outer_warmup_rounds = 0
+    # ... and falls linearly back to 0 over the run's last this many rounds (needs
+    # num_steps; 0: the momentum stays at outer_momentum to the end).
+    config.outer_decay_rounds = 0
     # A synchronous warm-up (post-local SGD): the first sync_steps steps (a multiple
     # of local_steps) each end with the exchange and a plain outer step of 1, every
     # worker on the exchanged mean; rounds of local_steps begin after them.

@@ -368,3 +368,31 @@ def test_the_outer_momentum_warms_up_linearly_over_the_configured_rounds():
         m = mu * min(t / rounds, 1.0)
         trace = m * trace + g
         np.testing.assert_allclose(np.asarray(out), -lr * (g + m * trace), rtol=1e-5, atol=1e-6)
+
+
+def test_the_outer_momentum_decays_linearly_over_the_last_rounds():
+    """config.outer_decay_rounds D: with R = (num_steps - sync_steps) // local_steps rounds,
+    round t steps with mu * min(t / K, 1) while t <= R - D, then mu * (R - t) / D down to
+    0 at the last round's end, against the recursion written out by hand."""
+    import types
+
+    from train_lib import optimizers
+
+    lr, mu, warm, decay = 0.7, 0.6, 2, 3
+    view = types.SimpleNamespace(
+        outer_lr=lr, outer_momentum=mu, outer_warmup_rounds=warm, outer_decay_rounds=decay,
+        num_steps=100, sync_steps=20, local_steps=10,
+    )  # fmt: skip
+    rounds = 8
+    tx = optimizers.outer(view)
+    params = jnp.zeros(3)
+    state = tx.init(params)
+    rng = np.random.default_rng(1)
+    trace = np.zeros(3)
+    for t in range(rounds):
+        g = rng.normal(size=3)
+        out, state = tx.update(jnp.asarray(g, jnp.float32), state, params)
+        m = mu * min(t / warm, 1.0) if t <= rounds - decay else mu * (rounds - t) / decay
+        trace = m * trace + g
+        np.testing.assert_allclose(np.asarray(out), -lr * (g + m * trace), rtol=1e-5, atol=1e-6)
+

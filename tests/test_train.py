@@ -283,6 +283,13 @@ BAD_CONFIGS = [
     (DILOCO | {"local_steps": 1, "overlap": True}, "config.overlap=True needs config.local_steps"),
     ({"overlap": True}, "config.overlap=True needs config.algorithm='diloco'"),
     (DILOCO | {"outer_warmup_rounds": -2}, "config.outer_warmup_rounds=-2 must be an integer"),
+    (DILOCO | {"outer_decay_rounds": -1}, "config.outer_decay_rounds=-1 must be an integer"),
+    (DILOCO | {"outer_decay_rounds": 2, "num_steps": 0}, "it needs the run's length in steps"),
+    (
+        DILOCO | {"outer_decay_rounds": 8, "outer_warmup_rounds": 3, "num_steps": 50, "local_steps": 5},
+        r"config.outer_warmup_rounds=3 \+ config.outer_decay_rounds=8 exceed the run's 10 rounds",
+    ),
+    ({"outer_decay_rounds": 3}, "config.outer_decay_rounds=3 needs config.algorithm='diloco'"),
     (DILOCO | {"local_steps": 5, "sync_steps": 12}, "sync_steps=12 must be a multiple of"),
     ({"sync_steps": 10}, "config.sync_steps=10 needs config.algorithm='diloco'"),
     ({"outer_warmup_rounds": 3}, "config.outer_warmup_rounds=3 needs config.algorithm='diloco'"),

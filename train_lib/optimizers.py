@@ -182,19 +182,43 @@ def outer(c) -> optax.GradientTransformation:
 
     With ``outer_warmup_rounds`` K > 0 the momentum rises linearly from 0 at the first
     round to ``outer_momentum`` at round K + 1, so the first rounds' large and aligned
-    pseudo-gradients are not amplified by 1 / (1 - momentum) at once.
+    pseudo-gradients are not amplified by 1 / (1 - momentum) at once. With
+    ``outer_decay_rounds`` D > 0 it falls linearly back to 0 over the run's last D
+    rounds (``(num_steps - sync_steps) // local_steps`` in all), so the last rounds' small
+    pseudo-gradients are not outweighed by the momentum of earlier, larger ones (Pier,
+    arXiv 2511.17849, warms the outer momentum up and decays it).
     """
-    if not c.outer_warmup_rounds or not c.outer_momentum:
+    decay = getattr(c, "outer_decay_rounds", 0)
+    if not (c.outer_warmup_rounds or decay) or not c.outer_momentum:
         return optax.sgd(c.outer_lr, momentum=c.outer_momentum or None, nesterov=True)
     momentum = optax.linear_schedule(0.0, c.outer_momentum, c.outer_warmup_rounds)
+    if decay:
+        rounds = (c.num_steps - c.sync_steps) // c.local_steps
+        momentum = optax.join_schedules(
+            [momentum, optax.linear_schedule(c.outer_momentum, 0.0, decay)],
+            [rounds - decay],
+        )
     return optax.inject_hyperparams(optax.sgd)(
         learning_rate=c.outer_lr, momentum=momentum, nesterov=True
     )
 
 
-OUTER = ("outer_lr", "outer_momentum", "outer_warmup_rounds")
+OUTER = (
+    "outer_lr",
+    "outer_momentum",
+    "outer_warmup_rounds",
+    "outer_decay_rounds",
+    "num_steps",
+    "local_steps",
+    "sync_steps",
+)
 # The outer step of a synchronous warm-up: every node lands on the exchanged mean.
-PLAIN_STEP = {"outer_lr": 1.0, "outer_momentum": 0.0, "outer_warmup_rounds": 0}
+PLAIN_STEP = {
+    "outer_lr": 1.0,
+    "outer_momentum": 0.0,
+    "outer_warmup_rounds": 0,
+    "outer_decay_rounds": 0,
+}
 
 
 def check_outer(c) -> None:
@@ -205,3 +229,18 @@ def check_outer(c) -> None:
     rounds = c.outer_warmup_rounds
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
         raise ConfigError(f"config.outer_warmup_rounds={rounds!r} must be an integer >= 0.")
+    decay = c.outer_decay_rounds
+    if isinstance(decay, bool) or not isinstance(decay, int) or decay < 0:
+        raise ConfigError(f"config.outer_decay_rounds={decay!r} must be an integer >= 0.")
+    if decay and not c.num_steps:
+        raise ConfigError(
+            f"config.outer_decay_rounds={decay} decays the momentum over the run's last "
+            "rounds: it needs the run's length in steps (config.num_steps > 0)."
+        )
+    rounds = (c.num_steps - c.sync_steps) // c.local_steps if c.local_steps else 0
+    if decay and c.outer_warmup_rounds + decay > rounds:
+        raise ConfigError(
+            f"config.outer_warmup_rounds={c.outer_warmup_rounds} + config.outer_decay_rounds="
+            f"{decay} exceed the run's {rounds} rounds ((config.num_steps={c.num_steps} - "
+            f"config.sync_steps={c.sync_steps}) // config.local_steps={c.local_steps})."
+        )

@@ -41,6 +41,7 @@ LOCAL_STEP_FIELDS = (
     "mean_rounds",
     "error_decay",
     "outer_warmup_rounds",
+    "outer_decay_rounds",
     "sync_steps",
 )
 #: An elastic run's own fields and their values.
