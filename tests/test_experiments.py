@@ -32,6 +32,7 @@ STUDIES = (
     "mx",
     "ad_psgd",
     "lm",
+    "scale",
 )
 
 

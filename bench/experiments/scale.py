@@ -57,6 +57,8 @@ OUTER_MOMENTUM_GRID = (0.6, 0.8, 0.9)
 H_VALUES = (10, 5)
 MUON_LR_GRID = (0.01, 0.02, 0.04)
 EIGHT_OUTER_LR_GRID = (0.7, 1.0, 1.4)
+# The lever's ablation: the outer momentum decayed over these parts of the rounds.
+DECAY_PARTS = (0.1, 0.25)
 
 
 def momentum_step(value: float, direction: int) -> float:
@@ -146,6 +148,37 @@ def plan(runner: Runner) -> dict:
             runner, label(name(4, inner["local_steps"], ", Muon inner"), shown(setting)),
             setting, **study,
         )  # fmt: skip
+    # 3. The lever: the outer momentum decayed to 0 over the last rounds (a tenth and a
+    # quarter of them) at the 4-machine winner; the better, if it helps, over 3 seeds.
+    if out.get("4 machines best setting") is not None:
+        four = out["4 machines best setting"]
+        rounds = lm_config(quick).num_steps // four["local_steps"]
+        decays = {}
+
+        def decayed(decay: int) -> dict:
+            # (A quick run's 2 rounds: the warm-up shortened to leave the decay room.)
+            warm = min(four["outer_warmup_rounds"], rounds - decay)
+            return four | {"outer_decay_rounds": decay, "outer_warmup_rounds": warm}
+
+        for part in DECAY_PARTS[:1] if quick else DECAY_PARTS:
+            decay = max(1, int(rounds * part))
+            setting = decayed(decay)
+            decays[decay] = seeds(
+                runner, label(name(4, four["local_steps"], ", momentum decay"), shown(setting))
+                + f", outer_decay_rounds={decay}", setting, count=1, **study,
+            )  # fmt: skip
+        out["decay ablation"] = decays
+        done = {d: r for d, r in decays.items() if r}
+        base0 = (out.get("4 machines best") or [None])[0]
+        if done and base0 is not None:
+            decay = min(done, key=lambda d: scale_tables.score(done[d][0]))
+            if scale_tables.score(done[decay][0]) < scale_tables.score(base0):
+                setting = decayed(decay)
+                out["decay best"] = seeds(
+                    runner,
+                    label(name(4, four["local_steps"], ", momentum decay"), shown(setting))
+                    + f", outer_decay_rounds={decay}", setting, **study,
+                )  # fmt: skip
     # 4. 8 machines x 1: the recipe, then the outer learning rate swept at the 4-machine
     # winner's momentum and H.
     out["8 machines recipe"] = seeds(runner, name(8, 10), at(8, 10), **study)
