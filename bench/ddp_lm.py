@@ -12,24 +12,29 @@ buckets, overlapped with the backward pass. The model is lpdec's transformer
 written in PyTorch: `--d-model` wide (default 160: lm_small's; 64: lm_tiny's and
 lm_study's), `--layers` pre-norm blocks of `--heads` heads
 (`scaled_dot_product_attention`, causal), GELU (tanh) MLPs of 4 x d, learned
-positions, tied embeddings, Adam at `--lr`; as `lpdec.models.transformer_param_count`
-counts them: 1,288,640 parameters at lm_small's shape, 120,576 at lm_tiny's.
-The tokens are random bytes: the step's time does not depend on them, and
-bench/link.py uses only the time (DDP computes synchronous data-parallel SGD,
-the fp32 all-reduce's algorithm, so its loss per step is the all-reduce's).
+positions, tied embeddings, lpdec's initialization, Adam at `--lr`; as
+`lpdec.models.transformer_param_count` counts them: 1,288,640 parameters at
+lm_small's shape, 120,576 at lm_tiny's.
+The tokens are random bytes unless `--data` names train.py's windows
+(bench/step_parity.py's loss curves): the step's time does not depend on them,
+and bench/link.py uses only the time (DDP computes synchronous data-parallel
+SGD, the fp32 all-reduce's algorithm, so its loss per step is the all-reduce's).
 
-Writes `--out`: seconds per step (median after `--warmup` steps) and the
-parameter count. Needs torch (never a dependency of lpdec).
+Writes `--out`: seconds per step (median after `--warmup` steps), the
+parameter count, and with `--log-every` the mean training loss over the ranks
+and each interval (`--schedule`: train.py's warm-up and cosine). Needs torch (never a dependency of lpdec).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
@@ -59,6 +64,17 @@ class Transformer(nn.Module):
         self.tokens, self.positions = nn.Embedding(vocab, d), nn.Embedding(context, d)
         self.blocks = nn.ModuleList(Block(d, heads, mlp_ratio) for _ in range(layers))
         self.norm = nn.LayerNorm(d)
+        # lpdec's initialization (GPT-2's): N(0, 0.02) for the embeddings and the dense
+        # kernels, N(0, 0.02 / sqrt(2 layers)) for the two that add to the residual,
+        # zero biases.
+        for name, parameter in self.named_parameters():
+            if name.endswith("bias") or "norm" in name:
+                continue
+            residual = name.endswith(("attn_out.weight", "mlp_out.weight"))
+            nn.init.normal_(parameter, std=0.02 / math.sqrt(2 * layers) if residual else 0.02)
+        for name, parameter in self.named_parameters():
+            if name.endswith("bias") and "norm" not in name:
+                nn.init.zeros_(parameter)
 
     def forward(self, tokens):
         positions = torch.arange(tokens.shape[1], device=tokens.device)
@@ -66,6 +82,19 @@ class Transformer(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.norm(x) @ self.tokens.weight.T  # tied output embedding
+
+
+def _scheduler(optimizer, warm: int, total: int):
+    """train.py's learning rate for `optimizer` (its lr the peak): update t = 0, 1, ... at
+    optax's linear warm-up joined with cosine_decay_schedule(peak, total - warm)."""
+
+    def factor(t: int) -> float:
+        if t < warm:
+            return t / warm
+        done = min(t - warm, total - warm) / max(1, total - warm)
+        return 0.5 * (1 + math.cos(math.pi * done))
+
+    return torch.optim.lr_scheduler.LambdaLR(optimizer, factor)
 
 
 def main(argv=None) -> int:
@@ -83,6 +112,20 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--out", required=True)
+    parser.add_argument(
+        "--data",
+        help="an .npy of uint8 windows [N, context + 1] to train on (train.py's x_train: "
+        "bench/step_parity.py writes it); default: random bytes (the time only)",
+    )
+    parser.add_argument(
+        "--schedule", type=int, nargs=2, metavar=("WARMUP", "TOTAL"),
+        help="train.py's learning rate: linear from 0 over WARMUP steps, then cosine to 0 "
+        "at TOTAL (default: constant --lr)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--log-every", type=int, default=0,
+        help="record the mean training loss over the ranks and each such interval",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     address, port = args.master.rsplit(":", 1)
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = address, port
@@ -93,18 +136,31 @@ def main(argv=None) -> int:
         Transformer(context=args.context, d=args.d_model, layers=args.layers, heads=args.heads)
     )
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    scheduler = _scheduler(optimizer, *args.schedule) if args.schedule else None
     generator = torch.Generator().manual_seed(args.rank)
     batch = args.threads * args.batch_per_thread
-    times = []
-    for _ in range(args.warmup + args.steps):
-        window = torch.randint(0, 256, (batch, args.context + 1), generator=generator)
+    data = None if args.data is None else torch.from_numpy(np.load(args.data).astype(np.int64))
+    times, losses, interval = [], [], []
+    for step in range(args.warmup + args.steps):
+        if data is None:
+            window = torch.randint(0, 256, (batch, args.context + 1), generator=generator)
+        else:
+            window = data[torch.randint(0, data.shape[0], (batch,), generator=generator)]
         started = time.perf_counter()
         logits = model(window[:, :-1])
         loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), window[:, 1:].reshape(-1))
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
+        if scheduler is not None:
+            scheduler.step()
         times.append(time.perf_counter() - started)
+        interval.append(loss.item())
+        if args.log_every and (step + 1) % args.log_every == 0:
+            mean = torch.tensor(sum(interval) / len(interval))
+            dist.all_reduce(mean)  # outside the timed step
+            losses.append([step + 1, mean.item() / args.world])
+            interval = []
     dist.destroy_process_group()
     parameters = sum(p.numel() for p in model.module.parameters())
     with open(args.out, "w") as f:
@@ -114,6 +170,7 @@ def main(argv=None) -> int:
                 "parameters": parameters,
                 "torch": torch.__version__,
                 "batch": batch,
+                "losses": losses,
             },
             f,
         )

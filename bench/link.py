@@ -269,6 +269,27 @@ class Run:
     wall_s: float
 
 
+# --pin: each process on one core of its own with one thread (bench/step_parity.py's
+# like-for-like setting), so that neither lpdec nor DDP oversubscribes the cores.
+ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
+
+
+class Pinned:
+    """`network` with each host's commands pinned to core host % cores (`taskset -c`)."""
+
+    pinned = True
+
+    def __init__(self, network):
+        self.network = network
+
+    def __getattr__(self, name):
+        return getattr(self.network, name)
+
+    def exec_prefix(self, host: int) -> list[str]:
+        core = host % (os.cpu_count() or 1)
+        return self.network.exec_prefix(host) + ["taskset", "-c", str(core)]
+
+
 def train_command(network, host, workdir, port, config, overrides) -> list[str]:
     flags = [f"--config.{k}={v}" for k, v in overrides.items()]
     return network.exec_prefix(host) + [
@@ -301,6 +322,9 @@ def run_hosts(network, workdir, commands, devices, timeout) -> tuple[float, int,
     """Runs `commands[h]` on host h of `network`; (wall seconds, host 0's tx and rx bytes)."""
     env = dict(os.environ)
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    if getattr(network, "pinned", False):
+        env["XLA_FLAGS"] += " " + ONE_THREAD
+        env["OMP_NUM_THREADS"] = "1"
     env["PYTHONPATH"] = ROOT
     os.makedirs(workdir, exist_ok=True)
     tx0, rx0 = network.counters(0)
@@ -357,7 +381,7 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
                 f"--rank={host}",
                 f"--world={network.hosts}",
                 f"--master={address}",
-                f"--threads={args.devices}",
+                f"--threads={1 if args.pin else args.devices}",
                 f"--steps={steps}",
                 "--warmup=5",
                 *model_flags,
@@ -370,6 +394,7 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
             return json.load(f), tx
 
     config = load_config(args.config)
+    batch = int(args.set.get("batch_size", config.batch_size))  # windows per worker and step
     shape = config.model_kwargs
     model_flags = [
         f"--context={shape.context}",
@@ -377,9 +402,11 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
         f"--layers={shape.num_layers}",
         f"--heads={shape.num_heads}",
         f"--lr={config.learning_rate}",
-        f"--batch-per-thread={config.batch_size}",  # windows per worker and step
+        # A machine's windows a step, over its threads (a thread per device; --pin: one).
+        f"--batch-per-thread={batch * (args.devices if args.pin else 1)}",
     ]
-    result = {"method": "ddp", "label": "PyTorch DDP (gloo), whole model per machine"}
+    label = "PyTorch DDP (gloo), whole model per machine"
+    result = {"method": "ddp", "label": label + (", one thread" if args.pin else "")}
     network.shape(None)
     (_, tx10), (_, tx30) = run(UNSHAPED, 10), run(UNSHAPED, 30)
     result["link_bytes_per_step"] = (tx30 - tx10) / 20
@@ -653,7 +680,13 @@ def section(all_results: dict, args, command: str) -> str:
         f"Measured {datetime.date.today().isoformat()} on {machine}; {_sections.versions()}.",
         "",
         f"P processes of `train.py` (`{shown(args.config)}` plus each method's "
-        f"fields; {args.devices} CPU devices each, gloo), each in its own network namespace, "
+        f"fields; {args.devices} CPU devices each, gloo"
+        + (
+            "; each process pinned to a core of its own with one thread, PyTorch DDP too"
+            if getattr(args, "pin", False)
+            else ""
+        )
+        + "), each in its own network namespace, "
         "joined by veth links shaped with htb at each host's egress. s/step: median chunk "
         f"time per step over {args.steps} steps; link bytes: host 0's veth transmit counter, "
         f"difference of unshaped runs of {args.probe_steps[1]} and {args.probe_steps[0]} "
@@ -749,6 +782,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--set", action="append", default=[], metavar="FIELD=VALUE", help="extra config field"
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="each process on a core of its own (taskset -c) with one thread: XLA's eigen "
+        "pool off, PyTorch's one thread (bench/step_parity.py's like-for-like setting)",
     )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run")
     parser.add_argument("--output", default=os.path.join(ROOT, "BENCHMARKS.md"))
@@ -873,9 +912,10 @@ def main(argv=None) -> int:
 
     try:
         for processes in args.processes:
-            network = netns.Network(processes, f"{prefix}-p{processes}", os.getpid() % 256)
-            netns.NETWORKS.append(network)
-            network.create()
+            made = netns.Network(processes, f"{prefix}-p{processes}", os.getpid() % 256)
+            netns.NETWORKS.append(made)
+            made.create()
+            network = Pinned(made) if args.pin else made
             print(f"{processes} hosts: namespaces {' '.join(network.names)}", flush=True)
             results = all_results.setdefault(processes, [])
             for name in args.methods:
@@ -903,8 +943,8 @@ def main(argv=None) -> int:
                     results.append({"method": "ddp", "label": "PyTorch DDP", "error": str(error)})
                 print(json.dumps(results[-1], default=str)[:400], flush=True)
                 save()
-            network.destroy()
-            netns.NETWORKS.remove(network)
+            made.destroy()
+            netns.NETWORKS.remove(made)
     except netns.Interrupted as signame:
         print(f"interrupted by {signame}: removing namespaces", file=sys.stderr, flush=True)
         netns.teardown()

@@ -1,38 +1,55 @@
 """The step across processes, like for like: lpdec's all-reduce against PyTorch DDP (issue 51).
 
-    python -m bench.step_parity            # ~10 min on 2 idle cores; writes BENCHMARKS.md
+    python -m bench.step_parity            # ~15 min on 2 idle cores; writes BENCHMARKS.md
+    python -m bench.step_parity --workloads lm --steps 100 --no-write   # a shorter look
 
-configs/lm_study.py's transformer (lm_tiny's: 120,576 parameters, 64-byte windows),
-Adam, float32, 4,096 tokens a step in all, on loopback. Every process is pinned to
-one core of its own (`taskset -c`) and runs one thread: XLA with
+Two workloads, each the same model, batch, optimizer, learning rate and float32 on
+both sides:
+
+- lm: configs/lm_study.py's transformer (120,576 parameters, 64-byte windows), Adam
+  8e-3 with its warm-up and cosine, 4,096 tokens a step in all (`bench/ddp_lm.py`);
+- mlp: configs/link_mlp.py's MLP without its norm layers (`norm="none"`, 1,101,834
+  parameters) on MNIST-1D, Nesterov SGD 0.1 with weight decay 1e-4, 256 sequences a
+  step in all (`bench/ddp_mlp.py`).
+
+Both sides train on the same data (train.py's training set, written to an .npy /
+.npz for PyTorch); each side draws its own batches and initial weights, so their
+loss curves agree in trend, not bit for bit.
+
+Two layouts of 2 machines, on loopback: (a) DDP's, one process per machine holding
+the whole model; (b) lpdec's, a process per machine with 4 devices (the workers:
+the lm split over them with FSDP, the MLP replicated with a full-precision mean
+inside the machine) against DDP with one process per worker (8). Every process is
+pinned to its machine's core (`taskset -c`) and runs one thread: XLA with
 `--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1`, PyTorch with
-`torch.set_num_threads(1)`; so neither oversubscribes the 2 cores. Layout (a), DDP's:
-one process per machine holding the whole model, 2 machines of 2,048 tokens each.
+`torch.set_num_threads(1)`; so neither oversubscribes the 2 cores.
 
-The rows, each one run (`train.py` for lpdec, `bench/ddp_lm.py` for DDP), the
-median seconds per step after the first logged interval (compilation out):
+The rows (`train.py` for lpdec), seconds per step (the median after the first
+logged interval, which holds compilation), tokens or sequences per second, and the
+training loss at each logged step:
 
-- lpdec, one process (the compute of 4,096 tokens, no collective);
+- lpdec, one process (the compute of the whole step, no collective);
 - lpdec, 2 processes, no exchange (`algorithm="none"`): each process's compute and
-  dispatch of 2,048 tokens, no collective;
-- lpdec, 2 processes, the fp32 all-reduce of the gradients (`algorithm="allreduce"`);
-- DDP, 2 processes (gloo, buckets overlapped with the backward pass).
+  dispatch of its half, no collective;
+- lpdec, 2 processes, the fp32 all-reduce of the gradients, layouts (a) and (b);
+- DDP, layouts (a) and (b) (gloo, buckets overlapped with the backward pass).
 
-The all-reduce's share is the third row less the second: the collective and the
-synchronisation it brings. `--before DIR:ROW:LABEL` adds a row of another run of
-this script (an older commit's checkout, run just before) to the table.
+The all-reduce's share is the all-reduce row less the no-exchange row.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import os
 import pathlib
 import statistics
 import subprocess
 import sys
+
+import numpy as np
 
 from bench import harness
 from bench._sections import BENCHMARKS_HEADER
@@ -41,8 +58,55 @@ from bench._sections import versions
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 ONE_THREAD = "--xla_cpu_multi_thread_eigen=false intra_op_parallelism_threads=1"
-TOKENS = 4096
-WINDOW = 64
+MACHINES = 2
+WORKERS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Workload:
+    """A model both sides train: its config, its batch in all, and DDP's script."""
+
+    name: str
+    config: str
+    title: str
+    unit: str  # what a step's batch counts: tokens or sequences
+    batch: int  # rows (windows or sequences) a step, in all
+    per_row: int  # units a row
+    overrides: tuple[str, ...]
+    parameters: int
+
+    def rows_per(self, nodes: int) -> int:
+        return self.batch // nodes
+
+
+LM = Workload(
+    name="lm",
+    config="lm_study.py",
+    title="configs/lm_study.py's transformer (120,576 parameters), Adam 8e-3 with its "
+    "warm-up and cosine",
+    unit="tokens",
+    batch=64,
+    per_row=64,
+    overrides=(
+        "--config.local_steps=1",
+        "--config.error_feedback=False",
+        "--config.outer_warmup_rounds=0",
+        "--config.validation_windows=64",
+    ),  # fmt: skip
+    parameters=120_576,
+)
+MLP = Workload(
+    name="mlp",
+    config="link_mlp.py",
+    title="configs/link_mlp.py's MLP without its norm layers (1,101,834 parameters), "
+    "Nesterov SGD 0.1, weight decay 1e-4",
+    unit="sequences",
+    batch=256,
+    per_row=1,
+    overrides=("--config.norm=none", "--config.topology=complete"),
+    parameters=1_101_834,
+)
+WORKLOADS = {"lm": LM, "mlp": MLP}
 
 
 def _env(devices: int = 1) -> dict:
@@ -52,28 +116,32 @@ def _env(devices: int = 1) -> dict:
     return env
 
 
+def _pin(process: int) -> list[str]:
+    return ["taskset", "-c", str(process % (os.cpu_count() or 1))]
+
+
 def _lpdec(
-    workdir: pathlib.Path, processes: int, algorithm: str, steps: int, workers: int = 1
+    w: Workload, workdir: pathlib.Path, processes: int, algorithm: str, steps: int, workers: int
 ) -> list[list[str]]:
     """Layout (a) (`workers=1`): each process one device holding the whole model; layout
-    (b): each process a machine of `workers` devices, its model split over them (FSDP)."""
+    (b): each process a machine of `workers` devices (the lm split over them, FSDP)."""
     port = harness.free_port()
     nodes = processes * workers
-    windows = TOKENS // WINDOW // nodes
-    sharded = "True" if workers > 1 else "False"
+    machines = workers > 1
+    sharded = machines and w is LM
     commands = []
     for p in range(processes):
         command = [
-            "taskset", "-c", str(p % (os.cpu_count() or 1)), sys.executable,
-            str(ROOT / "train.py"), f"--config={ROOT / 'configs' / 'lm_study.py'}",
-            f"--workdir={workdir}", f"--config.num_nodes={nodes}",
-            f"--config.hierarchical={sharded}", "--config.machines=0",
-            f"--config.shard_model={sharded}", f"--config.algorithm={algorithm}",
-            "--config.local_steps=1", "--config.error_feedback=False",
-            "--config.outer_warmup_rounds=0", f"--config.batch_size={windows}",
-            f"--config.num_steps={steps}", f"--config.log_every={steps // 5}",
-            f"--config.warmup_steps={steps // 20}", "--config.validation_windows=64",
+            *_pin(p), sys.executable, str(ROOT / "train.py"),
+            f"--config={ROOT / 'configs' / w.config}", f"--workdir={workdir}",
+            f"--config.num_nodes={nodes}", f"--config.hierarchical={machines}",
+            "--config.machines=0", f"--config.shard_model={sharded}",
+            f"--config.algorithm={algorithm}", f"--config.batch_size={w.rows_per(nodes)}",
+            f"--config.num_steps={steps}", f"--config.log_every={steps // 10}",
+            "--config.checkpoint_every=0", *w.overrides,
         ]  # fmt: skip
+        if w is LM:
+            command.append(f"--config.warmup_steps={steps // 20}")
         if processes > 1:
             command += [
                 f"--coordinator_address=127.0.0.1:{port}", f"--num_processes={processes}",
@@ -83,9 +151,7 @@ def _lpdec(
     return commands
 
 
-def _run(
-    commands: list[list[str]], log: pathlib.Path, timeout: float = 1200, devices: int = 1
-) -> None:
+def _run(commands: list[list[str]], log: pathlib.Path, devices: int = 1) -> None:
     procs = [
         subprocess.Popen(
             c,
@@ -97,128 +163,181 @@ def _run(
         )  # fmt: skip
         for i, c in enumerate(commands)
     ]
-    try:
-        for proc in procs:
-            if proc.wait(timeout=timeout) != 0:
-                raise SystemExit(f"a run failed: see {log}.*")
-    finally:
-        for proc in procs:
-            harness.kill_group(proc)
+    ended = harness.wait_all(procs, timeout=1200)  # kills what still runs
+    if not ended or any(proc.returncode != 0 for proc in procs):
+        raise SystemExit(f"a run failed or timed out: see {log}.*")
 
 
-def lpdec_step(
-    root: pathlib.Path, name: str, processes: int, algorithm: str, steps: int, workers: int = 1
-) -> float:
+@dataclasses.dataclass
+class Row:
+    seconds: float  # per step, median
+    losses: list  # [step, mean training loss over the interval]
+
+
+def lpdec_row(
+    w: Workload, root: pathlib.Path, processes: int, algorithm: str, steps: int, workers: int = 1
+) -> Row:
+    name = f"{w.name}_{algorithm}_{processes}x{workers}"
     workdir = root / name
     if not (workdir / "metrics.csv").exists():
-        commands = _lpdec(workdir, processes, algorithm, steps, workers)
+        commands = _lpdec(w, workdir, processes, algorithm, steps, workers)
         _run(commands, root / f"{name}.log", devices=workers)
     rows = list(csv.DictReader(open(workdir / "metrics.csv")))
     # The first interval holds the compilation; the others are steady.
-    return statistics.median(float(r["step_time_s"]) for r in rows[1:])
+    seconds = statistics.median(float(r["step_time_s"]) for r in rows[1:])
+    return Row(seconds, [[int(r["step"]), float(r["train_loss"])] for r in rows])
 
 
-def ddp_step(root: pathlib.Path, steps: int, per_machine: int = 1) -> float:
+def training_data(w: Workload, root: pathlib.Path) -> pathlib.Path:
+    """train.py's training set of `w`, for PyTorch: the lm's windows (.npy), MNIST-1D (.npz)."""
+    path = root / (f"{w.name}_train.npy" if w is LM else f"{w.name}_train.npz")
+    if path.exists():
+        return path
+    sys.path.insert(0, str(ROOT))
+    from train_lib import setup  # noqa: PLC0415 (jax only where the data is made)
+
+    module = {"lm_study.py": "configs.lm_study", "link_mlp.py": "configs.link_mlp"}[w.config]
+    config = __import__(module, fromlist=["get_config"]).get_config()
+    dataset = setup.load_dataset(config)
+    if w is LM:
+        np.save(path, np.asarray(dataset.x_train, np.uint8))
+    else:
+        np.savez(path, x_train=dataset.x_train, y_train=dataset.y_train)
+    return path
+
+
+def ddp_row(w: Workload, root: pathlib.Path, steps: int, per_machine: int = 1) -> Row:
     """DDP over 2 machines of `per_machine` processes each (one per worker in layout
     (b)), each process on its machine's core with one thread."""
-    world = 2 * per_machine
-    name = "ddp" if per_machine == 1 else f"ddp_{world}"
+    world = MACHINES * per_machine
+    name = f"{w.name}_ddp_{world}"
     out = root / f"{name}_rank0.json"
     if not out.exists():
+        data = training_data(w, root)
         port = harness.free_port()
-        commands = [
-            ["taskset", "-c", str(rank // per_machine), sys.executable,
-             str(ROOT / "bench" / "ddp_lm.py"),
-             "--rank", str(rank), "--world", str(world), "--master", f"127.0.0.1:{port}",
-             "--threads", "1", "--batch-per-thread", str(TOKENS // WINDOW // world),
-             "--d-model", "64", "--layers", "2", "--heads", "4", "--lr", "8e-3",
-             "--steps", str(steps), "--warmup", "5",
-             "--out", str(root / f"{name}_rank{rank}.json")]
-            for rank in range(world)
-        ]  # fmt: skip
+        commands = []
+        for rank in range(world):
+            common = [
+                "--rank", str(rank), "--world", str(world), "--master", f"127.0.0.1:{port}",
+                "--threads", "1", "--steps", str(steps), "--log-every", str(steps // 10),
+                "--data", str(data), "--out", str(root / f"{name}_rank{rank}.json"),
+            ]  # fmt: skip
+            if w is LM:
+                script = "ddp_lm.py"
+                extra = [
+                    "--batch-per-thread", str(w.rows_per(world)), "--d-model", "64",
+                    "--layers", "2", "--heads", "4", "--lr", "8e-3", "--warmup", "0",
+                    "--schedule", str(steps // 20), str(steps),
+                ]  # fmt: skip
+            else:
+                script, extra = "ddp_mlp.py", ["--batch", str(w.rows_per(world))]
+            commands.append([*_pin(rank // per_machine), sys.executable,
+                             str(ROOT / "bench" / script), *common, *extra])  # fmt: skip
         _run(commands, root / f"{name}.log")
     result = json.loads(out.read_text())
-    assert result["parameters"] == 120_576, result  # lm_tiny's transformer
-    return float(result["s_per_step"])
+    assert result["parameters"] == w.parameters, result
+    return Row(float(result["s_per_step"]), result["losses"])
 
 
-ROW_NAMES = {
-    "allreduce_2": "layout (a): lpdec, 2 processes, fp32 all-reduce",
-    "allreduce_2x4": "layout (b): lpdec, 2 processes of 4 devices, FSDP, fp32 all-reduce",
-}
+def measure(w: Workload, root: pathlib.Path, steps: int) -> dict[str, Row]:
+    return {
+        "one": lpdec_row(w, root, 1, "none", steps),
+        "none_2": lpdec_row(w, root, 2, "none", steps),
+        "allreduce_2": lpdec_row(w, root, 2, "allreduce", steps),
+        "ddp": ddp_row(w, root, steps),
+        "allreduce_2x4": lpdec_row(w, root, 2, "allreduce", steps, WORKERS),
+        "ddp_8": ddp_row(w, root, steps, per_machine=WORKERS),
+    }
 
 
-def render(rows: dict, steps: int, before: list | None = None) -> str:
-    ddp = rows["ddp"]
-    allreduce, none = rows["allreduce_2"], rows["none_2"]
-    lines = [
-        "## The step across processes, like for like (`bench/step_parity.py`)",
+def _curve(row: Row, every: int = 2) -> str:
+    return " ".join(f"{loss:.3f}" for _, loss in row.losses[every - 1 :: every])
+
+
+def render(w: Workload, rows: dict[str, Row], steps: int) -> list[str]:
+    per_step = w.batch * w.per_row
+
+    def line(label: str, key: str, reference: str) -> str:
+        r = rows[key]
+        rate = per_step / r.seconds
+        return (
+            f"| {label} | {r.seconds:.4f} | {r.seconds / rows[reference].seconds:.2f}x | "
+            f"{rate:,.0f} | {_curve(r)} |"
+        )
+
+    a, none = rows["allreduce_2"].seconds, rows["none_2"].seconds
+    marks = ", ".join(str(s) for s, _ in rows["ddp"].losses[1::2])
+    return [
+        f"### {w.title}; {per_step:,} {w.unit} a step in all",
         "",
-        "configs/lm_study.py's transformer (120,576 parameters), Adam, float32, 4,096 "
-        "tokens a step in all; layout (a): one process per machine holding the whole "
-        "model, 2 machines of 2,048 tokens; every process pinned to its own core "
-        "(`taskset -c`) with one thread (XLA's eigen pool off, "
-        "`intra_op_parallelism_threads=1`; `torch.set_num_threads(1)`), on loopback. "
-        f"Median seconds per step over {steps} steps after the first interval. "
-        f"`python -m bench.step_parity`; {versions()}, {os.cpu_count()} cores.",
+        f"| run | seconds per step | against DDP in its layout | {w.unit} per second | "
+        f"training loss at steps {marks} |",
+        "|---|---|---|---|---|",
+        line(f"lpdec, one process, {per_step:,} {w.unit}", "one", "ddp"),
+        line(
+            f"lpdec, 2 processes, no exchange (compute and dispatch of {per_step // 2:,} "
+            f"{w.unit} each)",
+            "none_2",
+            "ddp",
+        ),  # fmt: skip
+        line(
+            "layout (a): lpdec, 2 processes, fp32 all-reduce of the gradients", "allreduce_2", "ddp"
+        ),  # fmt: skip
+        line("layout (a): PyTorch DDP, 2 processes (gloo, buckets)", "ddp", "ddp"),
+        line(
+            f"layout (b): lpdec, 2 processes of {WORKERS} devices"
+            + (", the model split over them (FSDP)" if w is LM else ", a mean inside each")
+            + ", fp32 all-reduce between the machines",
+            "allreduce_2x4",
+            "ddp_8",
+        ),  # fmt: skip
+        line(
+            f"layout (b): PyTorch DDP, {MACHINES * WORKERS} processes (one per worker, "
+            f"{WORKERS} on each core)",
+            "ddp_8",
+            "ddp_8",
+        ),  # fmt: skip
         "",
-        "| run | seconds per step | against DDP |",
-        "|---|---|---|",
-        f"| lpdec, one process, 4,096 tokens | {rows['one']:.4f} | {rows['one'] / ddp:.2f}x |",
-        f"| lpdec, 2 processes, no exchange (compute and dispatch of 2,048 tokens) | "
-        f"{none:.4f} | {none / ddp:.2f}x |",
-        f"| lpdec, 2 processes, fp32 all-reduce of the gradients | {allreduce:.4f} | "
-        f"{allreduce / ddp:.2f}x |",
-        f"| PyTorch DDP, 2 processes (gloo, buckets) | {ddp:.4f} | 1.00x |",
+        f"The all-reduce's share of lpdec's 2-process step in layout (a): {a - none:.4f} s "
+        f"({100 * (a - none) / a:.0f}%); the rest is each process's compute, host dispatch "
+        "and per-step Python. A loss is the mean over the interval ending at that step and "
+        "over the processes.",
+        "",
     ]
-    for where, key, label in before or []:
-        old, what = where[key], ROW_NAMES[key]
-        reference = where["ddp"] if key == "allreduce_2" else where.get("ddp_8", rows["ddp_8"])
-        lines.append(f"| {what}, before ({label}) | {old:.4f} | {old / reference:.2f}x |")
-    lines += [
-        f"| layout (b), 2 machines x 4 workers: lpdec, 2 processes of 4 devices, the model "
-        f"split over them (FSDP), fp32 all-reduce between the machines | "
-        f"{rows['allreduce_2x4']:.4f} | {rows['allreduce_2x4'] / rows['ddp_8']:.2f}x (of "
-        "the next row) |",
-        f"| layout (b): PyTorch DDP, 8 processes (one per worker, 4 on each core) | "
-        f"{rows['ddp_8']:.4f} | 1.00x |",
-        "",
-        f"The all-reduce's share of lpdec's 2-process step: {allreduce - none:.4f} s "
-        f"({100 * (allreduce - none) / allreduce:.0f}%); the rest is each process's "
-        "compute, host dispatch and per-step Python.",
-    ]
-    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--workdir", default="/tmp/lpdec_bench_step_parity")
+    parser.add_argument("--workloads", default="lm,mlp")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument(
-        "--before", action="append", default=[], metavar="DIR:ROW:LABEL",
-        help="a row (allreduce_2 or allreduce_2x4) of another run's --workdir (an older "
-        "commit's checkout, run just before) and its label; may be repeated",
-    )  # fmt: skip
     args = parser.parse_args(argv)
     root = pathlib.Path(args.workdir)
     root.mkdir(parents=True, exist_ok=True)
-    rows = {
-        "one": lpdec_step(root, "one", 1, "none", args.steps),
-        "none_2": lpdec_step(root, "none_2", 2, "none", args.steps),
-        "allreduce_2": lpdec_step(root, "allreduce_2", 2, "allreduce", args.steps),
-        "ddp": ddp_step(root, args.steps),
-        # Layout (b): 2 machines x 4 workers: lpdec's FSDP inside a machine against DDP
-        # with one process per worker.
-        "allreduce_2x4": lpdec_step(root, "allreduce_2x4", 2, "allreduce", args.steps, 4),
-        "ddp_8": ddp_step(root, args.steps, per_machine=4),
-    }
-    (root / "results.json").write_text(json.dumps(rows, indent=1))
-    before = []
-    for spec in args.before:
-        where, key, label = spec.split(":", 2)
-        before.append((json.loads((pathlib.Path(where) / "results.json").read_text()), key, label))
-    body = render(rows, args.steps, before)
+    workloads = [WORKLOADS[name] for name in args.workloads.split(",")]
+    results = {w.name: measure(w, root, args.steps) for w in workloads}
+    (root / "results.json").write_text(
+        json.dumps(
+            {k: {r: dataclasses.asdict(v) for r, v in rows.items()} for k, rows in results.items()},
+            indent=1,
+        )  # fmt: skip
+    )
+    lines = [
+        "## The step across processes, like for like (`bench/step_parity.py`)",
+        "",
+        "2 machines on loopback; layout (a): one process per machine holding the whole "
+        f"model; layout (b): a machine's {WORKERS} workers as devices of one process "
+        f"(lpdec) or as {WORKERS} processes (DDP). Every process pinned to its machine's "
+        "core (`taskset -c`) with one thread (XLA's eigen pool off, "
+        "`intra_op_parallelism_threads=1`; `torch.set_num_threads(1)`). Median seconds "
+        f"per step over {args.steps} steps after the first logged interval. "
+        f"`python -m bench.step_parity`; {versions()}, {os.cpu_count()} cores.",
+        "",
+    ]
+    for w in workloads:
+        lines += render(w, results[w.name], args.steps)
+    body = "\n".join(lines).rstrip()
     print(body)
     if not args.no_write:
         replace_section(

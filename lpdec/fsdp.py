@@ -114,9 +114,11 @@ class ShardPlan:
             groups.setdefault(jnp.result_type(block), []).append(i)
         for indices in groups.values():
             flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in indices])
-            wire.record(flat, axis_name)
+            if self.workers > 1:  # a machine of one worker sends nothing
+                wire.record(flat, axis_name)
             rows = jax.lax.all_gather(flat, axis_name)  # [k, S]: row w, worker w's blocks
-            wire.record(rows, axis_name)  # the reduce-scatter of the whole leaves' gradient
+            if self.workers > 1:  # the reduce-scatter of the whole leaves' gradient
+                wire.record(rows, axis_name)
             at = 0
             for i in indices:
                 block, dim = leaves[i], dims[i]

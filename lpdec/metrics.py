@@ -129,6 +129,19 @@ class CollectiveTraffic:
         return set(self.count_by_op)
 
 
+def _alone(attributes: str) -> bool:
+    """Whether a collective's replica groups each hold one device (an axis of size 1, e.g.
+    FSDP over a machine of one worker): it sends nothing."""
+    iota = re.search(r"replica_groups=\[(\d+),(\d+)\]", attributes)
+    if iota:
+        return int(iota.group(2)) == 1
+    listed = re.search(r"replica_groups=\{((?:\{[^{}]*\},?)+)\}", attributes)
+    if listed:
+        groups = re.findall(r"\{([^{}]*)\}", listed.group(1))
+        return all("," not in group for group in groups)
+    return False
+
+
 def collective_traffic(hlo_text: str) -> CollectiveTraffic:
     """Parses compiled HLO text (`jax.jit(f).lower(...).compile().as_text()`).
 
@@ -137,7 +150,9 @@ def collective_traffic(hlo_text: str) -> CollectiveTraffic:
     looking operand shapes up by name where the text does not spell them out.
     In an SPMD program these are the bytes one device sends (or contributes)
     per run; a collective-permute in which a device is no source sends nothing
-    from it, so this is an upper bound for devices outside the permutation.
+    from it, so this is an upper bound for devices outside the permutation. A
+    collective whose replica groups each hold one device sends nothing and is not
+    counted.
     """
     shapes: dict[str, str] = {}
     instructions = []
@@ -154,7 +169,7 @@ def collective_traffic(hlo_text: str) -> CollectiveTraffic:
     by_dtype: dict[tuple[str, str], int] = collections.Counter()
     for result_shape, opcode, rest in instructions:
         base = opcode.removesuffix("-start")
-        if base not in COLLECTIVES or opcode.endswith("-done"):
+        if base not in COLLECTIVES or opcode.endswith("-done") or _alone(rest):
             continue
         # Operands run to the closing parenthesis before the attributes.
         operands = rest.split("), ")[0].rstrip(")")

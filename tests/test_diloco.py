@@ -395,4 +395,3 @@ def test_the_outer_momentum_decays_linearly_over_the_last_rounds():
         m = mu * min(t / warm, 1.0) if t <= rounds - decay else mu * (rounds - t) / decay
         trace = m * trace + g
         np.testing.assert_allclose(np.asarray(out), -lr * (g + m * trace), rtol=1e-5, atol=1e-6)
-

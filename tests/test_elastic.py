@@ -360,9 +360,8 @@ def test_train_py_machine_killed_and_restarted_rejoins_with_the_others_parameter
     # it, or the round's call fails first and the process reconnects itself (CI on
     # Python 3.13 saw the second). Either way it went through a rejoin, not a resume.
     out1 = runs[1].out_path.read_text()
-    assert (
-        "restarting it to rejoin the run (1 of 5)" in out1
-        or re.search(r"machine 1 lost the service at round \d+ .*reconnecting to rejoin", out1)
+    assert "restarting it to rejoin the run (1 of 5)" in out1 or re.search(
+        r"machine 1 lost the service at round \d+ .*reconnecting to rejoin", out1
     ), out1[-3000:]
     assert len({s["final_anchor_digest"] for s in summaries.values()}) == 1
     assert all(s["anchors_agree"] for s in summaries.values())

@@ -32,6 +32,20 @@ def test_collective_traffic_parses_operand_bytes():
     assert traffic.total_bytes == 1000 + 28 + 64 + 16
 
 
+def test_collectives_within_groups_of_one_device_send_nothing():
+    """An axis of size 1 (FSDP on a machine of one worker) leaves collectives in the
+    program whose every group is one device: nothing crosses, nothing is counted."""
+    alone = """
+  %a = f32[8]{0} all-gather(f32[8]{0} %x), replica_groups={{0},{1}}, dimensions={0}
+  %b = f32[8]{0} all-reduce(f32[8]{0} %x), replica_groups=[2,1]<=[2], to_apply=%sum
+  %c = f32[4]{0} all-reduce(f32[4]{0} %x), replica_groups={{0,1}}, to_apply=%sum
+  %d = f32[2]{0} all-reduce(f32[2]{0} %x), replica_groups=[1,2]<=[2], to_apply=%sum
+"""
+    traffic = metrics.collective_traffic(alone)
+    assert traffic.count_by_op == {"all-reduce": 2}
+    assert traffic.bytes_by_op == {"all-reduce": 16 + 8}
+
+
 def test_compiled_ppermute_bytes_match_the_payload():
     n = 8
     mesh = jax.make_mesh((n,), ("nodes",))

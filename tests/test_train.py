@@ -286,7 +286,8 @@ BAD_CONFIGS = [
     (DILOCO | {"outer_decay_rounds": -1}, "config.outer_decay_rounds=-1 must be an integer"),
     (DILOCO | {"outer_decay_rounds": 2, "num_steps": 0}, "it needs the run's length in steps"),
     (
-        DILOCO | {"outer_decay_rounds": 8, "outer_warmup_rounds": 3, "num_steps": 50, "local_steps": 5},
+        DILOCO
+        | {"outer_decay_rounds": 8, "outer_warmup_rounds": 3, "num_steps": 50, "local_steps": 5},
         r"config.outer_warmup_rounds=3 \+ config.outer_decay_rounds=8 exceed the run's 10 rounds",
     ),
     ({"outer_decay_rounds": 3}, "config.outer_decay_rounds=3 needs config.algorithm='diloco'"),

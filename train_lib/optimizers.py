@@ -59,6 +59,7 @@ def make_schedule(config: ml_collections.ConfigDict, total_steps: int) -> optax.
 # The node's own optimizer: `build(view, schedule)`; `make_local_optimizer` adds weight decay.
 # ----------------------------------------------------------------------------
 
+
 def _is_hidden_matrix(path, leaf) -> bool:
     """Muon's leaves: 2-D kernels of dense layers, not the embeddings nor the output head."""
     names = [str(getattr(key, "key", getattr(key, "name", key))) for key in path]
@@ -130,9 +131,7 @@ def muon(c, lr: optax.Schedule) -> optax.GradientTransformation:
 
     return optax.multi_transform(
         {
-            "muon": optax.chain(
-                scale_by_muon(beta=c.muon_beta), optax.scale_by_learning_rate(lr)
-            ),
+            "muon": optax.chain(scale_by_muon(beta=c.muon_beta), optax.scale_by_learning_rate(lr)),
             "adam": optax.adam(lambda step: lr(step) * ratio),
         },
         labels,

@@ -18,8 +18,8 @@ from bench.experiments import moniqua
 from bench.experiments import mx
 from bench.experiments import precision
 from bench.experiments import qgm
-from bench.experiments import scale
 from bench.experiments import render
+from bench.experiments import scale
 from bench.experiments import table2
 from bench.experiments import theorem1
 from bench.experiments import tradeoff
