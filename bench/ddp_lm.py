@@ -22,7 +22,8 @@ SGD, the fp32 all-reduce's algorithm, so its loss per step is the all-reduce's).
 
 Writes `--out`: seconds per step (median after `--warmup` steps), the
 parameter count, and with `--log-every` the mean training loss over the ranks
-and each interval (`--schedule`: train.py's warm-up and cosine). Needs torch (never a dependency of lpdec).
+and each interval (`--schedule`: train.py's warm-up and cosine). Needs torch
+(never a dependency of lpdec).
 """
 
 from __future__ import annotations
