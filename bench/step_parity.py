@@ -129,14 +129,20 @@ def _lpdec(
     nodes = processes * workers
     machines = workers > 1
     sharded = machines and w is LM
+    # A machine alone (one process of `workers` devices): its half of the step, as
+    # config.machines=1, whose all-reduce between the machines has no one to reach
+    # (train.py takes machines only with an exchange).
+    alone = processes == 1 and machines
+    algorithm = "allreduce" if alone else algorithm
+    batch = w.rows_per(MACHINES * workers if alone else nodes)
     commands = []
     for p in range(processes):
         command = [
             *_pin(p), sys.executable, str(ROOT / "train.py"),
             f"--config={ROOT / 'configs' / w.config}", f"--workdir={workdir}",
             f"--config.num_nodes={nodes}", f"--config.hierarchical={machines}",
-            "--config.machines=0", f"--config.shard_model={sharded}",
-            f"--config.algorithm={algorithm}", f"--config.batch_size={w.rows_per(nodes)}",
+            f"--config.machines={int(alone)}", f"--config.shard_model={sharded}",
+            f"--config.algorithm={algorithm}", f"--config.batch_size={batch}",
             f"--config.num_steps={steps}", f"--config.log_every={steps // 10}",
             "--config.checkpoint_every=0", *w.overrides,
         ]  # fmt: skip
@@ -245,6 +251,7 @@ def measure(w: Workload, root: pathlib.Path, steps: int) -> dict[str, Row]:
         "none_2": lpdec_row(w, root, 2, "none", steps),
         "allreduce_2": lpdec_row(w, root, 2, "allreduce", steps),
         "ddp": ddp_row(w, root, steps),
+        "none_2x4": lpdec_row(w, root, 1, "none", steps, WORKERS),  # a machine alone
         "allreduce_2x4": lpdec_row(w, root, 2, "allreduce", steps, WORKERS),
         "ddp_8": ddp_row(w, root, steps, per_machine=WORKERS),
     }
@@ -265,7 +272,9 @@ def render(w: Workload, rows: dict[str, Row], steps: int) -> list[str]:
             f"{rate:,.0f} | {_curve(r)} |"
         )
 
-    a, none = rows["allreduce_2"].seconds, rows["none_2"].seconds
+    sec = {k: r.seconds for k, r in rows.items()}
+    a, none = sec["allreduce_2"], sec["none_2"]
+    b, b_none = sec["allreduce_2x4"], sec["none_2x4"]
     marks = ", ".join(str(s) for s, _ in rows["ddp"].losses[1::2])
     return [
         f"### {w.title}; {per_step:,} {w.unit} a step in all",
@@ -285,6 +294,12 @@ def render(w: Workload, rows: dict[str, Row], steps: int) -> list[str]:
         ),  # fmt: skip
         line("layout (a): PyTorch DDP, 2 processes (gloo, buckets)", "ddp", "ddp"),
         line(
+            f"layout (b): lpdec, one machine alone: a process of {WORKERS} devices, its "
+            f"half of the step, no exchange" + (" (FSDP's gathers inside)" if w is LM else ""),
+            "none_2x4",
+            "ddp_8",
+        ),
+        line(
             f"layout (b): lpdec, 2 processes of {WORKERS} devices"
             + (", the model split over them (FSDP)" if w is LM else ", a mean inside each")
             + ", fp32 all-reduce between the machines",
@@ -298,10 +313,16 @@ def render(w: Workload, rows: dict[str, Row], steps: int) -> list[str]:
             "ddp_8",
         ),  # fmt: skip
         "",
-        f"The all-reduce's share of lpdec's 2-process step in layout (a): {a - none:.4f} s "
-        f"({100 * (a - none) / a:.0f}%); the rest is each process's compute, host dispatch "
-        "and per-step Python. A loss is the mean over the interval ending at that step and "
-        "over the processes.",
+        "Where lpdec's 2-process step goes, from the rows' differences: layout (a): "
+        f"compute, dispatch and per-step Python of a half {none:.4f} s "
+        f"({100 * none / a:.0f}%), the all-reduce across the processes with its "
+        f"synchronisation {a - none:.4f} s ({100 * (a - none) / a:.0f}%); layout (b): the "
+        f"half's compute on {WORKERS} devices of one core with the collectives inside the "
+        f"process {b_none:.4f} s ({100 * b_none / b:.0f}%; {b_none - none:+.4f} s against "
+        f"(a)'s one device), the all-reduce across the processes {b - b_none:.4f} s "
+        f"({100 * (b - b_none) / b:.0f}%). One process doing the whole step: "
+        f"{sec['one']:.4f} s, {sec['one'] / none:.2f}x a half's. A loss is the mean over the "
+        "interval ending at that step and over the processes.",
         "",
     ]
 
