@@ -86,3 +86,32 @@ def test_lm_study_config_is_the_published_studys_best_setting():
     # The study's recipe is the config's.
     for field in ("text_bytes", "validation_windows", "num_steps", "log_every", "warmup_steps"):
         assert config[field] == published[field], field
+
+
+def test_lm_scale_config_is_the_published_4_machine_winner():
+    """configs/lm_scale.py carries the 'scale' study's best 4-machine DiLoCo (Adam inner,
+    no momentum decay) over 3 seeds in docs/experiments.json: its H and outer step."""
+    from configs import lm_scale
+
+    runs = json.loads((ROOT / "docs" / "experiments.json").read_text())["runs"]
+    groups: dict[str, dict[int, dict]] = collections.defaultdict(dict)
+    for run in runs:
+        c = run["config"]
+        if (
+            run["study"] == "scale"
+            and c.get("algorithm") == "diloco"
+            and c.get("machines") == 4
+            and c.get("optimizer", "adam") == "adam"
+            and not c.get("outer_decay_rounds")
+            and _lm_tiny(run)
+        ):
+            groups[run["method"]][run["seed"]] = run
+    tuned = {m: list(s.values()) for m, s in groups.items() if len(s) >= 3}
+    if not tuned:
+        pytest.skip("the scale study has no 4-machine setting over 3 seeds published yet")
+    best = min(tuned, key=lambda m: np.mean([r["final_val_bits_per_byte"] for r in tuned[m]]))
+    published = tuned[best][0]["config"]
+    config = lm_scale.get_config()
+    for field in ("machines", "local_steps", "outer_lr", "outer_momentum", "outer_warmup_rounds",
+                  "learning_rate", "bits", "error_feedback"):  # fmt: skip
+        assert config[field] == published.get(field, default.get_config()[field]), (field, best)

@@ -1,0 +1,37 @@
+"""The language-model study's DiLoCo on 4 machines, tuned there (EXPERIMENTS.md, "Beyond two machines").
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python train.py \\
+        --config=configs/lm_scale.py --workdir=/tmp/lm_scale
+    # 8 machines x 1 (the same 8 workers and tokens per step):
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 python train.py \\
+        --config=configs/lm_scale.py --workdir=/tmp/lm_scale8 \\
+        --config.machines=8 --config.shard_model=False
+
+configs/lm_study.py's model, data, budget and inner optimizer (lm_tiny's 120,576-
+parameter transformer, 2,000 steps, Adam 8e-3 with warm-up and cosine, 8 workers
+of 512 tokens a step), as 4 machines x 2 workers (FSDP inside a machine) joined by
+DiLoCo with the 4-bit min-max exchange with error feedback, its outer step swept
+again on 4 machines (`python -m bench.experiments scale --keep-published`: the
+outer learning rate x the outer momentum at H=10 and H=5). The fields below are
+the sweep's winner; tests/test_configs.py checks them against docs/experiments.json.
+
+Expected: about 4 minutes on 2 CPU cores.
+"""
+
+from configs import lm_study
+
+#: The 4-machine winner's outer step and H (EXPERIMENTS.md, "Beyond two machines").
+LOCAL_STEPS = 10
+OUTER_LR = 0.7
+OUTER_MOMENTUM = 0.8
+
+
+def get_config():
+    config = lm_study.get_config()
+    config.machines = 4
+    config.local_steps = LOCAL_STEPS
+    config.outer_lr = OUTER_LR
+    config.outer_momentum = OUTER_MOMENTUM
+    # The momentum warm-up over the study's first 200 steps, whatever H.
+    config.outer_warmup_rounds = 200 // LOCAL_STEPS
+    return config
