@@ -71,7 +71,7 @@ def check_quick_runs(data):
         for field in ("method", "seed", "config", "steps", "schedule"):
             assert field in r, field
         assert r["steps"] == 20 and r["config"]["num_steps"] == 20
-        if r["study"] == "lm":  # a language model: bits per byte, not accuracy
+        if r["study"] in ("lm", "scale"):  # language models: bits per byte, not accuracy
             assert 0.0 < r["final_val_bits_per_byte"] < 16.0 and r["tokens_per_step"] > 0
         else:
             assert 0.0 <= r["final_test_accuracy"] <= 1.0
@@ -128,6 +128,11 @@ def test_dry_run_writes_every_study_plot_and_run_and_renders_from_the_json(tmp_p
     assert {r["config"]["algorithm"] for r in lm_runs} == {"allreduce", "diloco"}
     assert any(r["config"].get("machines") == 1 for r in lm_runs)  # DiLoCo with one replica
     assert "### Tuned, 3 seeds" in found["lm"] and "| claim | measured | verdict |" in found["lm"]
+    # Beyond two machines: 4 and 8 machines, Muon inside them, the momentum's decay.
+    scale_runs = [r for r in runs if r["study"] == "scale"]
+    assert {r["config"].get("machines") for r in scale_runs} >= {4, 8}
+    assert any(r["config"].get("optimizer") == "muon" for r in scale_runs)
+    assert "| machines | recipe | setting |" in found["scale"]
     # The precision ablation crosses the arithmetic with the norm layer.
     crossed = {
         (r["config"].get("precision", "fp32"), r["config"].get("norm", ""))

@@ -24,9 +24,9 @@ studies run the full-size paper settings through the CIFAR-10 configs
 recipes are `configs/mnist1d_seed002.py` (seed 002's: Nesterov, step decay x0.1
 at 50% and 75%) and `configs/mnist1d_seed003.py` (seed 003's); any run can be
 repeated with `train.py` and the fields docs/experiments.json lists for it. The
-last study, "lm", measures the DiLoCo family as its own papers do, on a byte-level
-transformer language model trained on this Python's standard library sources,
-each method at its own tuned setting.
+studies "lm" and "scale" measure the DiLoCo family as its own papers do, on a
+byte-level transformer language model trained on this Python's standard library
+sources, each method at its own tuned setting: on 2 machines, then on 4 and 8.
 
 Every run's config, seed, schedule, final accuracy, bytes and time are in
 `docs/experiments.json`; `python -m bench.experiments all --render` rebuilds

@@ -99,9 +99,10 @@ def plan(runner: Runner) -> dict:
     study = dict(study=STUDY)
     # The baselines and the 2-machine recipe: the lm study's runs (3 seeds each).
     ar = {"learning_rate": lm_study.ALLREDUCE_LEARNING_RATE}
-    # Listed under the lm study's own label: its records predate the vocab_size field of
-    # model_kwargs, so only the label finds them again.
+    # Found under the lm study's own label (its records predate the vocab_size field of
+    # model_kwargs, so only the label finds them again), and listed under this study too.
     out["allreduce"] = seeds(runner, label("all-reduce fp32", ar), ALLREDUCE | ar, study="lm")
+    runner.entries += [dict(r, study=STUDY) for r in out["allreduce"] or []]
     two = at(2, 10)
     out["2 machines"] = seeds(runner, name(2, 10), two, **study)
     out["4 machines recipe"] = seeds(runner, name(4, 10), at(4, 10), **study)
