@@ -1,4 +1,4 @@
-"""The language-model study's DiLoCo on 4 machines, tuned there (EXPERIMENTS.md, "Beyond two machines").
+"""The language-model study's DiLoCo on 4 machines, tuned there (EXPERIMENTS.md: scale).
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 python train.py \\
         --config=configs/lm_scale.py --workdir=/tmp/lm_scale
