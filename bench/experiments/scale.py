@@ -10,17 +10,18 @@ Nesterov 0.7 / 0.6 warmed up over the first 200 steps). What changes is the numb
 of machines at the same tokens per step: 4 machines x 2 workers and 8 x 1.
 
 1. 4 machines, tuned as the field tunes: the outer learning rate x the outer momentum
-   jointly (3 x 3 at seed 0, a winning edge extended), at H=10 and at H=5 (the
-   momentum warm-up over the same 200 steps); the better winner over 3 seeds.
+   jointly (3 x 3 at seed 0, a winning edge extended), at H=10, its winner over 3
+   seeds; then (after 2 and 3, which build on H=10's winner) the same at H=5 (the
+   momentum warm-up over the same 200 steps).
 2. Muon as the inner optimizer (MuLoCo, arXiv 2505.23725): the all-reduce with Muon,
    its learning rate swept, beside the all-reduce with Adam; DiLoCo with Muon on 4
-   machines at the tuned outer step, its learning rate swept; the winner over 3 seeds
-   counts against the better of the two baselines.
+   machines at H=10's tuned outer step, its learning rate swept; the winner over 3
+   seeds counts against the better of the two baselines.
 3. A lever of the literature with its ablation: the outer momentum decayed to 0 over
-   the last rounds (Pier, arXiv 2511.17849, warms the outer momentum up and decays it;
-   the recipe already warms it up).
-4. 8 machines x 1: the 2-machine recipe, the outer learning rate swept again at the
-   4-machine winner's momentum, the winner over 3 seeds.
+   the last tenth or quarter of the rounds at H=10's winner (Pier, arXiv 2511.17849,
+   warms the outer momentum up and decays it; the recipe already warms it up).
+4. 8 machines x 1: the 2-machine recipe over 3 seeds; the outer learning rate swept
+   again at the 4-machine winner's momentum and H, the winner over 3 seeds.
 
 Long: each run of lm_tiny takes about 3.5 min alone on 2 cores; runs already in
 docs/experiments.json (the lm study's 4-machine outer sweep and its baselines) count
@@ -106,15 +107,72 @@ def plan(runner: Runner) -> dict:
     two = at(2, 10)
     out["2 machines"] = seeds(runner, name(2, 10), two, **study)
     out["4 machines recipe"] = seeds(runner, name(4, 10), at(4, 10), **study)
-    # 1. 4 machines: outer learning rate x outer momentum at H=10 and H=5.
+    # 1. 4 machines: outer learning rate x outer momentum at H=10, its winner over 3
+    # seeds, and (after the levers, which build on H=10's winner) the same at H=5.
     outer_grids = {"outer_lr": grid(OUTER_LR_GRID), "outer_momentum": grid(OUTER_MOMENTUM_GRID)}
     winners = {}
-    for h in H_VALUES:
+
+    def sweep(h: int) -> None:
         best, out[f"4 machines H={h} sweep"] = tune(
             runner, name(4, h), without(at(4, h), outer_grids), outer_grids, EXTEND, **study
         )
         if best is not None:
             winners[h] = best
+            out[f"4 machines H={h} best"] = seeds(
+                runner, label(name(4, h), shown(at(4, h, **best))), at(4, h, **best), **study
+            )
+
+    sweep(10)
+    ten = at(4, 10, **winners[10]) if 10 in winners else None
+    # 2. Muon inner: the all-reduce with Muon (each worker the whole model: Muon
+    # orthogonalizes whole matrices), and DiLoCo with Muon on 4 machines at H=10's
+    # tuned outer step.
+    muon = {"optimizer": "muon", "shard_model": False}
+    rates = {"learning_rate": grid(MUON_LR_GRID)}
+    muon_ar, out["muon allreduce sweep"] = tune(
+        runner, "all-reduce fp32 Muon", ALLREDUCE | muon, rates, {"learning_rate": 2.0}, **study
+    )
+    if muon_ar is not None:
+        out["muon allreduce"] = seeds(
+            runner, label("all-reduce fp32 Muon", muon_ar), ALLREDUCE | muon | muon_ar, **study
+        )
+    if ten is not None:
+        muon_dl, out["muon diloco sweep"] = tune(
+            runner, name(4, 10, ", Muon inner"), without(ten | muon, rates), rates,
+            {"learning_rate": 2.0}, **study,
+        )  # fmt: skip
+        if muon_dl is not None:
+            setting = ten | muon | muon_dl
+            out["muon diloco"] = seeds(
+                runner, label(name(4, 10, ", Muon inner"), shown(setting)), setting, **study
+            )
+    # 3. The lever: the outer momentum decayed to 0 over the last rounds (a tenth and a
+    # quarter of them) at H=10's winner; the better, if it helps, over 3 seeds.
+    if ten is not None:
+        rounds = lm_config(quick).num_steps // 10
+        decays = {}
+
+        def decayed(decay: int) -> dict:
+            # (A quick run's 2 rounds: the warm-up shortened to leave the decay room.)
+            warm = min(ten["outer_warmup_rounds"], rounds - decay)
+            return ten | {"outer_decay_rounds": decay, "outer_warmup_rounds": warm}
+
+        def decay_name(decay: int) -> str:
+            return label(name(4, 10, ", momentum decay"), shown(ten)) + (
+                f", outer_decay_rounds={decay}"
+            )
+
+        for part in DECAY_PARTS[:1] if quick else DECAY_PARTS:
+            decay = max(1, int(rounds * part))
+            decays[decay] = seeds(runner, decay_name(decay), decayed(decay), count=1, **study)
+        out["decay ablation"] = decays
+        done = {d: r for d, r in decays.items() if r}
+        base0 = (out.get("4 machines H=10 best") or [None])[0]
+        if done and base0 is not None:
+            decay = min(done, key=lambda d: scale_tables.score(done[d][0]))
+            if scale_tables.score(done[decay][0]) < scale_tables.score(base0):
+                out["decay best"] = seeds(runner, decay_name(decay), decayed(decay), **study)
+    sweep(5)
     out["4 machines best"] = None
     if len(winners) == len(H_VALUES):
         sweeps = {h: out[f"4 machines H={h} sweep"] for h in H_VALUES}
@@ -124,62 +182,8 @@ def plan(runner: Runner) -> dict:
             return scale_tables.score(sweeps[h][values])
 
         h = min(H_VALUES, key=seed0)
-        best = at(4, h, **winners[h])
-        out["4 machines best"] = seeds(runner, name(4, h), best, **study)
-        out["4 machines best setting"] = best
-    # 2. Muon inner: the all-reduce with Muon (each worker the whole model: Muon
-    # orthogonalizes whole matrices), and DiLoCo with Muon on 4 machines.
-    muon = {"optimizer": "muon", "shard_model": False}
-    rates = {"learning_rate": grid(MUON_LR_GRID)}
-    muon_ar, out["muon allreduce sweep"] = tune(
-        runner, "all-reduce fp32 Muon", ALLREDUCE | muon, rates, {"learning_rate": 2.0}, **study
-    )
-    inner = out.get("4 machines best setting") or at(4, 10)
-    muon_dl, out["muon diloco sweep"] = tune(
-        runner, name(4, inner["local_steps"], ", Muon inner"), without(inner | muon, rates), rates,
-        {"learning_rate": 2.0}, **study,
-    )  # fmt: skip
-    if muon_ar is not None:
-        out["muon allreduce"] = seeds(
-            runner, label("all-reduce fp32 Muon", muon_ar), ALLREDUCE | muon | muon_ar, **study
-        )
-    if muon_dl is not None:
-        setting = inner | muon | muon_dl
-        out["muon diloco"] = seeds(
-            runner, label(name(4, inner["local_steps"], ", Muon inner"), shown(setting)),
-            setting, **study,
-        )  # fmt: skip
-    # 3. The lever: the outer momentum decayed to 0 over the last rounds (a tenth and a
-    # quarter of them) at the 4-machine winner; the better, if it helps, over 3 seeds.
-    if out.get("4 machines best setting") is not None:
-        four = out["4 machines best setting"]
-        rounds = lm_config(quick).num_steps // four["local_steps"]
-        decays = {}
-
-        def decayed(decay: int) -> dict:
-            # (A quick run's 2 rounds: the warm-up shortened to leave the decay room.)
-            warm = min(four["outer_warmup_rounds"], rounds - decay)
-            return four | {"outer_decay_rounds": decay, "outer_warmup_rounds": warm}
-
-        for part in DECAY_PARTS[:1] if quick else DECAY_PARTS:
-            decay = max(1, int(rounds * part))
-            setting = decayed(decay)
-            decays[decay] = seeds(
-                runner, label(name(4, four["local_steps"], ", momentum decay"), shown(setting))
-                + f", outer_decay_rounds={decay}", setting, count=1, **study,
-            )  # fmt: skip
-        out["decay ablation"] = decays
-        done = {d: r for d, r in decays.items() if r}
-        base0 = (out.get("4 machines best") or [None])[0]
-        if done and base0 is not None:
-            decay = min(done, key=lambda d: scale_tables.score(done[d][0]))
-            if scale_tables.score(done[decay][0]) < scale_tables.score(base0):
-                setting = decayed(decay)
-                out["decay best"] = seeds(
-                    runner,
-                    label(name(4, four["local_steps"], ", momentum decay"), shown(setting))
-                    + f", outer_decay_rounds={decay}", setting, **study,
-                )  # fmt: skip
+        out["4 machines best"] = out[f"4 machines H={h} best"]
+        out["4 machines best setting"] = at(4, h, **winners[h])
     # 4. 8 machines x 1: the recipe, then the outer learning rate swept at the 4-machine
     # winner's momentum and H.
     out["8 machines recipe"] = seeds(runner, name(8, 10), at(8, 10), **study)

@@ -82,8 +82,14 @@ def section(out: dict, config, docs: str) -> str:
     rows = [
         (2, "2-machine recipe (configs/lm_study.py)", out.get("2 machines")),
         (4, "2-machine recipe", out.get("4 machines recipe")),
-        (4, "tuned: outer lr x momentum, H", out.get("4 machines best")),
-        (4, "tuned, Muon inner", out.get("muon diloco")),
+        (4, "tuned at H=10: outer lr x momentum", out.get("4 machines H=10 best")),
+        (4, "tuned at H=5: outer lr x momentum", out.get("4 machines H=5 best")),
+        (
+            4,
+            "H=10 tuned, the outer momentum decayed over the last rounds",
+            out.get("decay best"),
+        ),  # fmt: skip
+        (4, "H=10 tuned, Muon inner (its learning rate swept)", out.get("muon diloco")),
         (8, "2-machine recipe", out.get("8 machines recipe")),
         (8, "tuned: outer lr at the 4-machine momentum", out.get("8 machines best")),
     ]
@@ -110,6 +116,22 @@ def section(out: dict, config, docs: str) -> str:
     lines += _sweep("4 machines, DiLoCo with Muon inner: learning rate",
                     out.get("muon diloco sweep"), ("learning_rate",))  # fmt: skip
     lines += _sweep("8 machines: outer learning rate", out.get("8 machines sweep"), ("outer_lr",))
+    decays = out.get("decay ablation")
+    if decays:
+        base = (out.get("4 machines H=10 best") or [None])[0]
+        lines += [
+            "The lever at H=10's winner (seed 0): the outer momentum falling linearly to 0 "
+            "over the run's last rounds (`outer_decay_rounds`; Pier, arXiv 2511.17849, warms "
+            "it up and decays it):",
+            "",
+            "| rounds of decay | bits per byte |",
+            "|---|---|",
+            f"| 0 (H=10's winner) | {'not run yet' if base is None else f'{score(base):.4f}'} |",
+        ]
+        for decay, records in sorted(decays.items()):
+            value = "not run yet" if not records else f"{score(records[0]):.4f}"
+            lines.append(f"| {decay} | {value} |")
+        lines.append("")
     for machines in (4, 8):
         gaps = [gap(out.get(k), target) for k in out if k.startswith(f"{machines} machines")
                 and isinstance(out.get(k), list)]  # fmt: skip
