@@ -102,8 +102,12 @@ def plan(runner: Runner) -> dict:
     ar = {"learning_rate": lm_study.ALLREDUCE_LEARNING_RATE}
     # Found under the lm study's own label (its records predate the vocab_size field of
     # model_kwargs, so only the label finds them again), and listed under this study too.
-    out["allreduce"] = seeds(runner, label("all-reduce fp32", ar), ALLREDUCE | ar, study="lm")
-    runner.entries += [dict(r, study=STUDY) for r in out["allreduce"] or []]
+    named = label("all-reduce fp32", ar)
+    out["allreduce"] = seeds(runner, named, ALLREDUCE | ar, study="lm")
+    if out["allreduce"]:
+        runner.entries += [dict(r, study=STUDY) for r in out["allreduce"]]
+    else:  # (a json whose copy under this study's name shadows the lm study's record)
+        out["allreduce"] = seeds(runner, named, ALLREDUCE | ar, **study)
     two = at(2, 10)
     out["2 machines"] = seeds(runner, name(2, 10), two, **study)
     out["4 machines recipe"] = seeds(runner, name(4, 10), at(4, 10), **study)
