@@ -370,7 +370,8 @@ def test_the_outer_momentum_warms_up_linearly_over_the_configured_rounds():
         np.testing.assert_allclose(np.asarray(out), -lr * (g + m * trace), rtol=1e-5, atol=1e-6)
 
 
-def test_the_outer_momentum_decays_linearly_over_the_last_rounds():
+@pytest.mark.parametrize("warm", [2, 0])
+def test_the_outer_momentum_decays_linearly_over_the_last_rounds(warm):
     """config.outer_decay_rounds D: with R = (num_steps - sync_steps) // local_steps rounds,
     round t steps with mu * min(t / K, 1) while t <= R - D, then mu * (R - t) / D down to
     0 at the last round's end, against the recursion written out by hand."""
@@ -378,7 +379,7 @@ def test_the_outer_momentum_decays_linearly_over_the_last_rounds():
 
     from train_lib import optimizers
 
-    lr, mu, warm, decay = 0.7, 0.6, 2, 3
+    lr, mu, decay = 0.7, 0.6, 3
     view = types.SimpleNamespace(
         outer_lr=lr, outer_momentum=mu, outer_warmup_rounds=warm, outer_decay_rounds=decay,
         num_steps=100, sync_steps=20, local_steps=10,
@@ -392,6 +393,7 @@ def test_the_outer_momentum_decays_linearly_over_the_last_rounds():
     for t in range(rounds):
         g = rng.normal(size=3)
         out, state = tx.update(jnp.asarray(g, jnp.float32), state, params)
-        m = mu * min(t / warm, 1.0) if t <= rounds - decay else mu * (rounds - t) / decay
+        rising = mu * min(t / warm, 1.0) if warm else mu
+        m = rising if t <= rounds - decay else mu * (rounds - t) / decay
         trace = m * trace + g
         np.testing.assert_allclose(np.asarray(out), -lr * (g + m * trace), rtol=1e-5, atol=1e-6)

@@ -190,7 +190,10 @@ def outer(c) -> optax.GradientTransformation:
     decay = getattr(c, "outer_decay_rounds", 0)
     if not (c.outer_warmup_rounds or decay) or not c.outer_momentum:
         return optax.sgd(c.outer_lr, momentum=c.outer_momentum or None, nesterov=True)
-    momentum = optax.linear_schedule(0.0, c.outer_momentum, c.outer_warmup_rounds)
+    if c.outer_warmup_rounds:
+        momentum = optax.linear_schedule(0.0, c.outer_momentum, c.outer_warmup_rounds)
+    else:  # (optax's linear schedule over 0 steps stays at its start, 0)
+        momentum = optax.constant_schedule(c.outer_momentum)
     if decay:
         rounds = (c.num_steps - c.sync_steps) // c.local_steps
         momentum = optax.join_schedules(
