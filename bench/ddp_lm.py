@@ -85,6 +85,27 @@ class Transformer(nn.Module):
         return self.norm(x) @ self.tokens.weight.T  # tied output embedding
 
 
+class LossLog:
+    """The mean training loss over the ranks and each interval of `every` steps (0: none).
+
+    `add` all-reduces once an interval, after the step's timer stopped; `points` holds
+    [step, mean loss] (bench/ddp_mlp.py uses it too).
+    """
+
+    def __init__(self, every: int, world: int):
+        self.every, self.world = every, world
+        self.points: list[list[float]] = []
+        self.interval: list[float] = []
+
+    def add(self, step: int, loss: float) -> None:
+        self.interval.append(loss)
+        if self.every and (step + 1) % self.every == 0:
+            mean = torch.tensor(sum(self.interval) / len(self.interval))
+            dist.all_reduce(mean)
+            self.points.append([step + 1, mean.item() / self.world])
+            self.interval = []
+
+
 def _scheduler(optimizer, warm: int, total: int):
     """train.py's learning rate for `optimizer` (its lr the peak): update t = 0, 1, ... at
     optax's linear warm-up joined with cosine_decay_schedule(peak, total - warm)."""
@@ -141,7 +162,7 @@ def main(argv=None) -> int:
     generator = torch.Generator().manual_seed(args.rank)
     batch = args.threads * args.batch_per_thread
     data = None if args.data is None else torch.from_numpy(np.load(args.data).astype(np.int64))
-    times, losses, interval = [], [], []
+    times, losses = [], LossLog(args.log_every, args.world)
     for step in range(args.warmup + args.steps):
         if data is None:
             window = torch.randint(0, 256, (batch, args.context + 1), generator=generator)
@@ -156,12 +177,7 @@ def main(argv=None) -> int:
         if scheduler is not None:
             scheduler.step()
         times.append(time.perf_counter() - started)
-        interval.append(loss.item())
-        if args.log_every and (step + 1) % args.log_every == 0:
-            mean = torch.tensor(sum(interval) / len(interval))
-            dist.all_reduce(mean)  # outside the timed step
-            losses.append([step + 1, mean.item() / args.world])
-            interval = []
+        losses.add(step, loss.item())
     dist.destroy_process_group()
     parameters = sum(p.numel() for p in model.module.parameters())
     with open(args.out, "w") as f:
@@ -171,7 +187,7 @@ def main(argv=None) -> int:
                 "parameters": parameters,
                 "torch": torch.__version__,
                 "batch": batch,
-                "losses": losses,
+                "losses": losses.points,
             },
             f,
         )

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F  # noqa: N812
+from ddp_lm import LossLog  # bench/, the script's directory, is on the path
 from torch import nn
 
 
@@ -76,7 +77,7 @@ def main(argv=None) -> int:
         weight_decay=args.weight_decay,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(args.rank)
-    times, losses, interval = [], [], []
+    times, losses = [], LossLog(args.log_every, args.world)
     for step in range(args.steps):
         rows = torch.randint(0, x.shape[0], (args.batch,), generator=generator)
         started = time.perf_counter()
@@ -85,12 +86,7 @@ def main(argv=None) -> int:
         loss.backward()
         optimizer.step()
         times.append(time.perf_counter() - started)
-        interval.append(loss.item())
-        if args.log_every and (step + 1) % args.log_every == 0:
-            mean = torch.tensor(sum(interval) / len(interval))
-            dist.all_reduce(mean)  # outside the timed step
-            losses.append([step + 1, mean.item() / args.world])
-            interval = []
+        losses.add(step, loss.item())
     dist.destroy_process_group()
     with open(args.out, "w") as f:
         json.dump(
@@ -99,7 +95,7 @@ def main(argv=None) -> int:
                 "parameters": sum(p.numel() for p in model.module.parameters()),
                 "torch": torch.__version__,
                 "batch": args.batch,
-                "losses": losses,
+                "losses": losses.points,
             },
             f,
         )
