@@ -20,8 +20,9 @@ of machines at the same tokens per step: 4 machines x 2 workers and 8 x 1.
 3. A lever of the literature with its ablation: the outer momentum decayed to 0 over
    the last tenth or quarter of the rounds at H=10's winner (Pier, arXiv 2511.17849,
    warms the outer momentum up and decays it; the recipe already warms it up).
-4. 8 machines x 1: the 2-machine recipe over 3 seeds; the outer learning rate swept
-   again at the 4-machine winner's momentum and H, the winner over 3 seeds.
+4. 8 machines x 1: the 2-machine recipe and the best 4-machine recipe (Muon inner)
+   over 3 seeds each; then that recipe's outer learning rate swept again, a new winner
+   over 3 seeds.
 
 Long: each run of lm_tiny takes about 3.5 min alone on 2 cores; runs already in
 docs/experiments.json (the lm study's 4-machine outer sweep and its baselines) count
@@ -147,6 +148,7 @@ def plan(runner: Runner) -> dict:
         )  # fmt: skip
         if muon_dl is not None:
             setting = ten | muon | muon_dl
+            out["muon diloco setting"] = setting
             out["muon diloco"] = seeds(
                 runner, label(name(4, 10, ", Muon inner"), shown(setting)), setting, **study
             )
@@ -176,6 +178,15 @@ def plan(runner: Runner) -> dict:
             decay = min(done, key=lambda d: scale_tables.score(done[d][0]))
             if scale_tables.score(done[decay][0]) < scale_tables.score(base0):
                 out["decay best"] = seeds(runner, decay_name(decay), decayed(decay), **study)
+    # 4a. 8 machines x 1 at the best 4-machine recipe so far (DiLoCo with Muon inner at
+    # H=10's tuned outer step), 3 seeds; its outer learning rate is swept last.
+    muon_setting = out.get("muon diloco setting")
+    eight_best = None
+    if muon_setting is not None:
+        eight_best = muon_setting | {"machines": 8}
+        out["8 machines best"] = seeds(
+            runner, label(name(8, 10, ", Muon inner"), shown(eight_best)), eight_best, **study
+        )
     sweep(5)
     out["4 machines best"] = None
     if len(winners) == len(H_VALUES):
@@ -188,22 +199,19 @@ def plan(runner: Runner) -> dict:
         h = min(H_VALUES, key=seed0)
         out["4 machines best"] = out[f"4 machines H={h} best"]
         out["4 machines best setting"] = at(4, h, **winners[h])
-    # 4. 8 machines x 1: the recipe, then the outer learning rate swept at the 4-machine
-    # winner's momentum and H.
+    # 4. 8 machines x 1: the 2-machine recipe over 3 seeds; and the outer learning rate
+    # swept at 4a's recipe (its momentum, H and Muon), the winner over 3 seeds.
     out["8 machines recipe"] = seeds(runner, name(8, 10), at(8, 10), **study)
-    if out.get("4 machines best setting") is not None:
-        four = out["4 machines best setting"]
-        h = four["local_steps"]
-        fixed = at(8, h, outer_momentum=four["outer_momentum"])
-        eight, out["8 machines sweep"] = tune(
-            runner, name(8, h), without(fixed, {"outer_lr": None}), {"outer_lr": grid(EIGHT_OUTER_LR_GRID)},
-            {"outer_lr": 1.4}, **study,
+    if eight_best is not None:
+        title = name(8, 10, ", Muon inner")
+        fixed = without(eight_best, {"outer_lr": None})
+        best, out["8 machines sweep"] = tune(
+            runner, title, fixed, {"outer_lr": grid(EIGHT_OUTER_LR_GRID)}, {"outer_lr": 1.4},
+            **study,
         )  # fmt: skip
-        if eight is not None:
-            setting = fixed | eight
-            out["8 machines best"] = seeds(
-                runner, label(name(8, h), shown(setting)), setting, **study
-            )
+        if best is not None and best["outer_lr"] != eight_best.get("outer_lr", RECIPE["outer_lr"]):
+            setting = fixed | best
+            out["8 machines tuned"] = seeds(runner, label(title, shown(setting)), setting, **study)
     return out
 
 
