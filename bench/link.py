@@ -48,6 +48,7 @@ import importlib.util
 import json
 import math
 import os
+import pathlib
 import platform
 import statistics
 import sys
@@ -363,11 +364,13 @@ def load_config(path: str):
 
 
 def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
-    """PyTorch DDP's seconds per step at each rate (`bench/ddp_lm.py`), on `baseline`'s curve.
+    """PyTorch DDP's seconds per step at each rate, on `baseline`'s curve.
 
-    DDP runs synchronous data-parallel SGD, the fp32 all-reduce's algorithm, so its
-    metric after a step is taken as the all-reduce's (the unshaped run's); only the
-    time per step is its own. Link bytes: the difference of two unshaped runs.
+    `bench/ddp_lm.py` for the language model, `bench/ddp_mlp.py` for the MLP (with
+    `--set norm=none`: its MLP has no norm layers). DDP runs synchronous data-parallel
+    SGD, the fp32 all-reduce's algorithm, so its metric after a step is taken as the
+    all-reduce's (the unshaped run's); only the time per step is its own. Link bytes:
+    the difference of two unshaped runs.
     """
 
     def run(key, steps):
@@ -377,13 +380,12 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
             network.exec_prefix(host)
             + [
                 args.torch_python,
-                os.path.join(ROOT, "bench", "ddp_lm.py"),
+                os.path.join(ROOT, "bench", script),
                 f"--rank={host}",
                 f"--world={network.hosts}",
                 f"--master={address}",
                 f"--threads={1 if args.pin else args.devices}",
                 f"--steps={steps}",
-                "--warmup=5",
                 *model_flags,
                 f"--out={os.path.join(here, f'rank{host}.json')}",
             ]  # fmt: skip
@@ -394,17 +396,38 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
             return json.load(f), tx
 
     config = load_config(args.config)
-    batch = int(args.set.get("batch_size", config.batch_size))  # windows per worker and step
-    shape = config.model_kwargs
-    model_flags = [
-        f"--context={shape.context}",
-        f"--d-model={shape.d_model}",
-        f"--layers={shape.num_layers}",
-        f"--heads={shape.num_heads}",
-        f"--lr={config.learning_rate}",
-        # A machine's windows a step, over its threads (a thread per device; --pin: one).
-        f"--batch-per-thread={batch * (args.devices if args.pin else 1)}",
-    ]
+    batch = int(args.set.get("batch_size", config.batch_size))  # rows per worker and step
+    nodes = int(args.set.get("num_nodes", config.num_nodes))
+    if args.quick:  # as `measure` sets it
+        nodes = int(args.set.get("num_nodes", network.hosts * args.devices))
+    rows = batch * nodes // network.hosts  # a machine's rows a step
+    if args.workload == "lm":
+        script, per_row = "ddp_lm.py", args.ddp_context
+        shape = config.model_kwargs
+        model_flags = [
+            "--warmup=5",
+            f"--context={shape.context}",
+            f"--d-model={shape.d_model}",
+            f"--layers={shape.num_layers}",
+            f"--heads={shape.num_heads}",
+            f"--lr={config.learning_rate}",
+            # A machine's windows a step, over its threads (a thread per device; --pin: one).
+            f"--batch-per-thread={rows // (1 if args.pin else args.devices)}",
+        ]
+    else:
+        # train.py's training set (as bench/step_parity.py writes it for PyTorch).
+        from bench import step_parity  # noqa: PLC0415 (jax only where DDP runs)
+
+        data = step_parity.training_data(step_parity.MLP, pathlib.Path(workdir))
+        script, per_row = "ddp_mlp.py", 1
+        model_flags = [
+            f"--data={data}",
+            "--hidden",
+            *(str(width) for width in config.model_kwargs.hidden_sizes),
+            f"--lr={float(args.set.get('learning_rate', config.learning_rate))}",
+            f"--weight-decay={config.weight_decay}",
+            f"--batch={rows}",
+        ]
     label = "PyTorch DDP (gloo), whole model per machine"
     result = {"method": "ddp", "label": label + (", one thread" if args.pin else "")}
     network.shape(None)
@@ -427,7 +450,7 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
             "final_accuracy": base["values"][-1],
             "curve": points,
             "clock_curve": [],
-            "tokens_per_s_per_machine": measured["batch"] * args.ddp_context / s_per_step,
+            "tokens_per_s_per_machine": measured["batch"] * per_row / s_per_step,
         }
     network.shape(None)
     unshaped = result["rates"][UNSHAPED]["s_per_step"]
@@ -771,7 +794,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--config", help="the config (default: the workload's)")
     parser.add_argument(
         "--torch-python",
-        help="a Python with torch: with --workload lm, PyTorch DDP runs beside (bench/ddp_lm.py)",
+        help="a Python with torch: PyTorch DDP runs beside (bench/ddp_lm.py, or "
+        "bench/ddp_mlp.py with --workload mlp --set norm=none)",
     )
     parser.add_argument("--ddp-steps", type=int, default=30, help="timed DDP steps per rate")
     parser.add_argument(
@@ -855,8 +879,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         parser.error(f"--methods: {unknown} not among {sorted(workload.methods)}")
     args.ddp_context = 64
-    if args.torch_python and args.workload != "lm":
-        parser.error("--torch-python: the DDP baseline runs with --workload lm only")
+    if args.torch_python and args.workload == "mlp" and "norm=none" not in args.set:
+        parser.error(
+            "--torch-python with --workload mlp needs --set norm=none "
+            "(bench/ddp_mlp.py's MLP has no norm layers: like for like)"
+        )
     if args.shaped_steps < 0:
         parser.error(f"--shaped-steps={args.shaped_steps} must be >= 0")
     if not args.rates:

@@ -297,6 +297,7 @@ def test_runs_that_exchange_every_h_steps_are_measured_over_whole_rounds(
         (["--probe-steps=30,10"], "--probe-steps=(30, 10): expected N1,N2 with 0 < N1 < N2"),
         (["--steps=50", "--log-every=20"], "--steps=50 must be a positive multiple"),
         (["--set=bits"], "--set: expected FIELD=VALUE"),
+        (["--torch-python=python"], "--torch-python with --workload mlp needs --set norm=none"),
     ],
 )
 def test_bad_flags_are_one_line_errors_naming_the_flag(flags, message, capsys):
