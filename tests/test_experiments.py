@@ -386,6 +386,33 @@ def test_keep_published_finds_a_run_by_its_listing_when_the_workdir_holds_it_too
     assert trained == [0.1] and kept["code"] == "v1"
 
 
+def test_keep_published_finds_a_run_two_studies_list_under_either(tmp_path, monkeypatch):
+    """A run docs/experiments.json lists under two studies (the scale study lists the lm
+    study's all-reduce) and whose config changed shape since is found by either listing,
+    not trained again."""
+    from bench import experiments
+    from bench.experiments import cache
+
+    trained = fake_training(monkeypatch)
+    monkeypatch.setattr(cache, "code_fingerprint", lambda root=None: "v1")
+    (record,) = experiments.Runner(quick=True, seeds=1, workdir=str(tmp_path / "a")).repeat(
+        "lm", "m", experiments.seed002_config
+    )
+    record["config"]["data_dir"] = {"a key the config has no more": 1}
+    record["key"] = "the key of the config as it was"
+    listed = [dict(record, study=study) for study in ("lm", "scale")]
+    published = tmp_path / "published.json"
+    published.write_text(json.dumps({"runs": listed}))
+    monkeypatch.setattr(cache, "code_fingerprint", lambda root=None: "v2")
+    for study in ("lm", "scale"):
+        (kept,) = experiments.Runner(
+            quick=True, seeds=1, workdir=str(tmp_path / study), published=str(published),
+            keep_published=True,
+        ).repeat(study, "m", experiments.seed002_config)  # fmt: skip
+        assert kept["code"] == "v1", study
+    assert trained == [0.1]
+
+
 def test_a_dry_run_checks_each_config_and_its_records_never_count_as_trained(tmp_path, monkeypatch):
     import train_lib
     from bench import experiments

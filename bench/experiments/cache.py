@@ -138,6 +138,19 @@ def load_published(path: str) -> dict[str, dict]:
         return {e["key"]: e for e in json.load(f)["runs"]}
 
 
+def published_listings(path: str) -> dict[tuple, set[str]]:
+    """(study, method, seed) -> the keys docs/experiments.json lists under it: every
+    listing, where `load_published` keeps one per key (a run two studies share is
+    listed under both)."""
+    with open(path) as f:
+        runs = json.load(f)["runs"]
+    listings: dict[tuple, set[str]] = {}
+    for e in runs:
+        if not e.get("dry_run"):
+            listings.setdefault((e["study"], e["method"], e["seed"]), set()).add(e["key"])
+    return listings
+
+
 def refuse_trained(path: str) -> None:
     """Exits if the experiments.json at `path` holds trained runs (a dry run's target)."""
     if os.path.exists(path):

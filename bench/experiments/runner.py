@@ -135,8 +135,12 @@ class Runner:
         self.cache_path = os.path.join(workdir, "results.json")
         # --keep-published: runs of earlier code that count as cached (below).
         self.kept: dict[str, dict] = {}
+        # Every (study, method, seed) the published file lists, with its keys.
+        self.listings: dict[tuple, set[str]] = {}
         if dry_run:
             return
+        if published and os.path.exists(published):
+            self.listings = cache.published_listings(published)
         os.makedirs(workdir, exist_ok=True)
         if replay is None:
             self.cache = cache.load_results(self.cache_path, self.code)
@@ -248,11 +252,14 @@ class Runner:
     def _listed(self, study: str, method: str, seed: int, runs=None) -> str | None:
         """The key of the one run of `runs` (default: the replayed ones) listed as
         `study` / `method` / `seed`, if one."""
+        runs = (self.replay if runs is None else runs) or {}
         keys = {
             k
-            for k, e in ((self.replay if runs is None else runs) or {}).items()
+            for k, e in runs.items()
             if (e.get("study"), e.get("method"), e.get("seed")) == (study, method, seed)
         }
+        # A run two studies list (one record per key above): found under either.
+        keys |= {k for k in self.listings.get((study, method, seed), ()) if k in runs}
         return keys.pop() if len(keys) == 1 else None
 
     def _reload(self) -> dict[str, dict]:
