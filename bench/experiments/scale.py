@@ -212,6 +212,17 @@ def plan(runner: Runner) -> dict:
         if best is not None and best["outer_lr"] != eight_best.get("outer_lr", RECIPE["outer_lr"]):
             setting = fixed | best
             out["8 machines tuned"] = seeds(runner, label(title, shown(setting)), setting, **study)
+    # 2b. Last: the outer learning rate swept again under Muon (the outer step was tuned
+    # for Adam's pseudo-gradients), at the momentum and H of 2; a new winner over 3 seeds.
+    if muon_setting is not None:
+        title = name(4, 10, ", Muon inner")
+        fixed = without(muon_setting, {"outer_lr": None})
+        best, out["muon outer sweep"] = tune(
+            runner, title, fixed, {"outer_lr": grid(OUTER_LR_GRID)}, {"outer_lr": 1.4}, **study
+        )
+        if best is not None and best["outer_lr"] != muon_setting["outer_lr"]:
+            setting = fixed | best
+            out["muon outer best"] = seeds(runner, label(title, shown(setting)), setting, **study)
     return out
 
 

@@ -62,11 +62,11 @@ def _sweep(title: str, sweep: dict | None, fields: tuple[str, ...]) -> list[str]
     return lines + [""]
 
 
-def _kept(out: dict) -> str | None:
-    """The 8-machine sweep's outcome when its winner is the recipe's own outer rate."""
-    sweep = out.get("8 machines sweep")
-    if sweep and all(sweep.values()) and out.get("8 machines best"):
-        return "the recipe's outer lr won the sweep (above)"
+def _kept(out: dict, machines: int) -> str | None:
+    """A Muon outer-lr sweep's outcome when its winner is the recipe's own outer rate."""
+    sweep = out.get({4: "muon outer sweep", 8: "8 machines sweep"}[machines])
+    if sweep and all(sweep.values()):
+        return "the recipe's outer lr won the sweep (below)"
     return None
 
 
@@ -105,13 +105,14 @@ def section(out: dict, config, docs: str) -> str:
             or ("no gain at seed 0 (the ablation below)" if out.get("decay ablation") else None),
         ),
         (4, "H=10 tuned, Muon inner (its learning rate swept)", out.get("muon diloco")),
+        (4, "Muon inner, the outer lr swept again", out.get("muon outer best") or _kept(out, 4)),
         (8, "2-machine recipe", out.get("8 machines recipe")),
         (
             8,
             "the best 4-machine recipe: Muon inner at H=10's tuned outer step",
             out.get("8 machines best"),
         ),  # fmt: skip
-        (8, "the same, its outer lr swept again", out.get("8 machines tuned") or _kept(out)),
+        (8, "the same, its outer lr swept again", out.get("8 machines tuned") or _kept(out, 8)),
     ]
     for machines, recipe, records in rows:
         goal = f"within +{GOALS[machines]:.1f}%" if machines in GOALS else "-"
@@ -136,6 +137,8 @@ def section(out: dict, config, docs: str) -> str:
                     ("learning_rate",))  # fmt: skip
     lines += _sweep("4 machines, DiLoCo with Muon inner: learning rate",
                     out.get("muon diloco sweep"), ("learning_rate",))  # fmt: skip
+    lines += _sweep("4 machines, Muon inner: outer learning rate",
+                    out.get("muon outer sweep"), ("outer_lr",))  # fmt: skip
     lines += _sweep("8 machines, Muon inner: outer learning rate", out.get("8 machines sweep"),
                     ("outer_lr",))  # fmt: skip
     decays = out.get("decay ablation")
