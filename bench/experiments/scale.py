@@ -23,6 +23,8 @@ of machines at the same tokens per step: 4 machines x 2 workers and 8 x 1.
 4. 8 machines x 1: the 2-machine recipe and the best 4-machine recipe (Muon inner)
    over 3 seeds each; then that recipe's outer learning rate swept again, a new winner
    over 3 seeds.
+5. H=10's winner on configs/lm_small.py (1.29M parameters), seed 0, beside the lm
+   study's runs there (13-17 min a run).
 
 Long: each run of lm_tiny takes about 3.5 min alone on 2 cores; runs already in
 docs/experiments.json (the lm study's 4-machine outer sweep and its baselines) count
@@ -35,12 +37,15 @@ from bench.experiments import scale_tables
 from bench.experiments.lm import ALLREDUCE
 from bench.experiments.lm import DILOCO
 from bench.experiments.lm import EF4
+from bench.experiments.lm import HEADLINE_DILOCO
 from bench.experiments.lm import TUNED
+from bench.experiments.lm import headline_config
 from bench.experiments.lm import label
 from bench.experiments.lm import lm_config
 from bench.experiments.lm import seeds
 from bench.experiments.lm import tune
 from bench.experiments.runner import Runner
+from configs import lm_small
 from configs import lm_study
 
 STUDY = "scale"
@@ -228,6 +233,23 @@ def plan(runner: Runner) -> dict:
         if best is not None and best["outer_lr"] != muon_setting["outer_lr"]:
             setting = fixed | best
             out["muon outer best"] = seeds(runner, label(title, shown(setting)), setting, **study)
+    # 5. The H=10 winner on configs/lm_small.py (1.29M parameters) at its inner rate,
+    # seed 0, beside the lm study's runs there (its all-reduce; 0.7 / 0.6 on 4 machines).
+    if ten is not None and not quick:
+        rate = {"learning_rate": lm_small.get_config().learning_rate}
+        small = dict(base=headline_config, count=1)
+        out["lm_small allreduce"] = seeds(
+            runner, label("lm_small all-reduce fp32", rate), ALLREDUCE | rate, study="lm", **small
+        )
+        recipe = at(4, 10) | rate
+        out["lm_small recipe"] = seeds(
+            runner, label(f"{HEADLINE_DILOCO}, 4 machines x 2", shown(recipe)), recipe,
+            study="lm", **small,
+        )  # fmt: skip
+        tuned = ten | rate
+        out["lm_small tuned"] = seeds(
+            runner, label(f"lm_small {name(4, 10)}", shown(tuned)), tuned, **study, **small
+        )
     return out
 
 

@@ -157,6 +157,27 @@ def section(out: dict, config, docs: str) -> str:
             value = "not run yet" if not records else f"{score(records[0]):.4f}"
             lines.append(f"| {decay} | {value} |")
         lines.append("")
+    small_ar = out.get("lm_small allreduce")
+    if small_ar:
+        base_small = score(small_ar[0])
+        parts = []
+        for key, what in (("lm_small recipe", "the 2-machine recipe (0.7 / 0.6)"),
+                          ("lm_small tuned", "H=10's winner here")):  # fmt: skip
+            records = out.get(key)
+            value = "not run yet"
+            if records:
+                value = (
+                    f"{score(records[0]):.4f} ({100 * (score(records[0]) / base_small - 1):+.2f}%)"
+                )
+            parts.append(f"{what} {value}")
+        lines += [
+            "configs/lm_small.py (1.29M parameters, Adam 2e-3 inside, the lm study's "
+            "headline model), 4 machines x 2 at H=10, seed 0, against its Adam all-reduce's "
+            f"seed 0 ({base_small:.4f}; Muon's all-reduce was not run on it): "
+            + "; ".join(parts)
+            + ".",
+            "",
+        ]
     for machines in (4, 8):
         gaps = [gap(r, target) for m, _, r in rows if m == machines and isinstance(r, list)]
         gaps = [g for g in gaps if g is not None]
