@@ -159,6 +159,8 @@ CASES = {
     "lm_tiny": ("lm_tiny", THIN, diloco_fsdp, "chunk"),
     "lm_small": ("lm_small", THIN, diloco_fsdp, "chunk"),
     "lm_study": ("lm_study", dict(THIN, warmup_steps=1), diloco_fsdp, "chunk"),
+    # Muon inside each machine: every worker holds its machine's whole model.
+    "lm_scale": ("lm_scale", dict(THIN, warmup_steps=1), diloco_machines, "chunk"),
     "lm_gpu-one-device": ("lm_gpu", dict(SMALL_GPU_MODEL, devices=1), diloco_flat, "chunk"),
     # Its own data are the user's token files; on the standard library's bytes with a
     # byte vocabulary, its layout and exchange are the config's (the vocabulary changes
