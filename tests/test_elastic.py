@@ -626,7 +626,11 @@ def test_train_py_samples_budget_makes_up_lost_steps_and_hands_over_the_final_st
     for proc in runs:
         assert proc.wait(timeout=120) == 0, proc.out_path.read_text()[-3000:]
     summaries = [json.loads((tmp_path / f"m{m}" / "summary.json").read_text()) for m in range(3)]
-    assert len({s["final_anchor_digest"] for s in summaries}) == 1
+    assert len({s["final_anchor_digest"] for s in summaries}) == 1, "\n".join(
+        f"machine {m}: {s}\n" + (tmp_path / f"m{m}" / "exchanges.csv").read_text()[-1500:]
+        + "\n" + runs[m].out_path.read_text(errors="replace")[-4000:]
+        for m, s in enumerate(summaries)
+    )
     # The count, replayed from the machines' records of each round's members. A machine
     # can fall behind (e.g. still compiling its first evaluation while the others close
     # rounds at the deadline) and join again, missing rounds in its own record, but every

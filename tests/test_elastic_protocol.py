@@ -300,3 +300,37 @@ def test_a_machine_the_run_left_behind_while_it_waited_joins_instead_of_deciding
     with pytest.raises(elastic.Behind):
         _contribute(m1, 1, deadline=0.05)
     assert service.before_put is None  # the race ran
+
+
+def test_a_machine_the_run_left_behind_as_it_decided_does_not_apply_its_own_decision():
+    """Machine 1 passes the last check before writing its decision of round 1 (its
+    deadline came with only its own header), and before the write lands machine 0
+    decides rounds 1-3 and removes round 1's records, the decision with them. Machine
+    1's create-only write then succeeds: a decision of one member that no other machine
+    applied. Reading it back, machine 1 must see that the run moved on and join."""
+    service, (m0, m1) = _run(2)
+    _contribute(m0, 0)
+
+    def others_move_on(machine, key):
+        if machine == 1 and key == "r1/d":
+            service.before_put = None
+            for round_ in (1, 2, 3):
+                _contribute(m0, round_)
+            assert "r1/d" not in service.keys  # removed with round 1's records
+
+    service.before_put = others_move_on
+    with pytest.raises(elastic.Behind):
+        _contribute(m1, 1, deadline=0.0)
+    assert service.before_put is None  # the race ran
+
+
+def test_a_machine_a_round_behind_applies_the_round_and_leaves_the_newest_round_marked():
+    """Machine 0 decides rounds 0 and 1 alone; machine 1, a round behind, contributes to
+    round 0 late: it is not told to join, applies round 0's decision (without its
+    contribution), and "latest" still names round 1 for the machines that check it."""
+    service, (m0, m1) = _run(2)
+    _contribute(m0, 0)
+    _contribute(m0, 1)
+    seen = _contribute(m1, 0)
+    assert seen.members == (0,) and not seen.included
+    assert m1.latest_round() == 1

@@ -26,7 +26,11 @@ machine averages the same contributions in the same order and the anchors stay
 bit-identical. A contribution that arrives after the decision is *dropped*:
 its machine still applies the round's mean (it is late, not lost) and starts
 the next round from the same anchor as everyone; the dropped pseudo-gradient's
-steps are lost, which the metrics count (`included`).
+steps are lost, which the metrics count (`included`). The machine that decides
+round R removes round R-2's records, after marking R decided (`latest`, never
+lowered); a machine that reads a decision checks `latest` once more, so one the
+run left behind (whose create-only write could recreate a removed decision) is
+told to join instead of applying a round nobody else applied.
 
 **Without payloads** (`decide`). The same round with only the headers, each
 carrying the member's peer address: the decision says who is in the round, and
@@ -171,6 +175,7 @@ class ElasticGroup:
         self.poll_s = poll_s
         self.incarnation: int | None = None
         self._finished: int | None = None  # the run's last round, once this machine ended it
+        self._latest_seen: int | None = None  # "latest" as this machine's last decision read it
 
     # -- connection --------------------------------------------------------
 
@@ -414,6 +419,12 @@ class ElasticGroup:
             decision = self.store.wait(f"r{round_}/d", wait_s)
             if decision is not None:
                 break
+        # The decision read may be one a machine wrote after the run had moved on and
+        # removed the round's records (its own, if this machine's last check came just
+        # before that): a decision no other machine applied. The run marks the newer
+        # round decided before it removes an old one (`_decided`), so looking again
+        # now tells.
+        latest = self._check_behind(round_)
         record = json.loads(decision)
         record["members"] = [int(m) for m in record["members"]]
         if not self.signer.verify(
@@ -427,6 +438,7 @@ class ElasticGroup:
             raise ServiceLost(
                 f"round {round_}: machine(s) {missing} in the decision have no header"
             )
+        self._latest_seen = latest
         return record, headers
 
     def _decided(
@@ -438,9 +450,13 @@ class ElasticGroup:
         sent: int,
         received: int,
     ) -> Exchange:
+        # "latest" first: a machine that finds round r-2's records gone must also find
+        # the run past it (`_decide`'s last check).
+        # Never lowered: a machine a round behind reads the newer "latest" just above.
+        if self._latest_seen is None or round_ > self._latest_seen:
+            self.store.put("latest", str(round_).encode())
         if record["by"] == self.machine and round_ >= 2:
             self.store.delete(f"r{round_ - 2}")  # everyone has read it: the next round is decided
-        self.store.put("latest", str(round_).encode())
         members = tuple(record["members"])
         return Exchange(
             round=round_,
@@ -454,7 +470,9 @@ class ElasticGroup:
             bytes_received=received,
         )
 
-    def _check_behind(self, round_: int) -> None:
+    def _check_behind(self, round_: int) -> int | None:
+        """Raises `Behind` if the run ended before `round_` or decided a round past
+        `round_ + 1`; returns the newest decided round read (None: none yet)."""
         finished = self.finished_round()
         if finished is not None and round_ > finished:
             raise Behind(
@@ -467,6 +485,7 @@ class ElasticGroup:
                 f"machine {self.machine} is in round {round_} but the run decided round "
                 f"{latest}: it must join again"
             )
+        return latest
 
     def _headers(self, round_: int) -> dict[int, dict]:
         """The round's headers that verify under the token, by machine."""
