@@ -102,6 +102,11 @@ def get_config() -> ml_collections.ConfigDict:
     # ... and falls linearly back to 0 over the run's last this many rounds (needs
     # num_steps; 0: the momentum stays at outer_momentum to the end).
     config.outer_decay_rounds = 0
+    # A slow outer momentum beside the fast one (MT-DAO's timescales): the step is
+    # (1 - outer_slow_weight) x the fast step + outer_slow_weight x a Nesterov step of
+    # momentum outer_slow_momentum at the same steady gain (0: the fast one alone).
+    config.outer_slow_momentum = 0.9
+    config.outer_slow_weight = 0.0
     # A synchronous warm-up (post-local SGD): the first sync_steps steps (a multiple
     # of local_steps) each end with the exchange and a plain outer step of 1, every
     # worker on the exchanged mean; rounds of local_steps begin after them.

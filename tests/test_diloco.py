@@ -397,3 +397,36 @@ def test_the_outer_momentum_decays_linearly_over_the_last_rounds(warm):
         m = rising if t <= rounds - decay else mu * (rounds - t) / decay
         trace = m * trace + g
         np.testing.assert_allclose(np.asarray(out), -lr * (g + m * trace), rtol=1e-5, atol=1e-6)
+
+
+def test_a_slow_outer_momentum_mixes_two_nesterov_steps_of_the_same_steady_gain():
+    """config.outer_slow_weight w, outer_slow_momentum b (train_lib.optimizers.outer):
+    (1 - w) x the warmed-up fast Nesterov step + w x a Nesterov step of momentum b at
+    lr (1 - b) / (1 - mu), against both recursions written out by hand; on a constant
+    pseudo-gradient both parts tend to the same step, lr g / (1 - mu)."""
+    import types
+
+    from train_lib import optimizers
+
+    lr, mu, b, w, rounds = 0.7, 0.6, 0.9, 0.25, 2
+    view = types.SimpleNamespace(
+        outer_lr=lr, outer_momentum=mu, outer_warmup_rounds=rounds,
+        outer_slow_momentum=b, outer_slow_weight=w,
+    )  # fmt: skip
+    tx = optimizers.outer(view)
+    params = jnp.zeros(3)
+    state = tx.init(params)
+    rng = np.random.default_rng(2)
+    fast, slow = np.zeros(3), np.zeros(3)
+    for t in range(6):
+        g = rng.normal(size=3)
+        out, state = tx.update(jnp.asarray(g, jnp.float32), state, params)
+        m = mu * min(t / rounds, 1.0)
+        fast = m * fast + g
+        slow = b * slow + g
+        expected = (1 - w) * -lr * (g + m * fast) + w * -lr * (1 - b) / (1 - mu) * (g + b * slow)
+        np.testing.assert_allclose(np.asarray(out), expected, rtol=1e-5, atol=1e-6)
+    g = np.ones(3)
+    for _ in range(300):
+        out, state = tx.update(jnp.asarray(g, jnp.float32), state, params)
+    np.testing.assert_allclose(np.asarray(out), -lr * g / (1 - mu), rtol=1e-4)

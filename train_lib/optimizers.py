@@ -186,7 +186,59 @@ def outer(c) -> optax.GradientTransformation:
     rounds (``(num_steps - sync_steps) // local_steps`` in all), so the last rounds' small
     pseudo-gradients are not outweighed by the momentum of earlier, larger ones (Pier,
     arXiv 2511.17849, warms the outer momentum up and decays it).
+
+    With ``outer_slow_weight`` w > 0, a slow momentum ``outer_slow_momentum`` b beside
+    the fast one (MT-DAO, arXiv 2510.05361, keeps a slow first moment beside the fast
+    one so that the direction survives infrequent synchronisation): the step is
+    (1 - w) x the fast Nesterov step + w x a Nesterov step of momentum b at
+    ``outer_lr`` x (1 - b) / (1 - outer_momentum), a constant rate that gives the two
+    the same gain on a steady pseudo-gradient (1 / (1 - outer_momentum) times it), so
+    w moves weight between the timescales, not the step's size. The slow momentum is
+    neither warmed up nor decayed: it starts at 0 and rises by itself.
     """
+    fast = _fast_outer(c)
+    weight = getattr(c, "outer_slow_weight", 0.0)
+    if not weight:
+        return fast
+    gain = (1 - c.outer_slow_momentum) / (1 - c.outer_momentum)
+    slow = slow_nesterov(c.outer_lr * gain, c.outer_slow_momentum)
+    return mixture(fast, slow, weight)
+
+
+def slow_nesterov(learning_rate: float, momentum: float) -> optax.GradientTransformation:
+    """Nesterov momentum `momentum` at a constant `learning_rate`: -lr (g + mu m), m <- mu m + g."""
+
+    def init_fn(params):
+        return jax.tree.map(jnp.zeros_like, params)
+
+    def update_fn(updates, trace, params=None):
+        del params
+        trace = jax.tree.map(lambda m, g: momentum * m + g, trace, updates)
+        out = jax.tree.map(lambda g, m: -learning_rate * (g + momentum * m), updates, trace)
+        return out, trace
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def mixture(
+    fast: optax.GradientTransformation, slow: optax.GradientTransformation, weight: float
+) -> optax.GradientTransformation:
+    """(1 - weight) x `fast`'s step + weight x `slow`'s, both of the same updates."""
+
+    def init_fn(params):
+        return fast.init(params), slow.init(params)
+
+    def update_fn(updates, state, params=None):
+        a, fast_state = fast.update(updates, state[0], params)
+        b, slow_state = slow.update(updates, state[1], params)
+        out = jax.tree.map(lambda x, y: (1 - weight) * x + weight * y, a, b)
+        return out, (fast_state, slow_state)
+
+    return optax.GradientTransformation(init_fn, update_fn)
+
+
+def _fast_outer(c) -> optax.GradientTransformation:
+    """The outer Nesterov step at `outer_momentum`, warmed up and decayed (`outer`)."""
     decay = getattr(c, "outer_decay_rounds", 0)
     if not (c.outer_warmup_rounds or decay) or not c.outer_momentum:
         return optax.sgd(c.outer_lr, momentum=c.outer_momentum or None, nesterov=True)
@@ -210,6 +262,8 @@ OUTER = (
     "outer_momentum",
     "outer_warmup_rounds",
     "outer_decay_rounds",
+    "outer_slow_momentum",
+    "outer_slow_weight",
     "num_steps",
     "local_steps",
     "sync_steps",
@@ -220,6 +274,7 @@ PLAIN_STEP = {
     "outer_momentum": 0.0,
     "outer_warmup_rounds": 0,
     "outer_decay_rounds": 0,
+    "outer_slow_weight": 0.0,
 }
 
 
@@ -228,6 +283,12 @@ def check_outer(c) -> None:
         raise ConfigError(f"config.outer_lr={c.outer_lr!r} must be > 0.")
     if not 0 <= c.outer_momentum < 1:
         raise ConfigError(f"config.outer_momentum={c.outer_momentum!r} must be in [0, 1).")
+    if not 0 <= c.outer_slow_momentum < 1:
+        raise ConfigError(
+            f"config.outer_slow_momentum={c.outer_slow_momentum!r} must be in [0, 1)."
+        )
+    if not 0 <= c.outer_slow_weight <= 1:
+        raise ConfigError(f"config.outer_slow_weight={c.outer_slow_weight!r} must be in [0, 1].")
     rounds = c.outer_warmup_rounds
     if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
         raise ConfigError(f"config.outer_warmup_rounds={rounds!r} must be an integer >= 0.")

@@ -42,6 +42,8 @@ LOCAL_STEP_FIELDS = (
     "error_decay",
     "outer_warmup_rounds",
     "outer_decay_rounds",
+    "outer_slow_momentum",
+    "outer_slow_weight",
     "sync_steps",
 )
 #: An elastic run's own fields and their values.

@@ -19,12 +19,15 @@ of machines at the same tokens per step: 4 machines x 2 workers and 8 x 1.
    seeds counts against the better of the two baselines.
 3. A lever of the literature with its ablation: the outer momentum decayed to 0 over
    the last tenth or quarter of the rounds at H=10's winner (Pier, arXiv 2511.17849,
-   warms the outer momentum up and decays it; the recipe already warms it up).
+   warms the outer momentum up and decays it; the recipe already warms it up). A
+   second at the best 4-machine recipe (Muon inside): a slow outer momentum (0.9,
+   0.95) mixed into the outer step at weight 0.25 or 0.5 beside the fast one, at the
+   same steady gain (MT-DAO, arXiv 2510.05361: slow and fast moments side by side).
 4. 8 machines x 1: the 2-machine recipe and the best 4-machine recipe (Muon inner)
    over 3 seeds each; then that recipe's outer learning rate swept again, a new winner
    over 3 seeds.
-5. H=10's winner on configs/lm_small.py (1.29M parameters), seed 0, beside the lm
-   study's runs there (13-17 min a run).
+5. H=10's winner on configs/lm_small.py (1.29M parameters), 3 seeds, beside the lm
+   study's runs there (13-18 min a run).
 
 Long: each run of lm_tiny takes about 3.5 min alone on 2 cores; runs already in
 docs/experiments.json (the lm study's 4-machine outer sweep and its baselines) count
@@ -69,6 +72,9 @@ MUON_LR_GRID = (0.01, 0.02, 0.04)
 EIGHT_OUTER_LR_GRID = (0.7, 1.0, 1.4)
 # The lever's ablation: the outer momentum decayed over these parts of the rounds.
 DECAY_PARTS = (0.1, 0.25)
+# The second lever's grid: the slow outer momentum and its weight in the outer step.
+SLOW_MOMENTA = (0.9, 0.95)
+SLOW_WEIGHTS = (0.25, 0.5)
 
 
 def momentum_step(value: float, direction: int) -> float:
@@ -233,11 +239,34 @@ def plan(runner: Runner) -> dict:
         if best is not None and best["outer_lr"] != muon_setting["outer_lr"]:
             setting = fixed | best
             out["muon outer best"] = seeds(runner, label(title, shown(setting)), setting, **study)
+    # 3b. A second lever at the best 4-machine recipe (Muon inside, 0.7 / 0.8, H=10): a
+    # slow outer momentum beside the fast one (MT-DAO's timescales), its momentum x its
+    # weight at seed 0; the best, if it beats the recipe's seed 0, over 3 seeds.
+    if muon_setting is not None:
+        slows = {}
+
+        def slow_name(values: tuple) -> str:
+            return label(name(4, 10, ", Muon inner, slow outer momentum"), shown(muon_setting)) + (
+                f", outer_slow_momentum={values[0]:g}, outer_slow_weight={values[1]:g}"
+            )
+
+        def slowed(values: tuple) -> dict:
+            return muon_setting | dict(zip(("outer_slow_momentum", "outer_slow_weight"), values))
+
+        for values in [(b, w) for b in grid(SLOW_MOMENTA) for w in grid(SLOW_WEIGHTS)]:
+            slows[values] = seeds(runner, slow_name(values), slowed(values), count=1, **study)
+        out["slow ablation"] = slows
+        done = {v: r for v, r in slows.items() if r}
+        base0 = (out.get("muon diloco") or [None])[0]
+        if done and base0 is not None:
+            values = min(done, key=lambda v: scale_tables.score(done[v][0]))
+            if scale_tables.score(done[values][0]) < scale_tables.score(base0):
+                out["slow best"] = seeds(runner, slow_name(values), slowed(values), **study)
     # 5. The H=10 winner on configs/lm_small.py (1.29M parameters) at its inner rate,
-    # seed 0, beside the lm study's runs there (its all-reduce; 0.7 / 0.6 on 4 machines).
+    # 3 seeds, beside the lm study's runs there (its all-reduce; 0.7 / 0.6 on 4 machines).
     if ten is not None and not quick:
         rate = {"learning_rate": lm_small.get_config().learning_rate}
-        small = dict(base=headline_config, count=1)
+        small = dict(base=headline_config)
         out["lm_small allreduce"] = seeds(
             runner, label("lm_small all-reduce fp32", rate), ALLREDUCE | rate, study="lm", **small
         )
