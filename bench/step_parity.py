@@ -116,7 +116,13 @@ def _env(devices: int = 1) -> dict:
     return env
 
 
+#: --no-pin: every process free to run on any core (still one compute thread each).
+PIN = True
+
+
 def _pin(process: int) -> list[str]:
+    if not PIN:
+        return []
     return ["taskset", "-c", str(process % (os.cpu_count() or 1))]
 
 
@@ -333,8 +339,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--workloads", default="lm,mlp")
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--no-write", action="store_true")
+    parser.add_argument(
+        "--no-pin", dest="pin", action="store_false",
+        help="no taskset: each process one compute thread, on whichever core the OS "
+        "gives it (its own section: jax's gloo all-reduce stalls when its process has "
+        "one core, bench/collective_overlap.py)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
-    root = pathlib.Path(args.workdir)
+    global PIN
+    PIN = args.pin
+    root = pathlib.Path(args.workdir) / ("pinned" if args.pin else "unpinned")
     root.mkdir(parents=True, exist_ok=True)
     workloads = [WORKLOADS[name] for name in args.workloads.split(",")]
     results = {w.name: measure(w, root, args.steps) for w in workloads}
@@ -344,16 +358,22 @@ def main(argv: list[str] | None = None) -> None:
             indent=1,
         )  # fmt: skip
     )
+    where = (
+        "Every process pinned to its machine's core (`taskset -c`)"
+        if args.pin
+        else "No process pinned (the OS places them; `--no-pin`), each"
+    )
     lines = [
-        "## The step across processes, like for like (`bench/step_parity.py`)",
+        "## The step across processes, like for like (`bench/step_parity.py"
+        + ("" if args.pin else " --no-pin") + "`)",
         "",
         "2 machines on loopback; layout (a): one process per machine holding the whole "
         f"model; layout (b): a machine's {WORKERS} workers as devices of one process "
-        f"(lpdec) or as {WORKERS} processes (DDP). Every process pinned to its machine's "
-        "core (`taskset -c`) with one thread (XLA's eigen pool off, "
-        "`intra_op_parallelism_threads=1`; `torch.set_num_threads(1)`). Median seconds "
-        f"per step over {args.steps} steps after the first logged interval. "
-        f"`python -m bench.step_parity`; {versions()}, {os.cpu_count()} cores.",
+        f"(lpdec) or as {WORKERS} processes (DDP). {where} with one compute thread (XLA's "
+        "eigen pool off, `intra_op_parallelism_threads=1`; `torch.set_num_threads(1)`). "
+        f"Median seconds per step over {args.steps} steps after the first logged interval. "
+        f"`python -m bench.step_parity{'' if args.pin else ' --no-pin'}`; {versions()}, "
+        f"{os.cpu_count()} cores.",
         "",
     ]
     for w in workloads:
@@ -361,9 +381,8 @@ def main(argv: list[str] | None = None) -> None:
     body = "\n".join(lines).rstrip()
     print(body)
     if not args.no_write:
-        replace_section(
-            ROOT / "BENCHMARKS.md", "bench/step_parity.py", body, header=BENCHMARKS_HEADER
-        )
+        marker = "bench/step_parity.py" + ("" if args.pin else " unpinned")
+        replace_section(ROOT / "BENCHMARKS.md", marker, body, header=BENCHMARKS_HEADER)
 
 
 if __name__ == "__main__":
