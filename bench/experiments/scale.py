@@ -27,7 +27,8 @@ of machines at the same tokens per step: 4 machines x 2 workers and 8 x 1.
    over 3 seeds each; then that recipe's outer learning rate swept again, a new winner
    over 3 seeds.
 5. H=10's winner on configs/lm_small.py (1.29M parameters), 3 seeds, beside the lm
-   study's runs there (13-18 min a run).
+   study's runs there (13-18 min a run); and at seed 0 the all-reduce with Muon and
+   the best 4-machine recipe (Muon inner) there, at lm_tiny's Muon rates.
 
 Long: each run of lm_tiny takes about 3.5 min alone on 2 cores; runs already in
 docs/experiments.json (the lm study's 4-machine outer sweep and its baselines) count
@@ -279,6 +280,20 @@ def plan(runner: Runner) -> dict:
         out["lm_small tuned"] = seeds(
             runner, label(f"lm_small {name(4, 10)}", shown(tuned)), tuned, **study, **small
         )
+        # Muon on lm_small at lm_tiny's Muon rates (not swept here), Adam's part at
+        # lm_small's Adam rate; seed 0: does the best baseline or recipe change there?
+        if muon_setting is not None and muon_ar is not None:
+            adam_part = {"muon_adam_lr": rate["learning_rate"]}
+            small_muon_ar = ALLREDUCE | muon | muon_ar | adam_part
+            out["lm_small muon allreduce"] = seeds(
+                runner, label("lm_small all-reduce fp32 Muon", muon_ar | adam_part),
+                small_muon_ar, **study, base=headline_config, count=1,
+            )  # fmt: skip
+            small_muon = muon_setting | adam_part
+            out["lm_small muon diloco"] = seeds(
+                runner, label(f"lm_small {name(4, 10, ', Muon inner')}", shown(small_muon)),
+                small_muon, **study, base=headline_config, count=1,
+            )  # fmt: skip
     return out
 
 

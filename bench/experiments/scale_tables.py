@@ -200,6 +200,22 @@ def section(out: dict, config, docs: str) -> str:
             "on it): " + "; ".join(parts) + ".",
             "",
         ]
+        small_muon_ar, small_muon = out.get("lm_small muon allreduce"), out.get("lm_small muon diloco")
+        if small_muon_ar or small_muon:
+            lines += [
+                "With Muon there, at lm_tiny's Muon rates (not swept on lm_small; Adam's part "
+                "at lm_small's 2e-3), seed 0, against the Adam all-reduce's mean: the "
+                f"all-reduce with Muon {cell(small_muon_ar, base_small)}; the best 4-machine "
+                f"recipe (Muon inner, H=10, 0.7 / 0.8) {cell(small_muon, base_small)}"
+                + (
+                    f", {100 * (score(small_muon[0]) / score(small_muon_ar[0]) - 1):+.2f}% "
+                    "from the Muon all-reduce"
+                    if small_muon and small_muon_ar
+                    else ""
+                )
+                + ".",
+                "",
+            ]
     for machines in (4, 8):
         gaps = [gap(r, target) for m, _, r in rows if m == machines and isinstance(r, list)]
         gaps = [g for g in gaps if g is not None]
