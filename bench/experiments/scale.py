@@ -109,6 +109,21 @@ def shown(setting: dict) -> dict:
     return {k: setting[k] for k in TUNED}
 
 
+def lever(runner: Runner, runs: dict, base: list | None) -> tuple[dict, list | None]:
+    """A lever's ablation: each of `runs` ({key: (label, setting)}) at seed 0; the best
+    over 3 seeds if it ends below `base`'s seed 0. Returns ({key: its records}, the
+    best's records or None)."""
+    ablation = {k: seeds(runner, n, s, count=1, study=STUDY) for k, (n, s) in runs.items()}
+    done = {k: r for k, r in ablation.items() if r}
+    if not done or not base:
+        return ablation, None
+    key = min(done, key=lambda k: scale_tables.score(done[k][0]))
+    if scale_tables.score(done[key][0]) >= scale_tables.score(base[0]):
+        return ablation, None
+    label_, setting = runs[key]
+    return ablation, seeds(runner, label_, setting, study=STUDY)
+
+
 def plan(runner: Runner) -> dict:
     """Every run of the study, in order of importance; pieces not trained yet are None."""
     quick = runner.quick
@@ -187,14 +202,10 @@ def plan(runner: Runner) -> dict:
 
         for part in DECAY_PARTS[:1] if quick else DECAY_PARTS:
             decay = max(1, int(rounds * part))
-            decays[decay] = seeds(runner, decay_name(decay), decayed(decay), count=1, **study)
-        out["decay ablation"] = decays
-        done = {d: r for d, r in decays.items() if r}
-        base0 = (out.get("4 machines H=10 best") or [None])[0]
-        if done and base0 is not None:
-            decay = min(done, key=lambda d: scale_tables.score(done[d][0]))
-            if scale_tables.score(done[decay][0]) < scale_tables.score(base0):
-                out["decay best"] = seeds(runner, decay_name(decay), decayed(decay), **study)
+            decays[decay] = (decay_name(decay), decayed(decay))
+        out["decay ablation"], best = lever(runner, decays, out.get("4 machines H=10 best"))
+        if best is not None:
+            out["decay best"] = best
     # 4a. 8 machines x 1 at the best 4-machine recipe so far (DiLoCo with Muon inner at
     # H=10's tuned outer step), 3 seeds; its outer learning rate is swept last.
     muon_setting = out.get("muon diloco setting")
@@ -244,7 +255,6 @@ def plan(runner: Runner) -> dict:
     # slow outer momentum beside the fast one (MT-DAO's timescales), its momentum x its
     # weight at seed 0; the best, if it beats the recipe's seed 0, over 3 seeds.
     if muon_setting is not None:
-        slows = {}
 
         def slow_name(values: tuple) -> str:
             return label(name(4, 10, ", Muon inner, slow outer momentum"), shown(muon_setting)) + (
@@ -252,17 +262,18 @@ def plan(runner: Runner) -> dict:
             )
 
         def slowed(values: tuple) -> dict:
-            return muon_setting | dict(zip(("outer_slow_momentum", "outer_slow_weight"), values))
+            return muon_setting | dict(
+                zip(("outer_slow_momentum", "outer_slow_weight"), values, strict=True)
+            )
 
-        for values in [(b, w) for b in grid(SLOW_MOMENTA) for w in grid(SLOW_WEIGHTS)]:
-            slows[values] = seeds(runner, slow_name(values), slowed(values), count=1, **study)
-        out["slow ablation"] = slows
-        done = {v: r for v, r in slows.items() if r}
-        base0 = (out.get("muon diloco") or [None])[0]
-        if done and base0 is not None:
-            values = min(done, key=lambda v: scale_tables.score(done[v][0]))
-            if scale_tables.score(done[values][0]) < scale_tables.score(base0):
-                out["slow best"] = seeds(runner, slow_name(values), slowed(values), **study)
+        slows = {
+            (b, w): (slow_name((b, w)), slowed((b, w)))
+            for b in grid(SLOW_MOMENTA)
+            for w in grid(SLOW_WEIGHTS)
+        }
+        out["slow ablation"], best = lever(runner, slows, out.get("muon diloco"))
+        if best is not None:
+            out["slow best"] = best
     # 5. The H=10 winner on configs/lm_small.py (1.29M parameters) at its inner rate,
     # 3 seeds, beside the lm study's runs there (its all-reduce; 0.7 / 0.6 on 4 machines).
     if ten is not None and not quick:
