@@ -1,4 +1,4 @@
-"""Can XLA:CPU hide a cross-process all-reduce behind compute? jax against torch.distributed (issue 51).
+"""Can XLA:CPU hide a cross-process all-reduce behind compute? jax against torch (issue 51).
 
     python -m bench.collective_overlap             # ~2 min on 2 idle cores; BENCHMARKS.md
     python -m bench.collective_overlap --no-write  # print only
@@ -81,7 +81,9 @@ def _jax_worker(args) -> dict:
     )  # fmt: skip
     local = NamedSharding(mesh, P("p"))
     x = jax.make_array_from_process_local_data(local, rng.standard_normal((n, n), np.float32))
-    y = jax.make_array_from_process_local_data(local, np.full(args.elements, args.rank + 1.0, np.float32))
+    y = jax.make_array_from_process_local_data(
+        local, np.full(args.elements, args.rank + 1.0, np.float32)
+    )
     out = jax.block_until_ready(f(w, x, y))
     if args.mode != "comp":  # 1 + 2 on every element: the sum crossed the processes
         assert float(np.asarray(out[1].addressable_data(0)).min()) == 3.0
@@ -150,7 +152,11 @@ def _pair(side: str, setting: str, mode: str, args) -> float:
         ]  # fmt: skip
         procs.append(
             subprocess.Popen(
-                command, env=env, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                command,
+                env=env,
+                cwd=ROOT,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.PIPE,
                 start_new_session=True,
             )  # fmt: skip
         )
@@ -189,7 +195,8 @@ def render(rows: list[dict], args) -> str:
     from bench._sections import versions
 
     lines = [
-        "## Can XLA:CPU hide a cross-process all-reduce behind compute? (`bench/collective_overlap.py`)",
+        "## Can XLA:CPU hide a cross-process all-reduce behind compute? "
+        "(`bench/collective_overlap.py`)",
         "",
         f"`python -m bench.collective_overlap --elements {args.elements} --n {args.n}`; "
         f"{versions()}, {os.cpu_count()} cores. 2 processes on loopback, each pinned to a "
@@ -220,9 +227,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--workdir", default="/tmp/lpdec_bench_collective_overlap")
     parser.add_argument("--no-write", action="store_true")
-    parser.add_argument(
-        "--no-torch", dest="torch", action="store_false", help="jax's rows only"
-    )
+    parser.add_argument("--no-torch", dest="torch", action="store_false", help="jax's rows only")
     parser.add_argument("--worker", choices=("jax", "torch"), help=argparse.SUPPRESS)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)

@@ -365,7 +365,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     lines = [
         "## The step across processes, like for like (`bench/step_parity.py"
-        + ("" if args.pin else " --no-pin") + "`)",
+        + ("" if args.pin else " --no-pin")
+        + "`)",
         "",
         "2 machines on loopback; layout (a): one process per machine holding the whole "
         f"model; layout (b): a machine's {WORKERS} workers as devices of one process "

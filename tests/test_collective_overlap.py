@@ -32,7 +32,8 @@ def test_a_tiny_run_sums_across_the_processes_and_prints_every_row(tmp_path):
     fails otherwise; the table has a row for each of jax's thread settings."""
     result = subprocess.run(
         [sys.executable, "-m", "bench.collective_overlap", "--no-write", "--n", "16",
-         "--elements", "1000", "--repeats", "2", "--warmup", "1", "--no-torch", f"--workdir={tmp_path}"],
+         "--elements", "1000", "--repeats", "2", "--warmup", "1", "--no-torch",
+         f"--workdir={tmp_path}"],
         cwd=ROOT, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]

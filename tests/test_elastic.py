@@ -627,8 +627,10 @@ def test_train_py_samples_budget_makes_up_lost_steps_and_hands_over_the_final_st
         assert proc.wait(timeout=120) == 0, proc.out_path.read_text()[-3000:]
     summaries = [json.loads((tmp_path / f"m{m}" / "summary.json").read_text()) for m in range(3)]
     assert len({s["final_anchor_digest"] for s in summaries}) == 1, "\n".join(
-        f"machine {m}: {s}\n" + (tmp_path / f"m{m}" / "exchanges.csv").read_text()[-1500:]
-        + "\n" + runs[m].out_path.read_text(errors="replace")[-4000:]
+        f"machine {m}: {s}\n"
+        + (tmp_path / f"m{m}" / "exchanges.csv").read_text()[-1500:]
+        + "\n"
+        + runs[m].out_path.read_text(errors="replace")[-4000:]
         for m, s in enumerate(summaries)
     )
     # The count, replayed from the machines' records of each round's members. A machine

@@ -200,7 +200,10 @@ def section(out: dict, config, docs: str) -> str:
             "on it): " + "; ".join(parts) + ".",
             "",
         ]
-        small_muon_ar, small_muon = out.get("lm_small muon allreduce"), out.get("lm_small muon diloco")
+        small_muon_ar, small_muon = (
+            out.get("lm_small muon allreduce"),
+            out.get("lm_small muon diloco"),
+        )
         if small_muon_ar or small_muon:
             lines += [
                 "With Muon there, at lm_tiny's Muon rates (not swept on lm_small; Adam's part "
