@@ -127,7 +127,13 @@ def _pin(process: int) -> list[str]:
 
 
 def _lpdec(
-    w: Workload, workdir: pathlib.Path, processes: int, algorithm: str, steps: int, workers: int
+    w: Workload,
+    workdir: pathlib.Path,
+    processes: int,
+    algorithm: str,
+    steps: int,
+    workers: int,
+    extra: tuple[str, ...] = (),
 ) -> list[list[str]]:
     """Layout (a) (`workers=1`): each process one device holding the whole model; layout
     (b): each process a machine of `workers` devices (the lm split over them, FSDP)."""
@@ -150,7 +156,7 @@ def _lpdec(
             f"--config.machines={int(alone)}", f"--config.shard_model={sharded}",
             f"--config.algorithm={algorithm}", f"--config.batch_size={batch}",
             f"--config.num_steps={steps}", f"--config.log_every={steps // 10}",
-            "--config.checkpoint_every=0", *w.overrides,
+            "--config.checkpoint_every=0", *w.overrides, *extra,
         ]  # fmt: skip
         if w is LM:
             command.append(f"--config.warmup_steps={steps // 20}")
@@ -187,12 +193,21 @@ class Row:
 
 
 def lpdec_row(
-    w: Workload, root: pathlib.Path, processes: int, algorithm: str, steps: int, workers: int = 1
+    w: Workload,
+    root: pathlib.Path,
+    processes: int,
+    algorithm: str,
+    steps: int,
+    workers: int = 1,
+    process_sum: str = "jax",
 ) -> Row:
     name = f"{w.name}_{algorithm}_{processes}x{workers}"
+    extra: tuple[str, ...] = ()
+    if process_sum != "jax":
+        name, extra = f"{name}_{process_sum}", (f"--config.process_sum={process_sum}",)
     workdir = root / name
     if not (workdir / "metrics.csv").exists():
-        commands = _lpdec(w, workdir, processes, algorithm, steps, workers)
+        commands = _lpdec(w, workdir, processes, algorithm, steps, workers, extra)
         _run(commands, root / f"{name}.log", devices=workers)
     rows = list(csv.DictReader(open(workdir / "metrics.csv")))
     # The first interval holds the compilation; the others are steady.
@@ -256,6 +271,7 @@ def measure(w: Workload, root: pathlib.Path, steps: int) -> dict[str, Row]:
         "one": lpdec_row(w, root, 1, "none", steps),
         "none_2": lpdec_row(w, root, 2, "none", steps),
         "allreduce_2": lpdec_row(w, root, 2, "allreduce", steps),
+        "allreduce_2_host": lpdec_row(w, root, 2, "allreduce", steps, process_sum="host"),
         "ddp": ddp_row(w, root, steps),
         "none_2x4": lpdec_row(w, root, 1, "none", steps, WORKERS),  # a machine alone
         "allreduce_2x4": lpdec_row(w, root, 2, "allreduce", steps, WORKERS),
@@ -298,6 +314,12 @@ def render(w: Workload, rows: dict[str, Row], steps: int) -> list[str]:
         line(
             "layout (a): lpdec, 2 processes, fp32 all-reduce of the gradients", "allreduce_2", "ddp"
         ),  # fmt: skip
+        line(
+            "layout (a): lpdec, 2 processes, the same all-reduce through lpdec.host_sum "
+            "(`config.process_sum='host'`)",
+            "allreduce_2_host",
+            "ddp",
+        ),  # fmt: skip
         line("layout (a): PyTorch DDP, 2 processes (gloo, buckets)", "ddp", "ddp"),
         line(
             f"layout (b): lpdec, one machine alone: a process of {WORKERS} devices, its "
@@ -322,7 +344,8 @@ def render(w: Workload, rows: dict[str, Row], steps: int) -> list[str]:
         "Where lpdec's 2-process step goes, from the rows' differences: layout (a): "
         f"compute, dispatch and per-step Python of a half {none:.4f} s "
         f"({100 * none / a:.0f}%), the all-reduce across the processes with its "
-        f"synchronisation {a - none:.4f} s ({100 * (a - none) / a:.0f}%); layout (b): the "
+        f"synchronisation {a - none:.4f} s ({100 * (a - none) / a:.0f}%; through "
+        f"lpdec.host_sum {sec['allreduce_2_host'] - none:.4f} s); layout (b): the "
         f"half's compute on {WORKERS} devices of one core with the collectives inside the "
         f"process {b_none:.4f} s ({100 * b_none / b:.0f}%; {b_none - none:+.4f} s against "
         f"(a)'s one device), the all-reduce across the processes {b - b_none:.4f} s "

@@ -85,6 +85,14 @@ def get_config() -> ml_collections.ConfigDict:
     # between them, every leaf split over them (lpdec.fsdp); the algorithm runs between
     # the machines on each worker's blocks. Needs machines and one worker per device.
     config.shard_model = False
+    # How a run of several processes with one device each sums over them (issue 51):
+    # "jax", jax's own collectives (gloo on CPU); "host", lpdec.host_sum's TCP star
+    # for local_mean's all-reduce (the fp32 all-reduce, DiLoCo's fp32 mean), every other
+    # collective staying jax's; "auto", "host" on CPU when every process holds one
+    # device and one node, else "jax". jax's gloo waits about a scheduler time slice on
+    # a buffer above ~256 KB when its process has one core; the host sum does not, and
+    # was faster pinned or not (BENCHMARKS.md, "bench/step_parity.py").
+    config.process_sum = "auto"
 
     # Local steps (algorithm = "diloco", issue 12): local_steps steps of the local
     # optimizer, then an exchange of the pseudo-gradients (parameters at the last

@@ -13,6 +13,7 @@ from lpdec import data
 from lpdec import elastic
 from lpdec import fsdp
 from lpdec import gossip
+from lpdec import host_sum
 from lpdec import layout
 from lpdec import metrics
 from lpdec import models
@@ -135,6 +136,7 @@ __all__ = [
     "from_matrix",
     "fsdp",
     "gossip",
+    "host_sum",
     "identity",
     "init_nodes",
     "layout",

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from lpdec import host_sum
 from lpdec import wire
 from lpdec.compress import base as compress_base
 from lpdec.topology import Round
@@ -153,6 +154,9 @@ def local_sum(x: PyTree, *, axis_name: AxisName) -> PyTree:
     same bytes as one array (BENCHMARKS.md, "The step across processes").
     """
     wire.record(x, axis_name)
+    # With one device per process and the axis exactly the processes, a process may
+    # have installed lpdec's TCP sum (`lpdec.host_sum`: jax's gloo stalls on one core).
+    routed = host_sum.routes(axis_name)
     leaves, treedef = jax.tree.flatten(x)
     groups: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
@@ -161,10 +165,10 @@ def local_sum(x: PyTree, *, axis_name: AxisName) -> PyTree:
     for indices in groups.values():
         if len(indices) == 1:
             (i,) = indices
-            out[i] = jax.lax.psum(leaves[i], axis_name)
+            out[i] = host_sum.psum(leaves[i]) if routed else jax.lax.psum(leaves[i], axis_name)
             continue
         flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in indices])
-        total = jax.lax.psum(flat, axis_name)
+        total = host_sum.psum(flat) if routed else jax.lax.psum(flat, axis_name)
         at = 0
         for i in indices:
             size = int(np.size(leaves[i]))

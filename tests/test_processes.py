@@ -76,13 +76,20 @@ MISMATCHES = [
         "--process_id=2 must be in 0..1",
         [1],
     ),
+    # Process 0 waits for a host-sum connection that process 1 never opens: it must
+    # name the difference at once, not wait out the --peer_timeout (300 s).
+    (
+        [TWO[0] + ["--config.process_sum=host"], TWO[1] + ["--config.process_sum=jax"]],
+        "config.process_sum (process 0: 'host', process 1: 'jax')",
+        [0, 1],
+    ),
 ]
 
 
 @pytest.mark.parametrize(
     "flags,message,who",
     MISMATCHES,
-    ids=["config", "num_processes", "same-id", "id-out-of-range"],
+    ids=["config", "num_processes", "same-id", "id-out-of-range", "host-sum-on-one-side"],
 )
 def test_processes_that_do_not_fit_together_all_stop_with_one_line(tmp_path, flags, message, who):
     codes, lasts, seconds = _start(tmp_path, flags)
@@ -129,6 +136,12 @@ def test_per_machine_workdirs_are_refused_at_start(tmp_path):
     last = errors[1].strip().splitlines()[-1]
     assert "is not one directory shared by all processes: process(es) 1" in last, last
     assert not list(tmp_path.glob("machine*/checkpoints/*"))
+
+
+def test_host_sum_with_several_devices_a_process_is_refused_before_training(tmp_path):
+    codes, lasts, _ = _start(tmp_path, [f + ["--config.process_sum=host"] for f in TWO])
+    assert codes == [2, 2], lasts
+    assert "config.process_sum='host' sums over processes of one device" in lasts[0], lasts
 
 
 def test_config_devices_below_the_device_count_is_refused_in_a_multi_process_run(tmp_path):

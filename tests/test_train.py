@@ -299,6 +299,8 @@ BAD_CONFIGS = [
     ({"outer_warmup_rounds": 3}, "config.outer_warmup_rounds=3 needs config.algorithm='diloco'"),
     ({"local_steps": 5}, "config.local_steps=5 needs config.algorithm='diloco'"),
     (DILOCO | {"exchange": "allgather"}, "config.exchange='allgather' is not one of"),
+    ({"process_sum": "mpi"}, "config.process_sum='mpi' must be one of: auto, jax, host"),
+    ({"process_sum": "host"}, "config.process_sum='host' sums over processes of one device"),
     (DILOCO | {"error_feedback": True}, "config.error_feedback=True needs config.exchange="),
     (
         DILOCO | {"exchange": "compressed_mean", "compressor": "modulo"},

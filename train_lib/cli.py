@@ -84,6 +84,8 @@ def start_processes(flag_values: flags.FlagValues) -> watchdog.PeerWatch | None:
             timeout_s=f.peer_timeout,
             heartbeat_timeout_s=f.heartbeat_timeout,
             peer_lost_status=EXIT_PEER_LOST,
+            process_sum=f.config.get("process_sum", "jax"),
+            num_nodes=f.config.get("num_nodes", 0),
         )
     except RunError as error:
         sys.stderr.write(f"error: {error}\n")

@@ -146,9 +146,12 @@ class Chunks:
             args = (params, opt_state, model_state, xs, ys, step0, key)
             params, opt_state, model_state, losses, accuracies = self._program(args)(*args)
             outputs.append((losses, accuracies))
-            if len(calls) > 1:
+            if len(calls) > 1 or lpdec.host_sum.installed() is not None:
                 # Each step waits for the one before: XLA:CPU can deadlock on many queued
-                # programs that communicate between devices (docs/status.md).
+                # programs that communicate between devices (docs/status.md). With
+                # lpdec.host_sum the program's sums are Python callbacks, which need the
+                # GIL: a later call that waits inside jax holding it (process_allgather,
+                # in to_host) would stop them, and with them the other processes.
                 jax.block_until_ready(losses)
         # Each program's losses and accuracies (per node, its steps), the steps joined.
         host = metrics_lib.to_host(outputs)

@@ -115,9 +115,10 @@ def wire_bytes(compiled, meter: lpdec.wire.TrafficMeter, per_device: int) -> tup
     topology) sits whole in a branch of a conditional, beside the ones every step
     runs (the gradient's mean inside a machine, FSDP's gathers), so no one divisor
     of the HLO's total is right: the meter weighs each collective by its share of
-    the steps.
+    the steps. Sums through `lpdec.host_sum` leave the HLO as callbacks, not
+    collectives: with one installed the meter counts.
     """
-    if per_device == 1 and not meter.occasional:
+    if per_device == 1 and not meter.occasional and lpdec.host_sum.installed() is None:
         traffic = lpdec.metrics.collective_traffic(compiled.as_text()).total_bytes
         return traffic, "compiled HLO"
     return meter.bytes, "trace-time meter"

@@ -119,18 +119,27 @@ def _host_port(address: str) -> tuple[str, int]:
 
 
 def _serve_handshake(
-    num_processes: int, fields: dict, bind: str, deadline: float
-) -> dict[int, socket.socket]:
+    num_processes: int, fields: dict, bind: str, deadline: float, sum_channel: bool = False
+) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
     """Process 0: wait for every other process's hello, check them, answer all.
 
-    Returns the open connection to every other process, by process index.
+    Returns the open connection to every other process, by process index, and with
+    `sum_channel` each one's second connection, for `lpdec.host_sum` (else {}).
     """
     conns: list[socket.socket] = []
     by_process: dict[int, socket.socket] = {}
+    sums: dict[int, socket.socket] = {}
     seen: dict[int, dict] = {0: fields}
     problems: list[str] = []
+
+    def waiting() -> bool:
+        if len(seen) < num_processes:
+            return True
+        # A peer whose config differs may never open its sum channel: say so at once.
+        return sum_channel and len(sums) < num_processes - 1 and not _differences(seen)
+
     with socket.create_server(_host_port(bind)) as server:
-        while len(seen) < num_processes and not problems:
+        while waiting() and not problems:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 missing = sorted(set(range(num_processes)) - set(seen))
@@ -147,8 +156,16 @@ def _serve_handshake(
                 hello = _receive(conn)
             except (ConnectionError, ValueError, OSError):  # TimeoutError is an OSError
                 continue
-            conns.append(conn)
             pid = hello.get("process_id")
+            if hello.get("channel") == "sum":
+                # The verdict goes over the hello's connection; this one carries sums only.
+                if not sum_channel or pid not in range(1, num_processes) or pid in sums:
+                    problems.append(f"an unexpected host-sum connection from process {pid}")
+                    conn.close()
+                else:
+                    sums[pid] = conn
+                continue
+            conns.append(conn)
             if hello.get("num_processes") != num_processes:
                 problems.append(
                     f"--num_processes differs (process 0: {num_processes}, process {pid}: "
@@ -175,17 +192,26 @@ def _serve_handshake(
                 pass
             if error:
                 conn.close()
+        if error:
+            for conn in sums.values():
+                conn.close()
     if error:
         raise ProcessError(f"{error}. Start every process with the same config and flags.")
-    return by_process
+    return by_process, sums
 
 
 def _join_handshake(
-    coordinator_address: str, num_processes: int, process_id: int, fields: dict, deadline: float
-) -> socket.socket:
+    coordinator_address: str,
+    num_processes: int,
+    process_id: int,
+    fields: dict,
+    deadline: float,
+    sum_channel: bool = False,
+) -> tuple[socket.socket, socket.socket | None]:
     """Processes 1..: say hello to process 0 and wait for its verdict.
 
-    Returns the open connection to process 0.
+    Returns the open connection to process 0 and, with `sum_channel`, a second one
+    for `lpdec.host_sum` (else None).
     """
     while True:
         remaining = deadline - time.monotonic()
@@ -203,21 +229,39 @@ def _join_handshake(
             continue
         conn.settimeout(max(1.0, deadline - time.monotonic()))
         hello = {"process_id": process_id, "num_processes": num_processes, "fields": fields}
+        sums, channel_error = None, None
         try:
             _send(conn, hello)
+            if sum_channel:
+                try:
+                    sums = socket.create_connection(
+                        _host_port(coordinator_address),
+                        timeout=max(1.0, deadline - time.monotonic()),
+                    )
+                    _send(sums, {"channel": "sum", "process_id": process_id})
+                except OSError as error:
+                    # Process 0 may have closed its port on a config that differs: its
+                    # verdict, read next, names that.
+                    channel_error = error
             verdict = _receive(conn)
+            if channel_error is not None and "error" not in verdict:
+                raise channel_error
         except (TimeoutError, ConnectionError, ValueError, OSError) as error:
             conn.close()
+            if sums is not None:
+                sums.close()
             raise ProcessError(
                 f"process {process_id}: the handshake with process 0 at "
                 f"{coordinator_address} failed ({error})."
             ) from None
         if "error" in verdict:
             conn.close()
+            if sums is not None:
+                sums.close()
             raise ProcessError(
                 f"{verdict['error']}. Start every process with the same config and flags."
             )
-        return conn
+        return conn, sums
 
 
 def start(
@@ -230,6 +274,8 @@ def start(
     timeout_s: int = 300,
     heartbeat_timeout_s: int = 20,
     peer_lost_status: int,
+    process_sum: str = "jax",
+    num_nodes: int = 0,
 ) -> watchdog.PeerWatch:
     """Checks the processes fit together, then starts jax.distributed.
 
@@ -244,6 +290,13 @@ def start(
     `watchdog.PeerWatch` ends this process with `peer_lost_status` when another
     process is lost (its connection closes, or it is silent for
     `heartbeat_timeout_s`). Call its `leave()` when this process ends.
+
+    With `process_sum` (config.process_sum) "host", or "auto" on a CPU run of one
+    device and one node (`num_nodes`, the config's) per process, every other process
+    also opens a second connection to process 0 in the handshake, and `lpdec.host_sum`
+    is installed over them: local_mean's all-reduce across the processes then goes
+    through it instead of jax's gloo (for "auto" the connection is opened, and closed
+    again when jax's devices show the run does not fit).
     """
     check_args(coordinator_address, num_processes, process_id)
     bind = bind_address(coordinator_address, bind)
@@ -255,19 +308,17 @@ def start(
         timeout_s,
     )
     deadline = time.monotonic() + timeout_s
+    channel = process_sum in ("auto", "host")
+    join = (coordinator_address, num_processes, process_id, fields, deadline, channel)
     if process_id == 0:
         try:
-            connections = _serve_handshake(num_processes, fields, bind, deadline)
+            connections, sums = _serve_handshake(num_processes, fields, bind, deadline, channel)
         except OSError:
             # The port is taken: most likely by another process started as process 0,
             # whose handshake then names the duplicate id to everyone.
-            connections = {
-                0: _join_handshake(coordinator_address, num_processes, process_id, fields, deadline)
-            }
+            connections, sums = _join(*join)
     else:
-        connections = {
-            0: _join_handshake(coordinator_address, num_processes, process_id, fields, deadline)
-        }
+        connections, sums = _join(*join)
     peers = watchdog.PeerWatch(
         process_id,
         num_processes,
@@ -288,7 +339,28 @@ def start(
         # the watch above must speak first, with its one line and exit status.
         heartbeat_timeout_seconds=max(100, heartbeat_timeout_s + 30),
     )
+    if channel:
+        import lpdec.host_sum  # noqa: PLC0415 - imports jax (the module's docstring)
+
+        if process_sum == "host" or lpdec.host_sum.fits(num_nodes):
+            lpdec.host_sum.install(lpdec.host_sum.HostSum(process_id, num_processes, sums))
+            logging.info(
+                "process %d: local_mean's sums over the %d processes go through "
+                "lpdec.host_sum (config.process_sum=%r)",
+                process_id,
+                num_processes,
+                process_sum,
+            )
+        else:
+            for conn in sums.values():
+                conn.close()
     return peers
+
+
+def _join(*args) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
+    """`_join_handshake`'s connections to process 0, as `_serve_handshake` gives its own."""
+    conn, sums = _join_handshake(*args)
+    return {0: conn}, ({} if sums is None else {0: sums})
 
 
 def _gather_strings(text: str) -> list[str]:

@@ -53,6 +53,8 @@ ELASTIC_CHOICES = {
     "elastic_budget": ("rounds", "samples"),
     "elastic_transport": ("service", "peers"),
 }
+#: How a multi-process run sums over its processes (`lpdec.host_sum`).
+PROCESS_SUMS = ("auto", "jax", "host")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,6 +356,10 @@ def check_values(config: ml_collections.ConfigDict, *, elastic_machines: int | N
     for field, values in ELASTIC_CHOICES.items():
         if config[field] not in values:
             _fail(f"config.{field}={config[field]!r} must be one of: {', '.join(values)}.")
+    if config.process_sum not in PROCESS_SUMS:
+        _fail(
+            f"config.process_sum={config.process_sum!r} must be one of: {', '.join(PROCESS_SUMS)}."
+        )
     if config.checkpoint_every % config.log_every:
         _fail(
             f"config.checkpoint_every={config.checkpoint_every} must be a multiple of "
@@ -449,6 +455,17 @@ def machine_config(config: ml_collections.ConfigDict, machines: int) -> ml_colle
 def _check_fit(config: ml_collections.ConfigDict) -> None:
     """How the config's nodes fit this run's devices (and processes)."""
     devices = jax.device_count()
+    if config.process_sum == "host" and not (
+        jax.process_count() > 1
+        and jax.local_device_count() == 1
+        and config.num_nodes == jax.process_count()
+    ):
+        _fail(
+            f"config.process_sum='host' sums over processes of one device and one node each "
+            f"(lpdec.host_sum); this run has {jax.process_count()} process(es) of "
+            f"{jax.local_device_count()} device(s) and config.num_nodes={config.num_nodes}: "
+            "set config.process_sum='jax'."
+        )
     if config.devices and jax.process_count() > 1 and config.devices != devices:
         _fail(
             f"config.devices={config.devices} in a run of {jax.process_count()} processes: "
