@@ -176,7 +176,8 @@ UNCHECKED_BEFORE = [
 # Refusals of how a synchronous run's nodes fit its devices: an elastic machine is a
 # process of its own and fits one machine's workers instead (tested below).
 LAYOUT = ("not a multiple of 8", "does not divide the 8", "workers on each machine's 4",
-          "in one process needs config.machines", "machines=-1")  # fmt: skip
+          "in one process needs config.machines", "machines=-1",
+          "sums over processes of one device")  # fmt: skip
 
 
 @pytest.mark.parametrize("overrides,message", _bad_configs() + UNCHECKED_BEFORE)
@@ -218,6 +219,8 @@ def test_every_refusal_of_the_synchronous_run_is_the_elastic_machines_too(overri
             "an elastic round's members are whoever is alive",
         ),
         ({"algorithm": "choco"}, 2, "needs config.algorithm='diloco'"),
+        # A machine is one process: no sum over processes to route.
+        ({"process_sum": "host"}, 3, "config.process_sum='host' sums over processes of one"),
         # One machine's 16 workers on this process's 8 devices, split (FSDP) over them.
         (
             {"num_nodes": 32, "shard_model": True, "hierarchical": True, "machines": 2},

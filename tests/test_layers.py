@@ -21,7 +21,9 @@ MAY_IMPORT = {
     "lpdec.kernels_pallas": (),
     "lpdec.compress": ("lpdec.kernels_pallas",),
     "lpdec.wire": (),
-    "lpdec.gossip": ("lpdec.wire", "lpdec.compress", "lpdec.topology"),
+    "lpdec.host_sum": (),
+    # local_sum routes a sum over the processes through the installed host sum.
+    "lpdec.gossip": ("lpdec.wire", "lpdec.host_sum", "lpdec.compress", "lpdec.topology"),
     "lpdec.algorithms": (
         "lpdec.gossip",
         "lpdec.wire",
