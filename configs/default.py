@@ -90,8 +90,9 @@ def get_config() -> ml_collections.ConfigDict:
     # for local_mean's all-reduce (the fp32 all-reduce, DiLoCo's fp32 mean), every other
     # collective staying jax's; "auto", "host" on CPU when every process holds one
     # device and one node, else "jax". jax's gloo waits about a scheduler time slice on
-    # a buffer above ~256 KB when its process has one core; the host sum does not, and
-    # was faster pinned or not (BENCHMARKS.md, "bench/step_parity.py").
+    # a buffer above ~256 KB when its process has one core; the host sum does not
+    # (faster pinned; unpinned faster on the language model, level on the MLP; level at
+    # 1 Gbit: BENCHMARKS.md, "bench/step_parity.py").
     config.process_sum = "auto"
 
     # Local steps (algorithm = "diloco", issue 12): local_steps steps of the local

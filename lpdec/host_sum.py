@@ -5,7 +5,8 @@ jax's cross-process all-reduce on CPU (gloo) waits for a buffer of more than abo
 process a 482 KB all-reduce takes 4 ms where torch.distributed's takes 0.28 ms
 (BENCHMARKS.md, "bench/collective_overlap.py"). `HostSum` sums a numpy buffer over
 the processes through a star of blocking sockets (process 0 receives every other
-process's buffer, adds them in process order and sends the total back), whose
+process's buffer, adds them in process order and sends the total back, chunk by
+chunk and pipelined, so that a link carries both directions at once), whose
 waiting threads sleep in the kernel; `psum` calls it from inside a jitted program
 through `jax.experimental.buffer_callback` (on XLA's own buffers, in place).
 
@@ -29,6 +30,7 @@ from __future__ import annotations
 
 import socket
 import struct
+import threading
 from collections.abc import Sequence
 
 import jax
@@ -36,6 +38,8 @@ import numpy as np
 from jax.experimental import buffer_callback
 
 _HEADER = struct.Struct(">QQ")  # sequence number, payload bytes
+#: Bytes a pipelined step moves (a multiple of every dtype's size).
+CHUNK = 1 << 16
 
 
 class HostSumError(RuntimeError):
@@ -72,36 +76,65 @@ class HostSum:
         """The sum of every process's `x` (same shape and dtype everywhere), in process order.
 
         Written into `out` (a C-contiguous array of x's shape and dtype) when given.
+        The buffer moves in chunks of `CHUNK` bytes, pipelined: process 0 sends chunk k
+        of the total back while chunk k + 1 still arrives, and each other process sends
+        from a thread while it receives, so the link carries both directions at once
+        (about one buffer's time on the wire, where a send then a receive takes two).
         """
         x = np.ascontiguousarray(x)
         total = np.empty_like(x) if out is None else out
         self._calls += 1
         header = _HEADER.pack(self._calls, x.nbytes)
+        mine = memoryview(x.reshape(-1)).cast("B")
+        into = memoryview(total.reshape(-1)).cast("B")
         if self.process_id != 0:
             conn = self._connections[0]
-            _send(conn, 0, header, memoryview(x.reshape(-1)).cast("B"))
-            self._receive(conn, 0, total)
+            failed: list[HostSumError] = []
+
+            def send() -> None:
+                try:
+                    _send(conn, 0, header, mine)
+                except HostSumError as error:
+                    failed.append(error)
+
+            sender = threading.Thread(target=send, daemon=True)
+            sender.start()
+            try:
+                self._check_header(conn, 0, x.nbytes)
+                _read_exactly(conn, into, 0)
+            finally:
+                sender.join()
+            if failed:
+                raise failed[0]
             return total
-        total[...] = x
-        incoming = np.empty_like(x)
-        for peer in range(1, self.num_processes):
-            self._receive(self._connections[peer], peer, incoming)
-            total += incoming
-        for peer in range(1, self.num_processes):
-            _send(self._connections[peer], peer, header, memoryview(total.reshape(-1)).cast("B"))
+        peers = range(1, self.num_processes)
+        for peer in peers:
+            self._check_header(self._connections[peer], peer, x.nbytes)
+            _send(self._connections[peer], peer, header)
+        incoming = bytearray(min(CHUNK, x.nbytes))
+        step = CHUNK - CHUNK % x.itemsize if x.nbytes else 1
+        for at in range(0, x.nbytes, step):
+            end = min(at + step, x.nbytes)
+            part = np.frombuffer(into[at:end], x.dtype)  # a view of `total`
+            part[...] = np.frombuffer(mine[at:end], x.dtype)
+            view = memoryview(incoming)[: end - at]
+            for peer in peers:
+                _read_exactly(self._connections[peer], view, peer)
+                part += np.frombuffer(view, x.dtype)
+            for peer in peers:
+                _send(self._connections[peer], peer, into[at:end])
         return total
 
-    def _receive(self, conn: socket.socket, peer: int, into: np.ndarray) -> None:
+    def _check_header(self, conn: socket.socket, peer: int, nbytes: int) -> None:
         head = bytearray(_HEADER.size)
         _read_exactly(conn, memoryview(head), peer)
         calls, size = _HEADER.unpack(head)
-        if (calls, size) != (self._calls, into.nbytes):
+        if (calls, size) != (self._calls, nbytes):
             raise HostSumError(
-                f"process {self.process_id}: sum {self._calls} of {into.nbytes} bytes met "
+                f"process {self.process_id}: sum {self._calls} of {nbytes} bytes met "
                 f"process {peer}'s sum {calls} of {size} bytes: the processes ran different "
                 "programs."
             )
-        _read_exactly(conn, memoryview(into.reshape(-1)).cast("B"), peer)
 
     def close(self) -> None:
         for conn in self._connections.values():
@@ -147,7 +180,8 @@ def installed() -> HostSum | None:
 def fits(num_nodes: int) -> bool:
     """Whether a run of `num_nodes` nodes suits the host sum by default ("auto"): a CPU
     run of several processes, each one device holding one node (measured faster than
-    jax's gloo there, pinned or not: BENCHMARKS.md, "bench/step_parity.py")."""
+    jax's gloo there with a core a process, and level or faster without pinning and on
+    a 1 Gbit link: BENCHMARKS.md, "bench/step_parity.py")."""
     return (
         jax.process_count() > 1
         and jax.local_device_count() == 1

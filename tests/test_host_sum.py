@@ -55,10 +55,11 @@ def _in_threads(groups, arrays, outs=None):
 
 
 @pytest.mark.parametrize("num_processes", [2, 3, 4])
-def test_every_process_gets_the_left_fold_in_process_order(rng, num_processes):
+@pytest.mark.parametrize("shape", [(37, 5), (40_001,)], ids=["one-chunk", "four-chunks"])
+def test_every_process_gets_the_left_fold_in_process_order(rng, num_processes, shape):
     groups = _star(num_processes)
     for repeat in range(3):  # the connections carry one sum after another
-        arrays = [rng.standard_normal((37, 5)).astype(np.float32) for _ in groups]
+        arrays = [rng.standard_normal(shape).astype(np.float32) for _ in groups]
         expected = arrays[0].copy()
         for a in arrays[1:]:
             expected = expected + a  # ((x0 + x1) + x2) + ..., float32
