@@ -34,6 +34,22 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
+def free_port_pair() -> int:
+    """A port p with p and p + 1 both free at 127.0.0.1 now: an elastic service with
+    credentials listens on both (its gate on p, jax's service on p + 1). A lone free
+    port's neighbour is often taken by some process's outgoing connection."""
+    for _ in range(100):
+        port = free_port()
+        with socket.socket() as low, socket.socket() as high:
+            try:
+                low.bind(("127.0.0.1", port))
+                high.bind(("127.0.0.1", port + 1))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no two adjacent free ports at 127.0.0.1 in 100 tries")
+
+
 def start(command: Sequence[str], log_path: str, env: dict | None = None) -> subprocess.Popen:
     """`command` in a process group of its own (so `kill_group` ends all it starts), from
     the repository root, its stdout and stderr to `log_path`."""

@@ -155,7 +155,7 @@ def test_processes_without_the_runs_credentials_cannot_register_and_change_nothi
     refused at the gate, before it registers, with its own reason."""
     run, other = str(tmp_path / "run"), credentials_dir(tmp_path)
     credentials.make(run, 2)
-    address = f"127.0.0.1:{harness.free_port()}"
+    address = f"127.0.0.1:{harness.free_port_pair()}"  # the gate's port and jax's, + 1
     service = elastic.start(
         address, 2, token=b"token", heartbeat_timeout=3,
         credentials=credentials.load(run, "service"),
