@@ -274,6 +274,41 @@ def plan(runner: Runner) -> dict:
         out["slow ablation"], best = lever(runner, slows, out.get("muon diloco"))
         if best is not None:
             out["slow best"] = best
+    # 2c. The outer momentum swept under Muon at the recipe's outer rate (2b swept the
+    # rate at momentum 0.8; together the two axes around the winner), a new winner over
+    # 3 seeds. 2d. Muon inner at H=5 (twice the exchanges: 1/16 of the all-reduce's
+    # bytes) from H=5's tuned outer rate, its momentum swept; its winner over 3 seeds if
+    # it beats the H=10 recipe's seed 0.
+    if muon_setting is not None:
+        title = name(4, 10, ", Muon inner")
+        fixed = without(muon_setting, {"outer_momentum": None})
+        momenta = {"outer_momentum": grid(OUTER_MOMENTUM_GRID)}
+        best, out["muon momentum sweep"] = tune(
+            runner, title, fixed, momenta, {"outer_momentum": momentum_step}, **study
+        )
+        if best is not None and best["outer_momentum"] != muon_setting["outer_momentum"]:
+            setting = fixed | best
+            out["muon momentum best"] = seeds(
+                runner, label(title, shown(setting)), setting, **study
+            )
+        if 5 in winners:
+            title = name(4, 5, ", Muon inner")
+            five = at(4, 5, outer_lr=winners[5]["outer_lr"]) | muon
+            five["learning_rate"] = muon_setting["learning_rate"]
+            momenta = {"outer_momentum": grid(H5_GRIDS["outer_momentum"])}
+            best, out["muon h5 sweep"] = tune(
+                runner, title, without(five, momenta), momenta,
+                {"outer_momentum": momentum_step}, **study,
+            )  # fmt: skip
+            base = out.get("muon diloco")
+            sweep = out["muon h5 sweep"]
+            if best is not None and base:
+                seed0 = scale_tables.score(sweep[(best["outer_momentum"],)])
+                if seed0 < scale_tables.score(base[0]):
+                    setting = five | best
+                    out["muon h5 best"] = seeds(
+                        runner, label(title, shown(setting)), setting, **study
+                    )
     # 5. The H=10 winner on configs/lm_small.py (1.29M parameters) at its inner rate,
     # 3 seeds, beside the lm study's runs there (its all-reduce; 0.7 / 0.6 on 4 machines).
     if ten is not None and not quick:

@@ -67,12 +67,17 @@ def _sweep(title: str, sweep: dict | None, fields: tuple[str, ...]) -> list[str]
     return lines + [""]
 
 
-def _kept(out: dict, machines: int) -> str | None:
-    """A Muon outer-lr sweep's outcome when its winner is the recipe's own outer rate."""
-    sweep = out.get({4: "muon outer sweep", 8: "8 machines sweep"}[machines])
+def _kept(out: dict, key: str, field: str = "outer lr") -> str | None:
+    """A Muon sweep's outcome (`out[key]`) when its winner is the recipe's own value."""
+    sweep = out.get(key)
     if sweep and all(sweep.values()):
-        return "the recipe's outer lr won the sweep (below)"
+        return f"the recipe's {field} won the sweep (below)"
     return None
+
+
+def _no_gain(out: dict, key: str, what: str = "the ablation") -> str | None:
+    """A lever's outcome when nothing of `out[key]` beat the recipe at seed 0."""
+    return f"no gain at seed 0 ({what} below)" if out.get(key) else None
 
 
 def section(out: dict, config, docs: str) -> str:
@@ -110,12 +115,26 @@ def section(out: dict, config, docs: str) -> str:
             or ("no gain at seed 0 (the ablation below)" if out.get("decay ablation") else None),
         ),
         (4, "H=10 tuned, Muon inner (its learning rate swept)", out.get("muon diloco")),
-        (4, "Muon inner, the outer lr swept again", out.get("muon outer best") or _kept(out, 4)),
+        (
+            4,
+            "Muon inner, the outer lr swept again",
+            out.get("muon outer best") or _kept(out, "muon outer sweep"),
+        ),
         (
             4,
             "Muon inner, a slow outer momentum beside the fast one (MT-DAO)",
             out.get("slow best")
             or ("no gain at seed 0 (the ablation below)" if out.get("slow ablation") else None),
+        ),
+        (
+            4,
+            "Muon inner, the outer momentum swept at its outer lr",
+            out.get("muon momentum best") or _kept(out, "muon momentum sweep", "momentum"),
+        ),
+        (
+            4,
+            "Muon inner at H=5 (twice the exchanges), its outer momentum swept",
+            out.get("muon h5 best") or _no_gain(out, "muon h5 sweep", "the sweep"),
         ),
         (8, "2-machine recipe", out.get("8 machines recipe")),
         (
@@ -123,7 +142,11 @@ def section(out: dict, config, docs: str) -> str:
             "the best 4-machine recipe: Muon inner at H=10's tuned outer step",
             out.get("8 machines best"),
         ),  # fmt: skip
-        (8, "the same, its outer lr swept again", out.get("8 machines tuned") or _kept(out, 8)),
+        (
+            8,
+            "the same, its outer lr swept again",
+            out.get("8 machines tuned") or _kept(out, "8 machines sweep"),
+        ),
     ]
     for machines, recipe, records in rows:
         goal = f"within +{GOALS[machines]:.1f}%" if machines in GOALS else "-"
@@ -152,6 +175,10 @@ def section(out: dict, config, docs: str) -> str:
                     out.get("muon outer sweep"), ("outer_lr",))  # fmt: skip
     lines += _sweep("8 machines, Muon inner: outer learning rate", out.get("8 machines sweep"),
                     ("outer_lr",))  # fmt: skip
+    lines += _sweep("4 machines, Muon inner: outer momentum at outer lr 0.7",
+                    out.get("muon momentum sweep"), ("outer_momentum",))  # fmt: skip
+    lines += _sweep("4 machines, Muon inner at H=5: outer momentum at H=5's outer lr",
+                    out.get("muon h5 sweep"), ("outer_momentum",))  # fmt: skip
     decays = out.get("decay ablation")
     if decays:
         base = (out.get("4 machines H=10 best") or [None])[0]
