@@ -51,6 +51,7 @@ from bench.experiments.lm import tune
 from bench.experiments.runner import Runner
 from configs import lm_small
 from configs import lm_study
+from configs import lm_tiny
 
 STUDY = "scale"
 # The 2-machine recipe (configs/lm_study.py): the inner rate, H=10 and the outer step.
@@ -76,6 +77,22 @@ DECAY_PARTS = (0.1, 0.25)
 # The second lever's grid: the slow outer momentum and its weight in the outer step.
 SLOW_MOMENTA = (0.9, 0.95)
 SLOW_WEIGHTS = (0.25, 0.5)
+# The batch per machine count: the batch times these, the steps over them (equal tokens).
+BATCH_FACTORS = (0.5, 2.0)
+# Muon's own momentum inside DiLoCo (0.95 the recipe's, configs/default.py).
+MUON_BETAS = (0.9, 0.98)
+
+
+def batch_config(factor: float):
+    """The study's recipe with `factor` x the batch and 1 / `factor` x the steps (the
+    same tokens); the learning rate's warm-up stays a twentieth of the steps."""
+
+    def base(quick: bool):
+        config = lm_study.recipe(lm_tiny.get_config(), int(lm_config(quick).num_steps / factor))
+        config.batch_size = int(lm_tiny.get_config().batch_size * factor)
+        return config
+
+    return base
 
 
 def momentum_step(value: float, direction: int) -> float:
@@ -309,6 +326,33 @@ def plan(runner: Runner) -> dict:
                     out["muon h5 best"] = seeds(
                         runner, label(title, shown(setting)), setting, **study
                     )
+    # 1b. The batch per machine count (seed 0): the all-reduce with Muon and the best
+    # 4-machine recipe (Muon inner) at half and twice the batch, the same tokens; the
+    # gap at each batch, and against the all-reduce's best batch.
+    if muon_setting is not None and muon_ar is not None:
+        for factor in BATCH_FACTORS:
+            at_batch = dict(base=batch_config(factor), count=1, **study)
+            out[f"batch x{factor:g} allreduce"] = seeds(
+                runner, label(f"all-reduce fp32 Muon, batch x{factor:g}", muon_ar),
+                ALLREDUCE | muon | muon_ar, **at_batch,
+            )  # fmt: skip
+            out[f"batch x{factor:g} diloco"] = seeds(
+                runner, label(f"{name(4, 10, ', Muon inner')}, batch x{factor:g}",
+                              shown(muon_setting)), muon_setting, **at_batch,
+            )  # fmt: skip
+    # 3c. Muon's own momentum inside DiLoCo (its buffer is each machine's and survives
+    # the rounds: a shorter memory forgets the other machines' pulls sooner), seed 0.
+    if muon_setting is not None:
+        betas = {
+            beta: (
+                label(name(4, 10, ", Muon inner"), shown(muon_setting)) + f", muon_beta={beta:g}",
+                muon_setting | {"muon_beta": beta},
+            )
+            for beta in grid(MUON_BETAS)
+        }
+        out["muon beta ablation"], best = lever(runner, betas, out.get("muon diloco"))
+        if best is not None:
+            out["muon beta best"] = best
     # 5. The H=10 winner on configs/lm_small.py (1.29M parameters) at its inner rate,
     # 3 seeds, beside the lm study's runs there (its all-reduce; 0.7 / 0.6 on 4 machines).
     if ten is not None and not quick:

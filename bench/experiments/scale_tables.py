@@ -80,6 +80,37 @@ def _no_gain(out: dict, key: str, what: str = "the ablation") -> str | None:
     return f"no gain at seed 0 ({what} below)" if out.get(key) else None
 
 
+def _batches(out: dict) -> list[str]:
+    """The batch per machine count: the Muon all-reduce and the best 4-machine recipe at
+    each batch (the same tokens), seed 0."""
+    factors = sorted(
+        float(k.split()[1][1:]) for k in out if k.endswith(" allreduce") and k.startswith("batch x")
+    )
+    if not factors:
+        return []
+    lines = [
+        "The batch per machine count (seed 0, the same tokens: the batch times the factor, "
+        "the steps over it; each at its tuned rates): the all-reduce with Muon against the "
+        "best 4-machine recipe (Muon inner, H=10, outer 0.7 / 0.8):",
+        "",
+        "| batch | steps | all-reduce with Muon | 4 machines, Muon inner | gap at this batch |",
+        "|---|---|---|---|---|",
+    ]
+    rows = {1.0: (out.get("muon allreduce"), out.get("muon diloco"))}
+    for f in factors:
+        rows[f] = (out.get(f"batch x{f:g} allreduce"), out.get(f"batch x{f:g} diloco"))
+    for f, (ar, dl) in sorted(rows.items()):
+        a = score(ar[0]) if ar else None
+        d = score(dl[0]) if dl else None
+        cells = [f"{v:.4f}" if v is not None else "not run yet" for v in (a, d)]
+        change = f"{100 * (d / a - 1):+.2f}%" if a and d else "-"
+        steps = int(2000 / f)
+        lines.append(
+            f"| x{f:g} ({int(8 * f)} windows a worker) | {steps:,} | {cells[0]} | {cells[1]} | {change} |"
+        )
+    return lines + [""]
+
+
 def section(out: dict, config, docs: str) -> str:
     """The section from `scale.plan`'s runs (`config`: the lm study's recipe)."""
     del docs  # no plots
@@ -136,6 +167,11 @@ def section(out: dict, config, docs: str) -> str:
             "Muon inner at H=5 (twice the exchanges), its outer momentum swept",
             out.get("muon h5 best") or _no_gain(out, "muon h5 sweep", "the sweep"),
         ),
+        (
+            4,
+            "Muon inner, Muon's own momentum swept",
+            out.get("muon beta best") or _no_gain(out, "muon beta ablation"),
+        ),
         (8, "2-machine recipe", out.get("8 machines recipe")),
         (
             8,
@@ -179,6 +215,22 @@ def section(out: dict, config, docs: str) -> str:
                     out.get("muon momentum sweep"), ("outer_momentum",))  # fmt: skip
     lines += _sweep("4 machines, Muon inner at H=5: outer momentum at H=5's outer lr",
                     out.get("muon h5 sweep"), ("outer_momentum",))  # fmt: skip
+    lines += _batches(out)
+    betas = out.get("muon beta ablation")
+    if betas:
+        base = (out.get("muon diloco") or [None])[0]
+        lines += [
+            "A third lever at the best 4-machine recipe (seed 0): Muon's own momentum "
+            "(`muon_beta`), each machine's buffer carried across the rounds:",
+            "",
+            "| muon_beta | bits per byte |",
+            "|---|---|",
+            f"| 0.95 (the recipe) | {'not run yet' if base is None else f'{score(base):.4f}'} |",
+        ]
+        for beta, records in sorted(betas.items()):
+            value = "not run yet" if not records else f"{score(records[0]):.4f}"
+            lines.append(f"| {beta:g} | {value} |")
+        lines.append("")
     decays = out.get("decay ablation")
     if decays:
         base = (out.get("4 machines H=10 best") or [None])[0]
