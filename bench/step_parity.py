@@ -48,6 +48,7 @@ import pathlib
 import statistics
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -368,6 +369,12 @@ def main(argv: list[str] | None = None) -> None:
         "gives it (its own section: jax's gloo all-reduce stalls when its process has "
         "one core, bench/collective_overlap.py)",
     )  # fmt: skip
+    parser.add_argument(
+        "--section",
+        help="the BENCHMARKS.md section to write (default: 'bench/step_parity.py', with "
+        "--no-pin 'bench/step_parity.py unpinned'): a re-run on another machine beside "
+        "the first",
+    )  # fmt: skip
     args = parser.parse_args(argv)
     global PIN
     PIN = args.pin
@@ -389,14 +396,17 @@ def main(argv: list[str] | None = None) -> None:
     lines = [
         "## The step across processes, like for like (`bench/step_parity.py"
         + ("" if args.pin else " --no-pin")
-        + "`)",
+        + "`)"
+        + (f", {time.strftime('%Y-%m-%d')}" if args.section else ""),
         "",
         "2 machines on loopback; layout (a): one process per machine holding the whole "
         f"model; layout (b): a machine's {WORKERS} workers as devices of one process "
         f"(lpdec) or as {WORKERS} processes (DDP). {where} with one compute thread (XLA's "
         "eigen pool off, `intra_op_parallelism_threads=1`; `torch.set_num_threads(1)`). "
         f"Median seconds per step over {args.steps} steps after the first logged interval. "
-        f"`python -m bench.step_parity{'' if args.pin else ' --no-pin'}`; {versions()}, "
+        f"`python -m bench.step_parity{'' if args.pin else ' --no-pin'}"
+        + (f" --section '{args.section}'" if args.section else "")
+        + f"`; {versions()}, "
         f"{os.cpu_count()} cores.",
         "",
     ]
@@ -405,7 +415,7 @@ def main(argv: list[str] | None = None) -> None:
     body = "\n".join(lines).rstrip()
     print(body)
     if not args.no_write:
-        marker = "bench/step_parity.py" + ("" if args.pin else " unpinned")
+        marker = args.section or "bench/step_parity.py" + ("" if args.pin else " unpinned")
         replace_section(ROOT / "BENCHMARKS.md", marker, body, header=BENCHMARKS_HEADER)
 
 
