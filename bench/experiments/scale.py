@@ -291,6 +291,8 @@ def plan(runner: Runner) -> dict:
         out["slow ablation"], best = lever(runner, slows, out.get("muon diloco"))
         if best is not None:
             out["slow best"] = best
+    # Each lever's winner over 3 seeds, by its key in `out`: the best goes to 8 machines.
+    candidates: dict[str, dict] = {}
     # 2c. The outer momentum swept under Muon at the recipe's outer rate (2b swept the
     # rate at momentum 0.8; together the two axes around the winner), a new winner over
     # 3 seeds. 2d. Muon inner at H=5 (twice the exchanges: 1/16 of the all-reduce's
@@ -305,6 +307,7 @@ def plan(runner: Runner) -> dict:
         )
         if best is not None and best["outer_momentum"] != muon_setting["outer_momentum"]:
             setting = fixed | best
+            candidates["muon momentum best"] = setting
             out["muon momentum best"] = seeds(
                 runner, label(title, shown(setting)), setting, **study
             )
@@ -323,6 +326,7 @@ def plan(runner: Runner) -> dict:
                 seed0 = scale_tables.score(sweep[(best["outer_momentum"],)])
                 if seed0 < scale_tables.score(base[0]):
                     setting = five | best
+                    candidates["muon h5 best"] = setting
                     out["muon h5 best"] = seeds(
                         runner, label(title, shown(setting)), setting, **study
                     )
@@ -353,6 +357,28 @@ def plan(runner: Runner) -> dict:
         out["muon beta ablation"], best = lever(runner, betas, out.get("muon diloco"))
         if best is not None:
             out["muon beta best"] = best
+            beta = min(
+                (b for b in betas if out["muon beta ablation"][b]),
+                key=lambda b: scale_tables.score(out["muon beta ablation"][b][0]),
+            )
+            candidates["muon beta best"] = betas[beta][1]
+    # 4b. 8 machines x 1 at the best of the levers' winners (3 seeds' mean), if one
+    # beats the recipe that 4a took there (Muon inner, H=10, outer 0.7 / 0.8).
+    done = {
+        k: out[k]
+        for k in candidates
+        if out.get(k) and len(out[k]) == len(out.get("muon diloco") or ())
+    }
+    if done and out.get("muon diloco"):
+        key = min(done, key=lambda k: scale_tables.mean(done[k]))
+        if scale_tables.mean(done[key]) < scale_tables.mean(out["muon diloco"]):
+            eight = candidates[key] | {"machines": 8}
+            out["8 machines lever"] = seeds(
+                runner, label(name(8, eight["local_steps"], ", Muon inner"), shown(eight))
+                + ("" if "muon_beta" not in eight else f", muon_beta={eight['muon_beta']:g}"),
+                eight, **study,
+            )  # fmt: skip
+            out["8 machines lever from"] = key
     # 5. The H=10 winner on configs/lm_small.py (1.29M parameters) at its inner rate,
     # 3 seeds, beside the lm study's runs there (its all-reduce; 0.7 / 0.6 on 4 machines).
     if ten is not None and not quick:

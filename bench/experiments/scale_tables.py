@@ -15,7 +15,7 @@ from bench.experiments.lm_tables import gap
 from bench.experiments.lm_tables import score
 from configs import default
 
-__all__ = ["score", "section"]
+__all__ = ["mean", "score", "section"]
 
 # The scaling-law study (arXiv 2503.09799, Table 4): DiLoCo's final loss over
 # data-parallel's at 2 / 4 / 8 replicas, 35M parameters (H=30, outer Nesterov 0.9, the
@@ -23,6 +23,19 @@ __all__ = ["score", "section"]
 FIELD_35M = {2: 0.7, 4: 2.0, 8: 3.9}
 GOALS = {4: 1.0, 8: 2.0}
 COMMAND = "python -m bench.experiments scale --keep-published"
+
+
+def mean(records) -> float:
+    """The mean final validation bits per byte of `records` (one per seed)."""
+    return float(np.mean([score(r) for r in records]))
+
+
+#: The levers whose winner can go to 8 machines (scale.py's keys), as the table names them.
+LEVERS = {
+    "muon momentum best": "Muon inner, its outer momentum re-swept",
+    "muon h5 best": "Muon inner at H=5",
+    "muon beta best": "Muon's own momentum",
+}
 
 
 def _bytes(records) -> str:
@@ -182,6 +195,11 @@ def section(out: dict, config, docs: str) -> str:
             8,
             "the same, its outer lr swept again",
             out.get("8 machines tuned") or _kept(out, "8 machines sweep"),
+        ),
+        (
+            8,
+            f"the 4-machine levers' best ({LEVERS.get(out.get('8 machines lever from'), '-')})",
+            out.get("8 machines lever"),
         ),
     ]
     for machines, recipe, records in rows:
