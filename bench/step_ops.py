@@ -70,16 +70,16 @@ def jax_class(op_name: str, kind: str) -> str:
     """The class of an XLA op from its fusion kind and its metadata's `op_name`."""
     if "adam" in op_name or not ("jvp(" in op_name or "transpose(" in op_name):
         return CLASSES[5]  # outside the model's forward and backward: the optimizer
-    if "vmap(" in op_name or "dot_product_attention" in op_name:
-        return CLASSES[1]  # jax.nn.dot_product_attention's body (vmapped over heads)
+    if "/attention/" in op_name:
+        return CLASSES[1]  # the model's scope around its attention
+    if "/gelu/" in op_name:
+        return CLASSES[2]
     if re.search(r"/norm(1|2|_final)/", op_name):
         return CLASSES[3]
     if re.search(r"/(qkv|attn_out|mlp_in|mlp_out)/", op_name) or "attend" in op_name:
         return CLASSES[0]
     if kind.startswith(("dot", "ynn_fusion")) and "dot_general" in op_name:
         return CLASSES[0]
-    if re.search(r"/block\d+/(tanh|pow|mul)", op_name) and "tanh" in kind + op_name:
-        return CLASSES[2]
     if "Transformer" not in op_name:
         return CLASSES[4]  # the loss, outside the model's scope
     return CLASSES[6]
@@ -105,7 +105,7 @@ def torch_class(name: str) -> str | None:
     return CLASSES[6]
 
 
-def measure_jax(steps: int, profiled: int) -> dict:
+def measure_jax(steps: int, profiled: int, attention: str | None = None) -> dict:
     import jax  # noqa: PLC0415 (each side imports its framework in its own process)
     import jax.numpy as jnp  # noqa: PLC0415
     import numpy as np  # noqa: PLC0415
@@ -115,7 +115,7 @@ def measure_jax(steps: int, profiled: int) -> dict:
 
     model = get_model(
         "transformer", num_classes=VOCAB, context=CONTEXT, d_model=D_MODEL,
-        num_layers=LAYERS, num_heads=HEADS, vocab_size=VOCAB,
+        num_layers=LAYERS, num_heads=HEADS, vocab_size=VOCAB, attention_implementation=attention,
     )  # fmt: skip
     rng = np.random.default_rng(0)
     tokens = jnp.asarray(rng.integers(0, VOCAB, (BATCH, CONTEXT + 1)), jnp.int32)
@@ -200,13 +200,14 @@ def measure_torch(steps: int, profiled: int) -> dict:
     return {"step_ms": ms, "classes": dict(by_class), "version": f"torch {torch.__version__}"}
 
 
-def _side(which: str, steps: int, profiled: int) -> dict:
+def _side(which: str, steps: int, profiled: int, attention: str | None = None) -> dict:
     """Runs one side in its own process on core 0 with one thread; its JSON result."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=ONE_THREAD, OMP_NUM_THREADS="1")
     pin = ["taskset", "-c", "0"] if hasattr(os, "sched_setaffinity") else []
     out = subprocess.run(
         [*pin, sys.executable, "-m", "bench.step_ops", "--side", which,
-         "--steps", str(steps), "--profiled", str(profiled)],
+         "--steps", str(steps), "--profiled", str(profiled),
+         *(["--attention", attention] if attention else [])],
         env=env, cwd=ROOT, capture_output=True, text=True, timeout=900, check=False,
     )  # fmt: skip
     if out.returncode != 0:
@@ -214,30 +215,36 @@ def _side(which: str, steps: int, profiled: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def render(jax_side: dict, torch_side: dict, steps: int) -> str:
+def render(xla: dict, lpdec_side: dict, torch_side: dict, steps: int) -> str:
+    """The table: lpdec with XLA's attention, with its own (the CPU default), PyTorch."""
     from bench._sections import versions  # noqa: PLC0415
 
+    sides = (xla, lpdec_side, torch_side)
     lines = [
         "## The language model's compute, op by op (`bench/step_ops.py`)",
         "",
         "configs/lm_study.py's transformer on a layout-(a) process's batch (32 windows, "
         "2,048 tokens): forward, softmax cross-entropy, backward and Adam, one process "
-        "pinned to one core with one thread. The step: the median of "
-        f"{steps} steps without a profiler; the classes: each profiler's op time per step "
-        "(XLA's thunks by the op each fusion is named after; PyTorch's operators, self "
-        f"time). `python -m bench.step_ops`; {versions()}, {torch_side['version']}.",
+        "pinned to one core with one thread; lpdec with `jax.nn.dot_product_attention`'s "
+        "XLA attention (`attention_implementation='xla'`, the default before issue 51) and "
+        "with its own (`'lpdec'`, `causal_attention`: the CPU default). The step: the "
+        f"median of {steps} steps without a profiler; the classes: each profiler's op time "
+        "per step (XLA's thunks by the op each fusion is named after; PyTorch's operators, "
+        f"self time). `python -m bench.step_ops`; {versions()}, {torch_side['version']}.",
         "",
-        "| | lpdec (XLA:CPU), ms | PyTorch, ms | lpdec / PyTorch |",
-        "|---|---|---|---|",
-        f"| the step, no profiler | {jax_side['step_ms']:.2f} | {torch_side['step_ms']:.2f} "
-        f"| {jax_side['step_ms'] / torch_side['step_ms']:.2f}x |",
+        "| | lpdec, XLA's attention, ms | lpdec, its attention, ms | PyTorch, ms | "
+        "lpdec / PyTorch |",
+        "|---|---|---|---|---|",
     ]
+
+    def row(label: str, values: list[float]) -> str:
+        ratio = f"{values[1] / values[2]:.2f}x" if values[2] else "-"
+        return f"| {label} | " + " | ".join(f"{v:.2f}" for v in values) + f" | {ratio} |"
+
+    lines.append(row("the step, no profiler", [side["step_ms"] for side in sides]))
     for cls in CLASSES:
-        a, b = jax_side["classes"].get(cls, 0.0), torch_side["classes"].get(cls, 0.0)
-        ratio = f"{a / b:.2f}x" if b else "-"
-        lines.append(f"| {cls} | {a:.2f} | {b:.2f} | {ratio} |")
-    a, b = sum(jax_side["classes"].values()), sum(torch_side["classes"].values())
-    lines.append(f"| all profiled ops | {a:.2f} | {b:.2f} | {a / b:.2f}x |")
+        lines.append(row(cls, [side["classes"].get(cls, 0.0) for side in sides]))
+    lines.append(row("all profiled ops", [sum(side["classes"].values()) for side in sides]))
     return "\n".join(lines)
 
 
@@ -247,14 +254,18 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--profiled", type=int, default=50)
     parser.add_argument("--no-write", action="store_true")
     parser.add_argument("--side", choices=("jax", "torch"), help=argparse.SUPPRESS)
+    parser.add_argument("--attention", help=argparse.SUPPRESS)  # the jax side's
     args = parser.parse_args(argv)
-    if args.side:
-        measure = measure_jax if args.side == "jax" else measure_torch
-        print(json.dumps(measure(args.steps, args.profiled)))
+    if args.side == "jax":
+        print(json.dumps(measure_jax(args.steps, args.profiled, args.attention)))
         return
-    jax_side = _side("jax", args.steps, args.profiled)
+    if args.side == "torch":
+        print(json.dumps(measure_torch(args.steps, args.profiled)))
+        return
+    xla = _side("jax", args.steps, args.profiled, "xla")
+    lpdec_side = _side("jax", args.steps, args.profiled, "lpdec")
     torch_side = _side("torch", args.steps, args.profiled)
-    body = render(jax_side, torch_side, args.steps)
+    body = render(xla, lpdec_side, torch_side, args.steps)
     print(body)
     if not args.no_write:
         from bench._sections import BENCHMARKS_HEADER  # noqa: PLC0415

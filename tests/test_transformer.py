@@ -9,6 +9,7 @@ import optax
 import pytest
 
 from lpdec import models
+from lpdec.models import transformer
 
 TINY = dict(vocab_size=256, context=16, d_model=32, num_layers=2, num_heads=4, mlp_ratio=4)
 # The sizes the language-model workload uses (lpdec/models/transformer.py's docstring).
@@ -128,14 +129,45 @@ def test_bfloat16_compute_keeps_float32_parameters_and_logits():
     np.testing.assert_allclose(low, high, atol=0.05 * np.abs(high).max())
 
 
-def test_xla_attention_is_the_default():
+def test_the_default_attention_is_lpdecs_on_cpu_and_xlas_agrees():
     tokens = random_tokens(4, (2, 9))
     default = models.Transformer(**TINY)
     params = {"params": randomized_params(default)}
+    lpdec_attention = models.Transformer(**TINY, attention_implementation="lpdec")
     xla = models.Transformer(**TINY, attention_implementation="xla")
-    np.testing.assert_array_equal(
-        jax.jit(xla.apply)(params, tokens), jax.jit(default.apply)(params, tokens)
-    )
+    logits = jax.jit(default.apply)(params, tokens)
+    np.testing.assert_array_equal(jax.jit(lpdec_attention.apply)(params, tokens), logits)
+    np.testing.assert_allclose(jax.jit(xla.apply)(params, tokens), logits, rtol=1e-5, atol=1e-5)
+
+
+def test_causal_attentions_gradients_match_float64_finite_differences():
+    """The written-out backward against central differences of the float64 numpy
+    attention, for a random cotangent: d<out, c>/d(q, k, v)."""
+    rng = np.random.default_rng(7)
+    q, k, v, cotangent = (rng.normal(size=(1, 5, 2, 3)) for _ in range(4))
+
+    def objective(q, k, v):
+        return float(np.sum(np_causal_attention(q[0], k[0], v[0]) * cotangent[0]))
+
+    expected = []
+    for which in range(3):
+        inputs = [q.copy(), k.copy(), v.copy()]
+        grad = np.zeros_like(inputs[which])
+        for index in np.ndindex(grad.shape):
+            step = 1e-6
+            inputs[which][index] += step
+            up = objective(*inputs)
+            inputs[which][index] -= 2 * step
+            down = objective(*inputs)
+            inputs[which][index] += step
+            grad[index] = (up - down) / (2 * step)
+        expected.append(grad)
+    f32 = [jnp.asarray(x, jnp.float32) for x in (q, k, v)]
+    out, vjp = jax.vjp(transformer.causal_attention, *f32)
+    got = vjp(jnp.asarray(cotangent, jnp.float32))
+    np.testing.assert_allclose(out[0], np_causal_attention(q[0], k[0], v[0]), rtol=1e-5, atol=1e-6)
+    for name, g, e in zip("qkv", got, expected, strict=True):
+        np.testing.assert_allclose(g, e, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
 def test_a_token_changes_no_logit_before_it_and_the_logits_at_it():

@@ -9,10 +9,12 @@ between a learned token embedding plus a learned absolute position embedding
 (GPT-2's; RoPE would save the `context x d_model` position table but learned
 positions keep the model a plain parameter tree of dense matrices) and a final
 norm followed by the output projection, which by default is the token embedding
-transposed (tied, as GPT-2). Attention is `jax.nn.dot_product_attention(...,
-is_causal=True, implementation=attention_implementation)`. Its default (None)
-is XLA's attention on every backend in jax 0.10-0.12 (jax does not pick cuDNN
-by itself); on GPUs, `attention_implementation="cudnn"` with
+transposed (tied, as GPT-2). Attention is `causal_attention` (`attention_implementation=
+"lpdec"`: XLA's attention with its backward written out, 1.9x faster forward and
+backward on one CPU thread) or `jax.nn.dot_product_attention(..., is_causal=True,
+implementation=attention_implementation)` ("xla", "cudnn"). Its default (None) is
+"lpdec" on CPU and "xla" on other backends (jax does not pick cuDNN by itself in
+jax 0.10-0.12); on GPUs, `attention_implementation="cudnn"` with
 `dtype=jnp.bfloat16` (or float16) selects cuDNN's fused flash attention, which
 jax allows for head dims that are multiples of 8 up to 128 (256 from Hopper).
 GELU is GPT-2's tanh approximation; there is no dropout.
@@ -71,11 +73,54 @@ import jax.numpy as jnp
 
 #: The transformer's normalization choices (None means "layernorm").
 TRANSFORMER_NORMS = ("layernorm", "rmsnorm")
-#: `jax.nn.dot_product_attention`'s implementations (None: jax's default, XLA).
-ATTENTION_IMPLEMENTATIONS = (None, "xla", "cudnn")
+#: Attention's implementations: "lpdec" (`causal_attention`, its backward from the
+#: saved probabilities), or `jax.nn.dot_product_attention`'s "xla" and "cudnn"; None:
+#: "lpdec" on CPU, "xla" elsewhere.
+ATTENTION_IMPLEMENTATIONS = (None, "lpdec", "xla", "cudnn")
 
 _INIT_STD = 0.02
 _NORM_EPSILON = 1e-5
+
+
+@jax.custom_vjp
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
+    """Causal softmax attention [batch, T, heads, head_dim] -> the same shape.
+
+    The function of ``jax.nn.dot_product_attention(q, k, v, is_causal=True)`` with
+    XLA's implementation: logits q k^T / sqrt(head_dim) in float32, the future masked,
+    a softmax in float32, probabilities cast to `v`'s dtype. Its backward is written
+    out from the probabilities the forward saved (dP = dO V^T, dS = P (dP - rowsum(P
+    dP)) / sqrt(head_dim), dQ = dS K, dK = dS^T Q, dV = P^T dO), where autodiff of the
+    masked softmax makes several more passes over the [batch, heads, T, T] logits:
+    on one CPU thread lm_tiny's attention takes 2.1 ms forward and backward a layer
+    against 4.0 (BENCHMARKS.md, "bench/step_ops.py"). The same memory: autodiff keeps
+    the probabilities too.
+    """
+    return _attention_forward(q, k, v)[0]
+
+
+def _attention_forward(q, k, v):
+    length = q.shape[1]
+    logits = jnp.einsum("btnh,bsnh->bnts", q, k, preferred_element_type=jnp.float32)
+    logits = logits * (1.0 / math.sqrt(q.shape[-1]))
+    causal = jnp.arange(length)[:, None] >= jnp.arange(k.shape[1])[None, :]
+    probs = jax.nn.softmax(jnp.where(causal, logits, -jnp.inf), axis=-1)
+    out = jnp.einsum("bnts,bsnh->btnh", probs.astype(v.dtype), v)
+    return out, (q, k, v, probs)
+
+
+def _attention_backward(saved, grad_out):
+    q, k, v, probs = saved
+    grad_v = jnp.einsum("bnts,btnh->bsnh", probs.astype(v.dtype), grad_out)
+    grad_probs = jnp.einsum("btnh,bsnh->bnts", grad_out, v, preferred_element_type=jnp.float32)
+    grad_logits = probs * (grad_probs - jnp.sum(probs * grad_probs, axis=-1, keepdims=True))
+    grad_logits = (grad_logits * (1.0 / math.sqrt(q.shape[-1]))).astype(q.dtype)
+    grad_q = jnp.einsum("bnts,bsnh->btnh", grad_logits, k)
+    grad_k = jnp.einsum("bnts,btnh->bsnh", grad_logits, q)
+    return grad_q, grad_k, grad_v
+
+
+causal_attention.defvjp(_attention_forward, _attention_backward)
 
 
 def _check_positive_int(name: str, value) -> None:
@@ -109,7 +154,7 @@ class _Block(nn.Module):
     residual_std: float
     norm: str
     dtype: Any
-    attention_implementation: Literal["xla", "cudnn"] | None
+    attention_implementation: Literal["lpdec", "xla", "cudnn"] | None
 
     @nn.compact
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -129,15 +174,24 @@ class _Block(nn.Module):
         qkv = dense(3 * d, _INIT_STD, "qkv")(_make_norm(self.norm, self.dtype, "norm1")(x))
         qkv = qkv.reshape(batch, length, 3, self.num_heads, head_dim)
         q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-        heads = jax.nn.dot_product_attention(
-            q, k, v, is_causal=True, implementation=self.attention_implementation
-        )
+        implementation = self.attention_implementation
+        if implementation is None:  # the faster measured: lpdec's on CPU (causal_attention)
+            implementation = "lpdec" if jax.default_backend() == "cpu" else "xla"
+        with jax.named_scope("attention"):  # (profiles name its ops by it)
+            if implementation == "lpdec":
+                heads = causal_attention(q, k, v)
+            else:
+                heads = jax.nn.dot_product_attention(
+                    q, k, v, is_causal=True, implementation=implementation
+                )
         x = x + dense(d, self.residual_std, "attn_out")(heads.reshape(batch, length, d))
 
         h = dense(self.mlp_ratio * d, _INIT_STD, "mlp_in")(
             _make_norm(self.norm, self.dtype, "norm2")(x)
         )
-        return x + dense(d, self.residual_std, "mlp_out")(nn.gelu(h, approximate=True))
+        with jax.named_scope("gelu"):
+            h = nn.gelu(h, approximate=True)
+        return x + dense(d, self.residual_std, "mlp_out")(h)
 
 
 class Transformer(nn.Module):
@@ -159,8 +213,9 @@ class Transformer(nn.Module):
       norm: "layernorm" or "rmsnorm"; None (what `get_model` passes by
         default) is "layernorm".
       dtype: compute dtype.
-      attention_implementation: None (XLA), "xla", or "cudnn" (GPUs only, with a
-        16-bit `dtype`): `jax.nn.dot_product_attention`'s `implementation`.
+      attention_implementation: "lpdec" (`causal_attention`), or "xla" or "cudnn"
+        (GPUs only, with a 16-bit `dtype`): `jax.nn.dot_product_attention`'s
+        `implementation`; None: "lpdec" on CPU, "xla" elsewhere.
       precision: must be "fp32" (accepted because every model of
         `lpdec.models.MODELS` takes it; int8 is for the CNNs and the MLP).
       num_classes: None, or the number of classes the training loop's data set
@@ -182,7 +237,7 @@ class Transformer(nn.Module):
     tie_embeddings: bool = True
     norm: str | None = "layernorm"
     dtype: Any = jnp.float32
-    attention_implementation: Literal["xla", "cudnn"] | None = None
+    attention_implementation: Literal["lpdec", "xla", "cudnn"] | None = None
     precision: str = "fp32"
     num_classes: int | None = None
 
