@@ -203,9 +203,10 @@ def lpdec_row(
     process_sum: str = "jax",
 ) -> Row:
     name = f"{w.name}_{algorithm}_{processes}x{workers}"
-    extra: tuple[str, ...] = ()
+    # Always named: train.py's default ("auto") takes the host sum where it fits.
+    extra = (f"--config.process_sum={process_sum}",)
     if process_sum != "jax":
-        name, extra = f"{name}_{process_sum}", (f"--config.process_sum={process_sum}",)
+        name = f"{name}_{process_sum}"
     workdir = root / name
     if not (workdir / "metrics.csv").exists():
         commands = _lpdec(w, workdir, processes, algorithm, steps, workers, extra)
@@ -313,7 +314,10 @@ def render(w: Workload, rows: dict[str, Row], steps: int) -> list[str]:
             "ddp",
         ),  # fmt: skip
         line(
-            "layout (a): lpdec, 2 processes, fp32 all-reduce of the gradients", "allreduce_2", "ddp"
+            "layout (a): lpdec, 2 processes, fp32 all-reduce of the gradients through jax's "
+            "gloo (`config.process_sum='jax'`)",
+            "allreduce_2",
+            "ddp",
         ),  # fmt: skip
         line(
             "layout (a): lpdec, 2 processes, the same all-reduce through lpdec.host_sum "

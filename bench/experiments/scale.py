@@ -90,6 +90,7 @@ def batch_config(factor: float):
     def base(quick: bool):
         config = lm_study.recipe(lm_tiny.get_config(), int(lm_config(quick).num_steps / factor))
         config.batch_size = int(lm_tiny.get_config().batch_size * factor)
+        config.log_every = max(1, config.log_every)  # (a quick run's few steps)
         return config
 
     return base
@@ -102,6 +103,60 @@ def momentum_step(value: float, direction: int) -> float:
 
 
 EXTEND = {"outer_lr": 1.4, "outer_momentum": momentum_step}
+
+
+def batch_runs(
+    runner, out: dict, muon_ar: dict, muon_setting: dict, muon: dict, grid, study
+) -> None:
+    """1b of `plan`: the batch sweep of the Muon all-reduce and the Muon recipe, into `out`."""
+    ar_setting = ALLREDUCE | muon | muon_ar
+    factors = sorted(grid(BATCH_FACTORS))
+
+    def run(kind: str, factor: float, count: int = 1):
+        if factor == 1.0:  # the recipe's own batch: its runs above
+            return out.get("muon allreduce" if kind == "allreduce" else "muon diloco")
+        if kind == "allreduce":
+            title, setting = label(f"all-reduce fp32 Muon, batch x{factor:g}", muon_ar), ar_setting
+        else:
+            title = label(f"{name(4, 10, ', Muon inner')}, batch x{factor:g}", shown(muon_setting))
+            setting = muon_setting
+        return seeds(runner, title, setting, count=count, base=batch_config(factor), **study)
+
+    def best(kind: str) -> float | None:
+        done = {f: out.get(f"batch x{f:g} {kind}") for f in [*factors, 1.0]}
+        done = {f: r for f, r in done.items() if r}
+        if len(done) < len(factors) + 1:
+            return None
+        return min(done, key=lambda f: scale_tables.score(done[f][0]))
+
+    for _ in range(3):
+        for factor in factors:
+            for kind in ("allreduce", "diloco"):
+                out[f"batch x{factor:g} {kind}"] = run(kind, factor)
+        out["batch x1 allreduce"], out["batch x1 diloco"] = (
+            run("allreduce", 1.0),
+            run("diloco", 1.0),
+        )
+        winners = {best("allreduce"), best("diloco")} - {None}
+        grew = [f for f in (min(factors) / 2, max(factors) * 2)
+                if (f < min(factors) and min(factors) in winners)
+                or (f > max(factors) and max(factors) in winners)]  # fmt: skip
+        if not grew or runner.quick:
+            break
+        factors = sorted([*factors, *grew])
+    out["batch factors"] = factors
+    for kind in ("allreduce", "diloco"):
+        factor = best(kind)
+        if factor is not None and factor != 1.0:
+            out[f"batch {kind} best"] = run(kind, factor, count=3)
+            out[f"batch {kind} best factor"] = factor
+    factor = out.get("batch diloco best factor")
+    if factor is not None:
+        eight = muon_setting | {"machines": 8}
+        out["batch 8 machines"] = seeds(
+            runner, label(f"{name(8, 10, ', Muon inner')}, batch x{factor:g}", shown(eight)),
+            eight, base=batch_config(factor), **study,
+        )  # fmt: skip
 
 
 def at(machines: int, h: int, **fields) -> dict:
@@ -331,19 +386,11 @@ def plan(runner: Runner) -> dict:
                         runner, label(title, shown(setting)), setting, **study
                     )
     # 1b. The batch per machine count (seed 0): the all-reduce with Muon and the best
-    # 4-machine recipe (Muon inner) at half and twice the batch, the same tokens; the
-    # gap at each batch, and against the all-reduce's best batch.
+    # 4-machine recipe (Muon inner) at half and twice the batch, the same tokens, a
+    # winning edge extended (twice at most); each one's best batch over 3 seeds, and 8
+    # machines at DiLoCo's. The all-reduce at its best batch joins the baselines.
     if muon_setting is not None and muon_ar is not None:
-        for factor in BATCH_FACTORS:
-            at_batch = dict(base=batch_config(factor), count=1, **study)
-            out[f"batch x{factor:g} allreduce"] = seeds(
-                runner, label(f"all-reduce fp32 Muon, batch x{factor:g}", muon_ar),
-                ALLREDUCE | muon | muon_ar, **at_batch,
-            )  # fmt: skip
-            out[f"batch x{factor:g} diloco"] = seeds(
-                runner, label(f"{name(4, 10, ', Muon inner')}, batch x{factor:g}",
-                              shown(muon_setting)), muon_setting, **at_batch,
-            )  # fmt: skip
+        batch_runs(runner, out, muon_ar, muon_setting, muon, grid, study)
     # 3c. Muon's own momentum inside DiLoCo (its buffer is each machine's and survives
     # the rounds: a shorter memory forgets the other machines' pulls sooner), seed 0.
     if muon_setting is not None:
