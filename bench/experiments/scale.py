@@ -409,6 +409,34 @@ def plan(runner: Runner) -> dict:
                 key=lambda b: scale_tables.score(out["muon beta ablation"][b][0]),
             )
             candidates["muon beta best"] = betas[beta][1]
+    # 3d. The batch and Muon's momentum together: DiLoCo at its best batch with the best
+    # muon_beta, 3 seeds, and 8 machines so; the all-reduce at its best batch with that
+    # muon_beta (seed 0, 3 seeds if it beats its own best): the baseline swept as the
+    # method is.
+    factor = out.get("batch diloco best factor")
+    if "muon beta best" in candidates and factor is not None:
+        beta = candidates["muon beta best"]["muon_beta"]
+        setting = muon_setting | {"muon_beta": beta}
+        at_batch = dict(base=batch_config(factor), **study)
+        title = f"{name(4, 10, ', Muon inner')}, batch x{factor:g}"
+        out["combined"] = seeds(
+            runner, label(title, shown(setting)) + f", muon_beta={beta:g}", setting, **at_batch
+        )
+        eight = setting | {"machines": 8}
+        title = f"{name(8, 10, ', Muon inner')}, batch x{factor:g}"
+        out["combined 8 machines"] = seeds(
+            runner, label(title, shown(eight)) + f", muon_beta={beta:g}", eight, **at_batch
+        )
+        ar_factor = out.get("batch allreduce best factor", 1.0)
+        ar = ALLREDUCE | muon | muon_ar | {"muon_beta": beta}
+        ar_label = label(f"all-reduce fp32 Muon, batch x{ar_factor:g}", muon_ar)
+        ar_label += f", muon_beta={beta:g}"
+        at_batch = dict(base=batch_config(ar_factor), **study)
+        first = seeds(runner, ar_label, ar, count=1, **at_batch)
+        own = out.get("batch allreduce best") or out.get("muon allreduce")
+        out["combined allreduce seed 0"] = first
+        if first and own and scale_tables.score(first[0]) < scale_tables.score(own[0]):
+            out["combined allreduce"] = seeds(runner, ar_label, ar, **at_batch)
     # 4b. 8 machines x 1 at the best of the levers' winners (3 seeds' mean), if one
     # beats the recipe that 4a took there (Muon inner, H=10, outer 0.7 / 0.8).
     done = {

@@ -88,6 +88,14 @@ def _kept(out: dict, key: str, field: str = "outer lr") -> str | None:
     return None
 
 
+def _batch_kept(out: dict) -> str | None:
+    """The batch sweep's outcome when DiLoCo's best batch is the recipe's own."""
+    factors = out.get("batch factors")
+    if factors and all(out.get(f"batch x{f:g} diloco") for f in factors):
+        return "the recipe's batch won the sweep (below)"
+    return None
+
+
 def _no_gain(out: dict, key: str, what: str = "the ablation") -> str | None:
     """A lever's outcome when nothing of `out[key]` beat the recipe at seed 0."""
     return f"no gain at seed 0 ({what} below)" if out.get(key) else None
@@ -129,7 +137,8 @@ def section(out: dict, config, docs: str) -> str:
     batch_ar = out.get("batch allreduce best")
     # Every gap is against the best tuned data-parallel baseline: Adam's, Muon's, or
     # Muon's at its own best batch.
-    means = [mean(r) for r in (base, muon_ar, batch_ar) if r]
+    beta_ar = out.get("combined allreduce")
+    means = [mean(r) for r in (base, muon_ar, batch_ar, beta_ar) if r]
     target = float(min(means)) if means else None
     lines = [
         "## Beyond two machines",
@@ -188,7 +197,12 @@ def section(out: dict, config, docs: str) -> str:
             4,
             f"Muon inner at its best batch (x{out.get('batch diloco best factor', 1):g}, "
             "the same tokens)",
-            out.get("batch diloco best"),
+            out.get("batch diloco best") or _batch_kept(out),
+        ),
+        (
+            4,
+            "Muon inner at its best batch with Muon's best momentum (`muon_beta`)",
+            out.get("combined"),
         ),
         (8, "2-machine recipe", out.get("8 machines recipe")),
         (
@@ -209,7 +223,12 @@ def section(out: dict, config, docs: str) -> str:
         (
             8,
             f"Muon inner at the 4-machine best batch (x{out.get('batch diloco best factor', 1):g})",
-            out.get("batch 8 machines"),
+            out.get("batch 8 machines") or _batch_kept(out),
+        ),
+        (
+            8,
+            "Muon inner at the 4-machine best batch with Muon's best momentum",
+            out.get("combined 8 machines"),
         ),
     ]
     for machines, recipe, records in rows:
@@ -230,6 +249,16 @@ def section(out: dict, config, docs: str) -> str:
             f"same tokens) {cell(batch_ar, target)}"
             if batch_ar
             else ""
+        )
+        + (
+            f"; with Muon at that batch and DiLoCo's best muon_beta {cell(beta_ar, target)}"
+            if beta_ar
+            else (
+                f"; with Muon at that batch and DiLoCo's best muon_beta, seed 0 "
+                f"{score(out['combined allreduce seed 0'][0]):.4f} (not better than its own)"
+                if out.get("combined allreduce seed 0")
+                else ""
+            )
         )
         + ".",
         "",
