@@ -88,7 +88,9 @@ def batch_config(factor: float):
     same tokens); the learning rate's warm-up stays a twentieth of the steps."""
 
     def base(quick: bool):
-        config = lm_study.recipe(lm_tiny.get_config(), int(lm_config(quick).num_steps / factor))
+        steps = lm_config(quick).num_steps
+        # (A quick run is a smoke test of the plan: its few steps whatever the batch.)
+        config = lm_study.recipe(lm_tiny.get_config(), steps if quick else int(steps / factor))
         config.batch_size = int(lm_tiny.get_config().batch_size * factor)
         config.log_every = max(1, config.log_every)  # (a quick run's few steps)
         return config

@@ -359,9 +359,10 @@ class Gate:
                 sock.close()
                 return
             tunnel = kind == TUNNEL
-            sock.sendall(b"Y" + _mac(self._key, b"s", transcript + b"Y"))
             if kind == b"F" and self.on_finished is not None:
+                # Recorded before the answer: once the machine reads "Y", the service knows.
                 self.on_finished(int(argument), int(slot))
+            sock.sendall(b"Y" + _mac(self._key, b"s", transcript + b"Y"))
             if not tunnel:
                 sock.close()
                 return
