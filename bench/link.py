@@ -250,9 +250,12 @@ WORKLOADS = {
 }
 
 
-#: --quick's model and data: a run takes seconds.
-#: One node per device: `measure` sets num_nodes to processes x devices.
-QUICK_FIELDS = ["dataset=synthetic", "num_samples=1200", "model_kwargs.hidden_sizes=(256,)"]
+#: --quick's model and data per workload: a run takes seconds (the language model is
+#: small already). One node per device: `measure` sets num_nodes to processes x devices.
+QUICK_FIELDS = {
+    "mlp": ["dataset=synthetic", "num_samples=1200", "model_kwargs.hidden_sizes=(256,)"],
+    "lm": [],
+}
 
 
 class RunFailed(RuntimeError):
@@ -373,6 +376,10 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
     the difference of two unshaped runs.
     """
 
+    # DDP's processes on each host: one holding the host's batch (the whole model per
+    # machine), or with --ddp-per-worker one per device, each with a device's batch.
+    per_host = args.devices if args.ddp_per_worker else 1
+
     def run(key, steps):
         here = os.path.join(workdir, f"ddp-{key}-{steps}")
         address = f"{network.address(0)}:{next(port)}"
@@ -381,15 +388,16 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
             + [
                 args.torch_python,
                 os.path.join(ROOT, "bench", script),
-                f"--rank={host}",
-                f"--world={network.hosts}",
+                f"--rank={host * per_host + local}",
+                f"--world={network.hosts * per_host}",
                 f"--master={address}",
-                f"--threads={1 if args.pin else args.devices}",
+                f"--threads={1 if args.pin or per_host > 1 else args.devices}",
                 f"--steps={steps}",
                 *model_flags,
-                f"--out={os.path.join(here, f'rank{host}.json')}",
+                f"--out={os.path.join(here, f'rank{host * per_host + local}.json')}",
             ]  # fmt: skip
             for host in range(network.hosts)
+            for local in range(per_host)
         ]
         _, tx, _ = run_hosts(network, here, commands, args.devices, args.timeout)
         with open(os.path.join(here, "rank0.json")) as f:
@@ -411,8 +419,11 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
             f"--layers={shape.num_layers}",
             f"--heads={shape.num_heads}",
             f"--lr={config.learning_rate}",
-            # A machine's windows a step, over its threads (a thread per device; --pin: one).
-            f"--batch-per-thread={rows // (1 if args.pin else args.devices)}",
+            # A process's windows a step, over its threads (a thread per device; --pin or
+            # a process per worker: one).
+            f"--batch-per-thread={rows // (1 if args.pin else args.devices)}"
+            if per_host == 1
+            else f"--batch-per-thread={rows // per_host}",
         ]
     else:
         # train.py's training set (as bench/step_parity.py writes it for PyTorch).
@@ -426,9 +437,13 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
             *(str(width) for width in config.model_kwargs.hidden_sizes),
             f"--lr={float(args.set.get('learning_rate', config.learning_rate))}",
             f"--weight-decay={config.weight_decay}",
-            f"--batch={rows}",
+            f"--batch={rows // per_host}",
         ]
-    label = "PyTorch DDP (gloo), whole model per machine"
+    label = "PyTorch DDP (gloo), " + (
+        f"{per_host} processes per machine (one per worker)"
+        if per_host > 1
+        else "whole model per machine"
+    )
     result = {"method": "ddp", "label": label + (", one thread" if args.pin else "")}
     network.shape(None)
     (_, tx10), (_, tx30) = run(UNSHAPED, 10), run(UNSHAPED, 30)
@@ -450,7 +465,7 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
             "final_accuracy": base["values"][-1],
             "curve": points,
             "clock_curve": [],
-            "tokens_per_s_per_machine": measured["batch"] * per_row / s_per_step,
+            "tokens_per_s_per_machine": measured["batch"] * per_host * per_row / s_per_step,
         }
     network.shape(None)
     unshaped = result["rates"][UNSHAPED]["s_per_step"]
@@ -799,6 +814,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument("--ddp-steps", type=int, default=30, help="timed DDP steps per rate")
     parser.add_argument(
+        "--ddp-per-worker",
+        action="store_true",
+        help="DDP with one process per device of each machine (--devices of them, a "
+        "device's batch each, one thread, on the machine's core with --pin): lpdec's "
+        "layout of workers; default: one process per machine holding its batch",
+    )
+    parser.add_argument(
         "--shaped-steps",
         type=int,
         default=0,
@@ -851,7 +873,7 @@ def parse_args(argv=None) -> argparse.Namespace:
         )
     args = parser.parse_args(argv)
     if args.quick:
-        args.set = QUICK_FIELDS + args.set
+        args.set = QUICK_FIELDS[args.workload] + args.set
     args.rates = [r for r in args.rates.split(",") if r]
     try:
         args.processes = [int(p) for p in args.processes.split(",")]
