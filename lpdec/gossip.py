@@ -152,29 +152,61 @@ def local_sum(x: PyTree, *, axis_name: AxisName) -> PyTree:
     across processes (gloo) run one all-reduce per operand of a tree's psum: for
     lm_tiny's 29 gradient arrays across 2 processes, 11-16 ms against 1-4 ms for the
     same bytes as one array (BENCHMARKS.md, "The step across processes").
+
+    Over two axes (outer, inner), a hierarchical run's (machines, workers), the
+    buffer is summed in three steps: a reduce-scatter over `inner` (each worker sums
+    1/L of it across its machine), a sum of that block over `outer`, an all-gather
+    over `inner`. Between machines the blocks add up to one buffer, where one
+    all-reduce over both axes runs a ring over all O x L workers and puts 2 (OL - 1)
+    / OL buffers on a machine's link (the MLP's 2 x 4 layout: 7.74 MB a step against
+    4.41, BENCHMARKS.md "bench/link.py parity mlp 2x4"). Every worker gets the same
+    sum, and the same bits whichever process holds which worker.
     """
     wire.record(x, axis_name)
     # With one device per process and the axis exactly the processes, a process may
     # have installed lpdec's TCP sum (`lpdec.host_sum`: jax's gloo stalls on one core).
     routed = host_sum.routes(axis_name)
+
+    def total(flat: jax.Array) -> jax.Array:
+        if routed:
+            return host_sum.psum(flat)
+        return _hierarchical_sum(flat, axis_name)
+
     leaves, treedef = jax.tree.flatten(x)
     groups: dict[Any, list[int]] = {}
     for i, leaf in enumerate(leaves):
         groups.setdefault(jnp.result_type(leaf), []).append(i)
     out: list[Any] = list(leaves)
     for indices in groups.values():
-        if len(indices) == 1:
-            (i,) = indices
-            out[i] = host_sum.psum(leaves[i]) if routed else jax.lax.psum(leaves[i], axis_name)
-            continue
-        flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in indices])
-        total = host_sum.psum(flat) if routed else jax.lax.psum(flat, axis_name)
+        summed = total(jnp.concatenate([jnp.ravel(leaves[i]) for i in indices]))
         at = 0
         for i in indices:
             size = int(np.size(leaves[i]))
-            out[i] = total[at : at + size].reshape(jnp.shape(leaves[i]))
+            out[i] = summed[at : at + size].reshape(jnp.shape(leaves[i]))
             at += size
     return jax.tree.unflatten(treedef, out)
+
+
+def _hierarchical_sum(flat: jax.Array, axis_name: AxisName) -> jax.Array:
+    """`psum(flat, axis_name)`; over two mesh axes (outer, inner) as reduce-scatter,
+    sum, all-gather (a vmap axis among them: one psum)."""
+    if isinstance(axis_name, str) or len(axis_name) != 2:
+        return jax.lax.psum(flat, axis_name)
+    outer, inner = axis_name
+    manual = jax.sharding.get_abstract_mesh().manual_axes
+    blocks = jax.lax.axis_size(inner)
+    if (
+        outer not in manual  # (a vmap axis: jax's psum_scatter does not batch over one)
+        or inner not in manual
+        or blocks == 1
+        or jax.lax.axis_size(outer) == 1
+        or flat.size < blocks
+    ):
+        return jax.lax.psum(flat, axis_name)
+    padded = jnp.pad(flat, (0, -flat.size % blocks))
+    block = jax.lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
+    block = jax.lax.psum(block, outer)
+    return jax.lax.all_gather(block, inner, tiled=True)[: flat.size]
 
 
 def node_index(axis_name: AxisName) -> jax.Array:

@@ -347,3 +347,32 @@ def test_each_process_is_one_machine_of_its_own_devices():
         lpdec.layout._machine_rows(fake, 4)
     with pytest.raises(ValueError, match="the same number of devices"):
         lpdec.layout._machine_rows(fake[:-1], 2)
+
+
+def test_the_sum_over_machines_and_workers_sends_one_buffer_between_machines(rng):
+    """`gossip.local_sum` over (machines, workers) on 2 machines x 4: numpy's float64 sum,
+    the same on every worker, and the only all-reduce carries a quarter of the buffer
+    between a machine's worker and its peer (a reduce-scatter inside each machine, then
+    an all-gather). One all-reduce over all 8 workers would run a ring whose link
+    crossings carry 2 x 7/8 of the buffer."""
+    _need(8)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(2, 4), ("machines", "workers"))
+    spec = jax.sharding.PartitionSpec("machines", "workers")
+    x = rng.standard_normal((2, 4, 999)).astype(np.float32)  # (padded to 1,000 inside)
+    total = jax.jit(
+        jax.shard_map(
+            lambda a: lpdec.gossip.local_sum(a, axis_name=("machines", "workers")),
+            mesh=mesh,
+            in_specs=spec,
+            out_specs=spec,
+        )
+    )
+    sharded = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    out = np.asarray(total(sharded))
+    np.testing.assert_allclose(out, np.broadcast_to(x.astype(np.float64).sum((0, 1)), x.shape),
+                               rtol=1e-5, atol=1e-5)  # fmt: skip
+    assert all(np.array_equal(out[0, 0], out[m, w]) for m in range(2) for w in range(4))
+    hlo = total.lower(sharded).compile().as_text()
+    reduces = [line for line in hlo.splitlines() if " all-reduce(" in line]
+    assert reduces and all("f32[250]" in line for line in reduces), reduces
+    assert "reduce-scatter(" in hlo and "all-gather(" in hlo
