@@ -90,9 +90,13 @@ def test_lm_study_config_is_the_published_studys_best_setting():
 
 def test_lm_scale_config_is_the_published_4_machine_winner():
     """configs/lm_scale.py carries the 'scale' study's best 4-machine DiLoCo over 3 seeds
-    in docs/experiments.json: its H, outer step and inner optimizer."""
+    in docs/experiments.json, among the runs of lm_tiny's model at the study's tokens
+    (its batch swept at equal tokens): its H, outer step, inner optimizer and batch."""
     from configs import lm_scale
+    from configs import lm_study
 
+    study = lm_study.get_config()
+    tiny = dict(lm_tiny.get_config().model_kwargs)
     runs = json.loads((ROOT / "docs" / "experiments.json").read_text())["runs"]
     groups: dict[str, dict[int, dict]] = collections.defaultdict(dict)
     for run in runs:
@@ -102,7 +106,8 @@ def test_lm_scale_config_is_the_published_4_machine_winner():
             and c.get("algorithm") == "diloco"
             and c.get("machines") == 4
             and not run["diverged"]
-            and _lm_tiny(run)
+            and {"vocab_size": 256, **c.get("model_kwargs", {})} == tiny
+            and c["num_steps"] * c["batch_size"] == study.num_steps * study.batch_size
         ):
             groups[run["method"]][run["seed"]] = run
     tuned = {m: list(s.values()) for m, s in groups.items() if len(s) >= 3}
@@ -113,6 +118,7 @@ def test_lm_scale_config_is_the_published_4_machine_winner():
     config = lm_scale.get_config()
     fields = ("machines", "local_steps", "outer_lr", "outer_momentum", "outer_warmup_rounds",
               "outer_decay_rounds", "optimizer", "learning_rate", "muon_adam_lr", "bits",
-              "error_feedback", "shard_model")  # fmt: skip
+              "error_feedback", "shard_model", "muon_beta", "batch_size", "num_steps",
+              "warmup_steps", "log_every")  # fmt: skip
     for field in fields:
         assert config[field] == published.get(field, default.get_config()[field]), (field, best)
