@@ -15,6 +15,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import types
 
 import pytest
 
@@ -474,3 +475,32 @@ def test_collapsed_runs_are_named_and_traced_to_the_norm_layer():
     assert experiments.norm_collapses({**both, ("torus", "8-bit, EvoNorm"): [1]}) == ""
     assert experiments.norm_collapses({("torus", ranged_8): []}) == ""
     assert "No run" in experiments.collapses({("torus", ranged_8): []})
+
+
+def test_the_scale_batch_sweep_runs_every_batch_it_ranks(monkeypatch):
+    """The scale study's batch sweep, on a made-up loss that keeps falling as the batch
+    shrinks: the winning edge grows twice (x0.25, then x0.125), every batch it ranks has
+    its run, and the smallest is each side's best: 3 seeds, then 8 machines there. (The
+    third round once appended x0.0625 without running it, so no batch was ever best.)"""
+    from bench.experiments import scale
+
+    def fake_seeds(runner, name, fields, count=3, base=None, study=None):
+        factor = base(False).batch_size / 8  # lm_tiny's 8 windows a worker
+        value = 2.0 + factor + (0.1 if name.startswith("DiLoCo") else 0.0)
+        runs.append((name, factor, count, fields.get("machines")))
+        return [{"final_val_bits_per_byte": value, "diverged": False}] * count
+
+    runs: list = []
+    monkeypatch.setattr(scale, "seeds", fake_seeds)
+    at_one = [{"final_val_bits_per_byte": 3.0, "diverged": False}]
+    out = {"muon allreduce": at_one, "muon diloco": at_one}
+    setting = scale.at(4, 10, optimizer="muon", learning_rate=0.01, outer_momentum=0.8)
+    scale.batch_runs(
+        types.SimpleNamespace(quick=False), out, {"learning_rate": 0.02}, setting,
+        {"optimizer": "muon"}, lambda grid: grid, {"study": "scale"},
+    )  # fmt: skip
+    assert out["batch factors"] == [0.125, 0.25, 0.5, 2.0]
+    ranked = {(name.startswith("DiLoCo"), factor) for name, factor, _, _ in runs}
+    assert ranked >= {(kind, f) for kind in (False, True) for f in out["batch factors"]}
+    assert out["batch allreduce best factor"] == out["batch diloco best factor"] == 0.125
+    assert (0.125, 3, 8) in {(factor, count, machines) for _, factor, count, machines in runs}
