@@ -123,7 +123,7 @@ def _batches(out: dict) -> list[str]:
         cells = [f"{v:.4f}" if v is not None else "not run yet" for v in (a, d)]
         change = f"{100 * (d / a - 1):+.2f}%" if a and d else "-"
         lines.append(
-            f"| x{f:g} ({8 * f:g} windows a worker) | {2000 / f:,.0f} | {cells[0]} | "
+            f"| x{f:g} ({8 * f:g} window{'' if 8 * f == 1 else 's'} a worker) | {2000 / f:,.0f} | {cells[0]} | "
             f"{cells[1]} | {change} |"
         )
     return lines + [""]
