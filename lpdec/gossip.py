@@ -160,8 +160,7 @@ def local_sum(x: PyTree, *, axis_name: AxisName) -> PyTree:
     all-reduce over both axes runs a ring over all O x L workers and puts 2 (OL - 1)
     / OL buffers on a machine's link (the MLP's 2 x 4 layout: 7.74 MB a step against
     4.41, BENCHMARKS.md "bench/link.py parity mlp 2x4"). Every worker gets the same
-    sum; with 2 machines (a + b between them) the same bits whether the machines are
-    processes or devices of one (tests/test_processes.py, 2 x 4 against 1 x 8).
+    sum (each block is gathered from the one worker that summed it).
     """
     wire.record(x, axis_name)
     # With one device per process and the axis exactly the processes, a process may

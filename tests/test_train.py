@@ -501,6 +501,8 @@ def hierarchical_flags(**overrides):
 
 
 HIERARCHICAL_ALGORITHMS = {
+    # The fp32 mean over (machines, workers): reduce-scatter, sum between, all-gather.
+    "allreduce": dict(algorithm="allreduce"),
     "choco": dict(algorithm="choco"),
     "compressed_mean": dict(algorithm="compressed_mean"),
     # 20 steps = 4 rounds of 5: every node ends on the synchronised anchor.
