@@ -379,6 +379,8 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
     # DDP's processes on each host: one holding the host's batch (the whole model per
     # machine), or with --ddp-per-worker one per device, each with a device's batch.
     per_host = args.devices if args.ddp_per_worker else 1
+    # A process's threads: one per device it stands for (--pin, or a process per worker: one).
+    threads = 1 if args.pin or per_host > 1 else args.devices
 
     def run(key, steps):
         here = os.path.join(workdir, f"ddp-{key}-{steps}")
@@ -391,7 +393,7 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
                 f"--rank={host * per_host + local}",
                 f"--world={network.hosts * per_host}",
                 f"--master={address}",
-                f"--threads={1 if args.pin or per_host > 1 else args.devices}",
+                f"--threads={threads}",
                 f"--steps={steps}",
                 *model_flags,
                 f"--out={os.path.join(here, f'rank{host * per_host + local}.json')}",
@@ -419,11 +421,7 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
             f"--layers={shape.num_layers}",
             f"--heads={shape.num_heads}",
             f"--lr={config.learning_rate}",
-            # A process's windows a step, over its threads (a thread per device; --pin or
-            # a process per worker: one).
-            f"--batch-per-thread={rows // (1 if args.pin else args.devices)}"
-            if per_host == 1
-            else f"--batch-per-thread={rows // per_host}",
+            f"--batch-per-thread={rows // per_host // threads}",  # a process's windows
         ]
     else:
         # train.py's training set (as bench/step_parity.py writes it for PyTorch).
