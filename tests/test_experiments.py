@@ -10,6 +10,7 @@ runs a real one trains, with the same fields.
 """
 
 import json
+import math
 import os
 import pathlib
 import re
@@ -504,3 +505,60 @@ def test_the_scale_batch_sweep_runs_every_batch_it_ranks(monkeypatch):
     assert ranked >= {(kind, f) for kind in (False, True) for f in out["batch factors"]}
     assert out["batch allreduce best factor"] == out["batch diloco best factor"] == 0.125
     assert (0.125, 3, 8) in {(factor, count, machines) for _, factor, count, machines in runs}
+
+
+@pytest.mark.parametrize("best_h, eight_h", [(20, 20), (5, 10)])
+def test_the_scale_retune_keeps_what_beats_the_recipe(best_h, eight_h):
+    """The scale study's re-tune at the best batch, on a made-up loss (a bowl in each
+    field, separable) whose minimum lies at outer lr 1.0, the recipe's momentum and
+    rate, and H=`best_h`: the outer lr's winning edge is extended (1.4 then loses), H's
+    top edge doubled while it wins, the two winners run together and that (the bowl's
+    best point) goes to 3 seeds at 4 machines and at 8, where H stays at least 10 (the
+    byte budget); the all-reduce's rate, best at 0.04, goes to 3 seeds too."""
+    from bench.experiments import scale
+
+    def loss(config) -> float:
+        if config["algorithm"] == "allreduce":
+            return 2.0 + abs(math.log2(config["learning_rate"] / 0.04))
+        h = config["local_steps"]
+        return (
+            2.1
+            + (config["outer_lr"] - 1.0) ** 2
+            + (config["outer_momentum"] - 0.8) ** 2
+            + abs(math.log2(config["learning_rate"] / 0.01))
+            + 0.01 * abs(math.log2(h / best_h))
+        )
+
+    runs: list = []
+
+    class Runner:
+        quick = False
+
+        def config(self, base, seed, **fields):
+            return dict(fields, seed=seed, batch_size=base(False).batch_size)
+
+        def run(self, study, name, config, optional=False):
+            runs.append((name, config))
+            return {"final_val_bits_per_byte": loss(config), "diverged": False}
+
+    setting = scale.at(4, 10, optimizer="muon", learning_rate=0.01, outer_momentum=0.8)
+    ar = dict(scale.ALLREDUCE, optimizer="muon", learning_rate=0.02, muon_beta=0.9)
+    recipe = [{"final_val_bits_per_byte": loss(setting), "diverged": False}]
+    out = {"batch x0.125 diloco": recipe}
+    scale.retune(Runner(), out, setting, ar, 0.125, 0.125, lambda g: g, {"study": "scale"})
+    assert {c["outer_lr"] for _, c in runs if c["algorithm"] == "diloco"} >= {0.5, 0.7, 1.0, 1.4}
+    swept_h = {c["local_steps"] for _, c in runs if c["algorithm"] == "diloco"}
+    assert swept_h == ({5, 10, 20, 40} if best_h == 20 else {5, 10, 20})
+    assert out["retune best from"] == "together"
+    assert len(out["retune best"]) == 3 and len(out["retune 8 machines"]) == 3
+    fours = [c for n, c in runs if "on 4 machines" in n and c["seed"] == 2]
+    assert fours and fours[-1]["outer_lr"] == 1.0 and fours[-1]["local_steps"] == best_h
+    assert fours[-1]["outer_warmup_rounds"] == scale.WARMUP_STEPS // best_h
+    eights = [c for n, c in runs if "on 8 machines" in n]
+    assert {c["seed"] for c in eights} == {0, 1, 2}
+    assert all(c["machines"] == 8 and c["outer_lr"] == 1.0 for c in eights)
+    assert all(c["local_steps"] == eight_h for c in eights)
+    assert all(c["batch_size"] == 1 for _, c in runs)  # x0.125 of lm_tiny's 8 windows
+    tuned_ar = [c for n, c in runs if c["algorithm"] == "allreduce" and c["seed"] == 2]
+    assert tuned_ar and tuned_ar[-1]["learning_rate"] == 0.04
+    assert tuned_ar[-1]["muon_beta"] == 0.9

@@ -49,11 +49,13 @@ from bench.experiments.lm import lm_config
 from bench.experiments.lm import seeds
 from bench.experiments.lm import tune
 from bench.experiments.runner import Runner
+from configs import default
 from configs import lm_small
 from configs import lm_study
 from configs import lm_tiny
 
 STUDY = "scale"
+DEFAULT_MUON_BETA = default.get_config().muon_beta
 # The 2-machine recipe (configs/lm_study.py): the inner rate, H=10 and the outer step.
 RECIPE = dict(
     learning_rate=lm_study.get_config().learning_rate,
@@ -159,6 +161,115 @@ def batch_runs(
             runner, label(f"{name(8, 10, ', Muon inner')}, batch x{factor:g}", shown(eight)),
             eight, base=batch_config(factor), **study,
         )  # fmt: skip
+
+
+# 3e. The recipe re-tuned at its best batch, one field at a time (seed 0): its grids,
+# each centred on the recipe's value; H below 5 would send more than 1/16 of the
+# all-reduce's bytes on 4 machines (H=5: 1/16), so H grows only upward past its edge.
+RETUNE_GRIDS = {
+    "outer_lr": (0.5, 0.7, 1.0),
+    "outer_momentum": (0.6, 0.8, 0.9),
+    "learning_rate": (0.005, 0.01, 0.02),
+}
+RETUNE_H = (5, 10, 20)
+# 8 machines send 1.8x the bytes a worker of 4 machines' (1/18 of the all-reduce's at
+# H=10): below H=10 they would pass the 1/16 budget.
+EIGHT_MIN_H = 10
+
+
+def h_sweep(runner, title, setting: dict, base, hs=RETUNE_H, study=STUDY) -> tuple:
+    """`setting` at each H of `hs` (seed 0; the momentum warm-up over the same steps), a
+    winning top edge doubled (twice at most). Returns (the best H or None while a run
+    is missing, {H: record})."""
+    hs, records = list(hs), {}
+    for _ in range(3):
+        for h in hs:
+            if h not in records:
+                fields = setting | {"local_steps": h, "outer_warmup_rounds": WARMUP_STEPS // h}
+                runs = seeds(runner, title(h), fields, count=1, base=base, study=study)
+                records[h] = runs[0] if runs else None
+        if any(r is None for r in records.values()):
+            return None, records
+        best = min(records, key=lambda h: scale_tables.score(records[h]))
+        if best != hs[-1]:
+            break
+        hs.append(2 * hs[-1])
+    records[best]["sweep_winner"] = f"{title(best)}: local_steps"
+    return best, records
+
+
+def retune(
+    runner, out: dict, setting: dict, ar: dict, factor: float, ar_factor: float, grid, study
+) -> None:
+    """3e of `plan`: the recipe (`setting`, Muon inner) re-tuned at the batch x`factor`,
+    one field at a time at seed 0, and the all-reduce's rate (`ar`, the best baseline's
+    setting) swept at its own best batch (x`ar_factor`), into `out`. The fields that beat the recipe's seed 0 go
+    together (seed 0), the better of that and the best single field over 3 seeds, at 4
+    machines and at 8 (H at least EIGHT_MIN_H there)."""
+    base = batch_config(factor)
+    batch = f", Muon inner, batch x{factor:g}"
+    recipe = out.get(f"batch x{factor:g} diloco")
+    winners = {}
+    for field, values in RETUNE_GRIDS.items():
+        grids = {field: grid(values)}
+        extend = {field: EXTEND.get(field, 2.0)}
+        best, out[f"retune {field} sweep"] = tune(
+            runner, name(4, 10, batch), without(setting, grids), grids, extend, base=base, **study
+        )
+        if best is not None and best[field] != setting[field]:
+            winners[field] = best[field]
+    h, out["retune H sweep"] = h_sweep(
+        runner, lambda h: label(name(4, h, batch), shown(setting)), setting, base,
+        hs=grid(RETUNE_H), **study,
+    )  # fmt: skip
+    if h is not None and h != setting["local_steps"]:
+        winners["local_steps"] = h
+    rates = {"learning_rate": grid(MUON_LR_GRID)}
+    ar_title = f"all-reduce fp32 Muon, batch x{ar_factor:g}, muon_beta={ar['muon_beta']:g}"
+    ar_base = batch_config(ar_factor)
+    best, out["retune allreduce sweep"] = tune(
+        runner, ar_title, without(ar, rates), rates, {"learning_rate": 2.0}, base=ar_base,
+        **study,
+    )  # fmt: skip
+    if best is not None and best["learning_rate"] != ar["learning_rate"]:
+        out["retune allreduce"] = seeds(
+            runner, label(ar_title, best), ar | best, base=ar_base, **study
+        )
+    if not winners or not recipe:
+        return
+
+    def fields_of(changes: dict) -> dict:
+        s = setting | changes
+        s["outer_warmup_rounds"] = WARMUP_STEPS // s["local_steps"]
+        return s
+
+    def title_of(s: dict, machines: int = 4) -> str:
+        return label(name(machines, s["local_steps"], batch), shown(s))
+
+    candidates = {k: fields_of({k: v}) for k, v in winners.items()}
+    if len(winners) > 1:
+        together = fields_of(winners)
+        out["retune together seed 0"] = seeds(
+            runner, title_of(together), together, count=1, base=base, **study
+        )
+        if not out["retune together seed 0"]:
+            return
+        candidates["together"] = together
+    # (each one's seed 0 is a sweep's run, read back from the cache)
+    first = {
+        k: seeds(runner, title_of(s), s, count=1, base=base, **study) for k, s in candidates.items()
+    }
+    if not all(first.values()):
+        return
+    key = min(first, key=lambda k: scale_tables.score(first[k][0]))
+    chosen = candidates[key]
+    out["retune best from"] = key
+    out["retune best"] = seeds(runner, title_of(chosen), chosen, base=base, **study)
+    eight = chosen | {"machines": 8}
+    if eight["local_steps"] < EIGHT_MIN_H:
+        eight = fields_of({**{k: v for k, v in winners.items() if k != "local_steps"},
+                           "local_steps": setting["local_steps"]}) | {"machines": 8}  # fmt: skip
+    out["retune 8 machines"] = seeds(runner, title_of(eight, 8), eight, base=base, **study)
 
 
 def at(machines: int, h: int, **fields) -> dict:
@@ -439,6 +550,18 @@ def plan(runner: Runner) -> dict:
         out["combined allreduce seed 0"] = first
         if first and own and scale_tables.score(first[0]) < scale_tables.score(own[0]):
             out["combined allreduce"] = seeds(runner, ar_label, ar, **at_batch)
+    # 3e. The recipe re-tuned at its best batch (8x the rounds of the study's batch, each
+    # on 8x fewer tokens: the outer step and Muon's rate were tuned for the other), and
+    # the best baseline's rate swept at its own best batch too.
+    if muon_setting is not None and factor is not None and muon_ar is not None:
+        beta = (
+            candidates["muon beta best"]["muon_beta"]
+            if out.get("combined allreduce")
+            else DEFAULT_MUON_BETA
+        )
+        ar = ALLREDUCE | muon | muon_ar | {"muon_beta": beta}
+        ar_factor = out.get("batch allreduce best factor", 1.0)
+        retune(runner, out, muon_setting, ar, factor, ar_factor, grid, study)
     # 4b. 8 machines x 1 at the best of the levers' winners (3 seeds' mean), if one
     # beats the recipe that 4a took there (Muon inner, H=10, outer 0.7 / 0.8).
     done = {

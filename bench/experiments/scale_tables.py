@@ -96,6 +96,23 @@ def _batch_kept(out: dict) -> str | None:
     return None
 
 
+_RETUNE_FROM = {
+    "together": "the winners together",
+    "local_steps": "H alone",
+    "outer_lr": "the outer lr alone",
+    "outer_momentum": "the outer momentum alone",
+    "learning_rate": "Muon's rate alone",
+}
+
+
+def _retune_kept(out: dict) -> str | None:
+    """The re-tune's outcome when every sweep ran and the recipe won each."""
+    keys = [f"retune {f} sweep" for f in ("outer_lr", "outer_momentum", "learning_rate", "H")]
+    if all(out.get(k) and all(out[k].values()) for k in keys):
+        return "the recipe won every sweep (below)"
+    return None
+
+
 def _no_gain(out: dict, key: str, what: str = "the ablation") -> str | None:
     """A lever's outcome when nothing of `out[key]` beat the recipe at seed 0."""
     return f"no gain at seed 0 ({what} below)" if out.get(key) else None
@@ -138,7 +155,8 @@ def section(out: dict, config, docs: str) -> str:
     # Every gap is against the best tuned data-parallel baseline: Adam's, Muon's, or
     # Muon's at its own best batch.
     beta_ar = out.get("combined allreduce")
-    means = [mean(r) for r in (base, muon_ar, batch_ar, beta_ar) if r]
+    retuned_ar = out.get("retune allreduce")
+    means = [mean(r) for r in (base, muon_ar, batch_ar, beta_ar, retuned_ar) if r]
     target = float(min(means)) if means else None
     lines = [
         "## Beyond two machines",
@@ -204,6 +222,12 @@ def section(out: dict, config, docs: str) -> str:
             "Muon inner at its best batch with Muon's best momentum (`muon_beta`)",
             out.get("combined"),
         ),
+        (
+            4,
+            "Muon inner at its best batch, re-tuned there (outer lr, outer momentum, Muon's "
+            "rate, H; one at a time)",
+            out.get("retune best") or _retune_kept(out),
+        ),
         (8, "2-machine recipe", out.get("8 machines recipe")),
         (
             8,
@@ -229,6 +253,11 @@ def section(out: dict, config, docs: str) -> str:
             8,
             "Muon inner at the 4-machine best batch with Muon's best momentum",
             out.get("combined 8 machines"),
+        ),
+        (
+            8,
+            "Muon inner at the 4-machine best batch, re-tuned there on 4 machines",
+            out.get("retune 8 machines"),
         ),
     ]
     for machines, recipe, records in rows:
@@ -260,6 +289,12 @@ def section(out: dict, config, docs: str) -> str:
                 else ""
             )
         )
+        + (
+            f"; with Muon at that batch, that muon_beta and its rate swept again "
+            f"{cell(retuned_ar, target)}"
+            if retuned_ar
+            else ""
+        )
         + ".",
         "",
     ]
@@ -280,6 +315,30 @@ def section(out: dict, config, docs: str) -> str:
     lines += _sweep("4 machines, Muon inner at H=5: outer momentum at H=5's outer lr",
                     out.get("muon h5 sweep"), ("outer_momentum",))  # fmt: skip
     lines += _batches(out)
+    factor = out.get("batch diloco best factor")
+    if factor is not None and any(k.startswith("retune") for k in out):
+        at = f"at its best batch (x{factor:g})"
+        for field in ("outer_lr", "outer_momentum", "learning_rate"):
+            lines += _sweep(f"4 machines, Muon inner {at}, re-tuned: {field}",
+                            out.get(f"retune {field} sweep"), (field,))  # fmt: skip
+        h_sweep = out.get("retune H sweep")
+        lines += _sweep(f"4 machines, Muon inner {at}, re-tuned: H",
+                        h_sweep and {(h,): r for h, r in h_sweep.items()}, ("H",))  # fmt: skip
+        lines += _sweep(f"The all-reduce with Muon {at}, muon_beta as the best baseline's: "
+                        "learning rate", out.get("retune allreduce sweep"), ("learning_rate",))  # fmt: skip
+        if out.get("retune best from"):
+            lines += [
+                f"The re-tuned recipe's winners went to 3 seeds as "
+                f"{_RETUNE_FROM.get(out['retune best from'], out['retune best from'])}"
+                + (
+                    f" (the winners together, seed 0: {score(out['retune together seed 0'][0]):.4f})"
+                    if out.get("retune together seed 0")
+                    else ""
+                )
+                + "; 8 machines at the same fields (H at least 10 there: below it 8 machines "
+                "pass 1/16 of the all-reduce's bytes).",
+                "",
+            ]
     betas = out.get("muon beta ablation")
     if betas:
         base = (out.get("muon diloco") or [None])[0]
