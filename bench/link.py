@@ -366,6 +366,36 @@ def load_config(path: str):
     return module.get_config()
 
 
+def ddp_layout(args, hosts: int) -> tuple[int, int, int]:
+    """DDP's (processes a host, threads a process, a host's rows a step) on `hosts` hosts.
+
+    A host runs one process holding its batch (the whole model per machine) or, with
+    --ddp-per-worker, one per device with a device's batch; a process has a thread per
+    device it stands for (one with --pin or a process per worker). Raises SystemExit
+    with one line when the host's rows do not split evenly over its threads (DDP would
+    train on fewer rows than lpdec)."""
+    config = load_config(args.config)
+    batch = int(args.set.get("batch_size", config.batch_size))  # rows per worker and step
+    nodes = int(args.set.get("num_nodes", config.num_nodes))
+    if args.quick:  # as `measure` sets it
+        nodes = int(args.set.get("num_nodes", hosts * args.devices))
+    rows = batch * nodes // hosts
+    per_host = args.devices if args.ddp_per_worker else 1
+    threads = 1 if args.pin or per_host > 1 else args.devices
+    if args.workload == "lm" and rows % (per_host * threads):
+        raise SystemExit(
+            f"error: DDP: a host's {rows} windows a step do not split over its "
+            f"{per_host * threads} threads ({per_host} processes x {threads}); change "
+            "--set batch_size or --devices"
+        )
+    if args.workload != "lm" and rows % per_host:
+        raise SystemExit(
+            f"error: DDP: a host's {rows} rows a step do not split over its {per_host} "
+            "processes (--ddp-per-worker); change --set batch_size or --devices"
+        )
+    return per_host, threads, rows
+
+
 def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
     """PyTorch DDP's seconds per step at each rate, on `baseline`'s curve.
 
@@ -376,11 +406,7 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
     the difference of two unshaped runs.
     """
 
-    # DDP's processes on each host: one holding the host's batch (the whole model per
-    # machine), or with --ddp-per-worker one per device, each with a device's batch.
-    per_host = args.devices if args.ddp_per_worker else 1
-    # A process's threads: one per device it stands for (--pin, or a process per worker: one).
-    threads = 1 if args.pin or per_host > 1 else args.devices
+    per_host, threads, rows = ddp_layout(args, network.hosts)
 
     def run(key, steps):
         here = os.path.join(workdir, f"ddp-{key}-{steps}")
@@ -406,11 +432,6 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
             return json.load(f), tx
 
     config = load_config(args.config)
-    batch = int(args.set.get("batch_size", config.batch_size))  # rows per worker and step
-    nodes = int(args.set.get("num_nodes", config.num_nodes))
-    if args.quick:  # as `measure` sets it
-        nodes = int(args.set.get("num_nodes", network.hosts * args.devices))
-    rows = batch * nodes // network.hosts  # a machine's rows a step
     if args.workload == "lm":
         script, per_row = "ddp_lm.py", args.ddp_context
         shape = config.model_kwargs
@@ -939,6 +960,9 @@ def main(argv=None) -> int:
         plot(all_results, saved)
         print(body)
         return 0
+    if args.torch_python:  # (DDP's batch split checked before anything trains)
+        for processes in args.processes:
+            ddp_layout(args, processes)
     prefix = args.prefix or f"lpdec-{os.getpid()}"
     reason = netns.unavailable()
     if reason:

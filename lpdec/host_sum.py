@@ -112,7 +112,7 @@ class HostSum:
             self._check_header(self._connections[peer], peer, x.nbytes)
             _send(self._connections[peer], peer, header)
         incoming = bytearray(min(CHUNK, x.nbytes))
-        step = CHUNK - CHUNK % x.itemsize if x.nbytes else 1
+        step = CHUNK - CHUNK % x.itemsize
         for at in range(0, x.nbytes, step):
             end = min(at + step, x.nbytes)
             part = np.frombuffer(into[at:end], x.dtype)  # a view of `total`

@@ -364,3 +364,19 @@ def test_the_elastic_benchmarks_codec_is_4_bit_min_max_per_block():
     step = (blocks.max(1) - blocks.min(1)) / 15  # the 16 levels' spacing
     err = np.abs(y - x).reshape(-1, elastic_scale.BLOCK).max(1)
     assert (err <= step / 2 + 1e-6).all() and err[0] == 0.0
+
+
+def test_ddp_rows_that_do_not_split_over_its_processes_are_refused_before_training(
+    monkeypatch,
+):
+    """--ddp-per-worker on the language model: a host's windows must split over DDP's
+    processes (it would train fewer rows than lpdec); checked in main, before any
+    namespace or run. An even split gives each process its share."""
+    # (were the check gone, main must stop here rather than make namespaces)
+    monkeypatch.setattr(link.netns, "unavailable", lambda: "not in this test")
+    flags = ["--workload=lm", "--devices=4", "--ddp-per-worker", "--processes=2",
+             "--set=num_nodes=2", "--torch-python=python"]  # fmt: skip
+    with pytest.raises(SystemExit, match="do not split over its 4 threads"):
+        link.main([*flags, "--set=batch_size=3"])
+    per_host, threads, rows = link.ddp_layout(link.parse_args([*flags, "--set=batch_size=8"]), 2)
+    assert (per_host, threads, rows) == (4, 1, 8)
