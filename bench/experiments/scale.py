@@ -23,6 +23,10 @@ of machines at the same tokens per step: 4 machines x 2 workers and 8 x 1.
    second at the best 4-machine recipe (Muon inside): a slow outer momentum (0.9,
    0.95) mixed into the outer step at weight 0.25 or 0.5 beside the fast one, at the
    same steady gain (MT-DAO, arXiv 2510.05361: slow and fast moments side by side).
+   Then (3e) the best 4-machine recipe re-tuned at its best batch (x0.125: 8x the
+   rounds, each on 8x fewer tokens): the outer lr, the outer momentum, Muon's rate and
+   H one at a time at seed 0, the all-reduce's rate swept there too; what beats the
+   recipe (together, if several) over 3 seeds at 4 and 8 machines.
 4. 8 machines x 1: the 2-machine recipe and the best 4-machine recipe (Muon inner)
    over 3 seeds each; then that recipe's outer learning rate swept again, a new winner
    over 3 seeds.
