@@ -513,8 +513,8 @@ def test_the_scale_retune_keeps_what_beats_the_recipe(best_h, eight_h):
     field, separable) whose minimum lies at outer lr 1.0, the recipe's momentum and
     rate, and H=`best_h`: the outer lr's winning edge is extended (1.4 then loses), H's
     top edge doubled while it wins, the two winners run together and that (the bowl's
-    best point) goes to 3 seeds at 4 machines and at 8, where H stays at least 10 (the
-    byte budget); the all-reduce's rate, best at 0.04, goes to 3 seeds too."""
+    best point) goes to 3 seeds at 4 machines, at 8, where H stays at least 10 (the
+    byte budget), and at 2; the all-reduce's rate, best at 0.04, goes to 3 seeds too."""
     from bench.experiments import scale
 
     def loss(config) -> float:
@@ -558,7 +558,46 @@ def test_the_scale_retune_keeps_what_beats_the_recipe(best_h, eight_h):
     assert {c["seed"] for c in eights} == {0, 1, 2}
     assert all(c["machines"] == 8 and c["outer_lr"] == 1.0 for c in eights)
     assert all(c["local_steps"] == eight_h for c in eights)
+    twos = [c for n, c in runs if "on 2 machines" in n]  # the summary's 2-machine best
+    assert {c["seed"] for c in twos} == {0, 1, 2} and len(out["retune 2 machines"]) == 3
+    assert all(c["machines"] == 2 and c["local_steps"] == best_h for c in twos)
     assert all(c["batch_size"] == 1 for _, c in runs)  # x0.125 of lm_tiny's 8 windows
     tuned_ar = [c for n, c in runs if c["algorithm"] == "allreduce" and c["seed"] == 2]
     assert tuned_ar and tuned_ar[-1]["learning_rate"] == 0.04
     assert tuned_ar[-1]["muon_beta"] == 0.9
+
+
+def test_the_scale_retune_runs_the_recipe_at_2_machines_when_it_wins_every_sweep():
+    """A bowl centred on the recipe (outer 0.7 / 0.8, Muon 0.01, H=10): no sweep has a
+    winner, so no 3-seed or 8-machine runs, and the recipe itself goes to 2 machines."""
+    from bench.experiments import scale
+
+    def loss(config) -> float:
+        return (
+            2.1
+            + (config["outer_lr"] - 0.7) ** 2
+            + (config["outer_momentum"] - 0.8) ** 2
+            + abs(math.log2(config["learning_rate"] / 0.01))
+            + 0.01 * abs(math.log2(config["local_steps"] / 10))
+        )
+
+    runs: list = []
+
+    class Runner:
+        quick = False
+
+        def config(self, base, seed, **fields):
+            return dict(fields, seed=seed)
+
+        def run(self, study, name, config, optional=False):
+            runs.append((name, config))
+            value = loss(config) if config["algorithm"] == "diloco" else 2.0
+            return {"final_val_bits_per_byte": value, "diverged": False}
+
+    setting = scale.at(4, 10, optimizer="muon", learning_rate=0.01, outer_momentum=0.8)
+    ar = dict(scale.ALLREDUCE, optimizer="muon", learning_rate=0.02, muon_beta=0.9)
+    out = {"batch x0.125 diloco": [{"final_val_bits_per_byte": 2.1, "diverged": False}]}
+    scale.retune(Runner(), out, setting, ar, 0.125, 0.125, lambda g: g, {"study": "scale"})
+    assert "retune best" not in out and "retune 8 machines" not in out
+    twos = [c for n, c in runs if "on 2 machines" in n]
+    assert len(twos) == 3 and all(c == dict(setting, machines=2, seed=c["seed"]) for c in twos)

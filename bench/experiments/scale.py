@@ -209,23 +209,25 @@ def retune(
     one field at a time at seed 0, and the all-reduce's rate (`ar`, the best baseline's
     setting) swept at its own best batch (x`ar_factor`), into `out`. The fields that beat the recipe's seed 0 go
     together (seed 0), the better of that and the best single field over 3 seeds, at 4
-    machines and at 8 (H at least EIGHT_MIN_H there)."""
+    machines and at 8 (H at least EIGHT_MIN_H there), and the best at 2 machines."""
     base = batch_config(factor)
     batch = f", Muon inner, batch x{factor:g}"
     recipe = out.get(f"batch x{factor:g} diloco")
-    winners = {}
+    winners, complete = {}, True
     for field, values in RETUNE_GRIDS.items():
         grids = {field: grid(values)}
         extend = {field: EXTEND.get(field, 2.0)}
         best, out[f"retune {field} sweep"] = tune(
             runner, name(4, 10, batch), without(setting, grids), grids, extend, base=base, **study
         )
+        complete &= best is not None
         if best is not None and best[field] != setting[field]:
             winners[field] = best[field]
     h, out["retune H sweep"] = h_sweep(
         runner, lambda h: label(name(4, h, batch), shown(setting)), setting, base,
         hs=grid(RETUNE_H), **study,
     )  # fmt: skip
+    complete &= h is not None
     if h is not None and h != setting["local_steps"]:
         winners["local_steps"] = h
     rates = {"learning_rate": grid(MUON_LR_GRID)}
@@ -239,8 +241,6 @@ def retune(
         out["retune allreduce"] = seeds(
             runner, label(ar_title, best), ar | best, base=ar_base, **study
         )
-    if not winners or not recipe:
-        return
 
     def fields_of(changes: dict) -> dict:
         s = setting | changes
@@ -250,6 +250,17 @@ def retune(
     def title_of(s: dict, machines: int = 4) -> str:
         return label(name(machines, s["local_steps"], batch), shown(s))
 
+    def at_two(s: dict) -> None:
+        """The 4-machine recipe `s` on 2 machines x 4 (the summary's 2-machine row)."""
+        two = s | {"machines": 2}
+        out["retune 2 machines"] = seeds(runner, title_of(two, 2), two, base=base, **study)
+
+    if not recipe:
+        return
+    if not winners:
+        if complete:  # the recipe won every sweep
+            at_two(setting)
+        return
     candidates = {k: fields_of({k: v}) for k, v in winners.items()}
     if len(winners) > 1:
         together = fields_of(winners)
@@ -274,6 +285,7 @@ def retune(
         eight = fields_of({**{k: v for k, v in winners.items() if k != "local_steps"},
                            "local_steps": setting["local_steps"]}) | {"machines": 8}  # fmt: skip
     out["retune 8 machines"] = seeds(runner, title_of(eight, 8), eight, base=base, **study)
+    at_two(chosen)
 
 
 def at(machines: int, h: int, **fields) -> dict:

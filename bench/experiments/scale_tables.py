@@ -175,6 +175,11 @@ def section(out: dict, config, docs: str) -> str:
     ]
     rows = [
         (2, "2-machine recipe (configs/lm_study.py)", out.get("2 machines")),
+        (
+            2,
+            "the best 4-machine recipe at its best batch (re-tuned there)",
+            out.get("retune 2 machines"),
+        ),
         (4, "2-machine recipe", out.get("4 machines recipe")),
         (4, "tuned at H=10: outer lr x momentum", out.get("4 machines H=10 best")),
         (4, "tuned at H=5: outer lr x momentum", out.get("4 machines H=5 best")),
