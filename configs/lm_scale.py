@@ -12,8 +12,9 @@ transformer, 8.2 million tokens trained, warm-up and cosine), as 4 machines x 2
 workers joined by DiLoCo with the 4-bit min-max exchange with error feedback, at the
 4-machine winner of `python -m bench.experiments scale --keep-published`: the outer
 step swept again on 4 machines (outer learning rate x outer momentum at H=10: 0.7 /
-0.8), Muon as each machine's inner optimizer (its learning rate swept: 0.01; Adam
-8e-3 on the embeddings, norms and biases), and the batch swept at equal tokens: one
+0.8), Muon as each machine's inner optimizer (its learning rate swept: 0.01 at the
+study's batch, 0.0025 when re-swept at this one; Adam 8e-3 on the embeddings, norms
+and biases), and the batch swept at equal tokens: one
 64-byte window a worker and step, 16,000 steps (lm_study's 8 windows and 2,000 steps
 / 8), where the all-reduce with Muon does best too. Muon orthogonalizes whole
 matrices, so each worker holds its machine's whole model (no FSDP). The fields are
@@ -31,7 +32,7 @@ LOCAL_STEPS = 10
 OUTER_LR = 0.7
 OUTER_MOMENTUM = 0.8
 OPTIMIZER = "muon"
-LEARNING_RATE = 0.01
+LEARNING_RATE = 0.0025  # re-swept at this batch (x0.125): 0.0025 over 0.01
 #: Muon's own momentum (optax's 0.95; 0.9 won at lm_study's batch, not at this one).
 MUON_BETA = 0.95
 #: The batch per worker against lm_study's 8 windows, at the same tokens (the steps
