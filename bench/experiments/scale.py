@@ -181,6 +181,11 @@ RETUNE_H = (5, 10, 20)
 EIGHT_MIN_H = 10
 
 
+def with_h(setting: dict, h: int) -> dict:
+    """`setting` at H=`h`, its momentum warm-up over the same steps."""
+    return setting | {"local_steps": h, "outer_warmup_rounds": WARMUP_STEPS // h}
+
+
 def h_sweep(runner, title, setting: dict, base, hs=RETUNE_H, study=STUDY) -> tuple:
     """`setting` at each H of `hs` (seed 0; the momentum warm-up over the same steps), a
     winning top edge doubled (twice at most). Returns (the best H or None while a run
@@ -189,8 +194,7 @@ def h_sweep(runner, title, setting: dict, base, hs=RETUNE_H, study=STUDY) -> tup
     for _ in range(3):
         for h in hs:
             if h not in records:
-                fields = setting | {"local_steps": h, "outer_warmup_rounds": WARMUP_STEPS // h}
-                runs = seeds(runner, title(h), fields, count=1, base=base, study=study)
+                runs = seeds(runner, title(h), with_h(setting, h), count=1, base=base, study=study)
                 records[h] = runs[0] if runs else None
         if any(r is None for r in records.values()):
             return None, records
@@ -244,8 +248,7 @@ def retune(
 
     def fields_of(changes: dict) -> dict:
         s = setting | changes
-        s["outer_warmup_rounds"] = WARMUP_STEPS // s["local_steps"]
-        return s
+        return with_h(s, s["local_steps"])
 
     def title_of(s: dict, machines: int = 4) -> str:
         return label(name(machines, s["local_steps"], batch), shown(s))
@@ -280,10 +283,7 @@ def retune(
     chosen = candidates[key]
     out["retune best from"] = key
     out["retune best"] = seeds(runner, title_of(chosen), chosen, base=base, **study)
-    eight = chosen | {"machines": 8}
-    if eight["local_steps"] < EIGHT_MIN_H:
-        eight = fields_of({**{k: v for k, v in winners.items() if k != "local_steps"},
-                           "local_steps": setting["local_steps"]}) | {"machines": 8}  # fmt: skip
+    eight = with_h(chosen, max(chosen["local_steps"], EIGHT_MIN_H)) | {"machines": 8}
     out["retune 8 machines"] = seeds(runner, title_of(eight, 8), eight, base=base, **study)
     at_two(chosen)
 
