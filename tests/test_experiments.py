@@ -301,6 +301,58 @@ def test_cached_runs_of_other_code_or_config_are_not_reused(tmp_path, monkeypatc
         runner.config(experiments.seed002_config, learnign_rate=0.1)
 
 
+def test_a_run_another_invocation_is_training_is_not_trained_twice(tmp_path, monkeypatch):
+    """Invocations sharing a workdir: a run another one holds the claim of (is training)
+    is not trained again. --train-only goes on without it; a plain invocation waits and
+    takes the other's record; once the claim is let go with no record (its process
+    died), the run trains."""
+    import threading
+    import time
+
+    from bench import experiments
+    from bench.experiments import cache
+    from bench.experiments import runner
+
+    trained = fake_training(monkeypatch)
+    monkeypatch.setattr(runner, "CLAIM_POLL_S", 0.01)
+    workdir = str(tmp_path)
+    streams = experiments.Runner(quick=True, seeds=1, workdir=workdir)
+    streams.train_only = ("m",)
+    config = streams.config(experiments.seed002_config, seed=0)
+    key = streams.key(config)
+    claims = os.path.join(workdir, "claims")
+    held, saved = threading.Event(), threading.Event()
+    record = {"seed": 0, "wall_clock_s": 1.0, "final_test_accuracy": 0.5, "code": streams.code}
+
+    def other_invocation(save: bool):
+        with cache.claim(claims, key) as mine:
+            assert mine
+            held.set()
+            time.sleep(0.3)
+            if save:
+                cache.save_results(streams.cache_path, {key: record})
+                saved.set()
+
+    trainer = threading.Thread(target=other_invocation, args=(True,))
+    trainer.start()
+    held.wait()
+    assert streams.run("s", "m", config) is None  # --train-only: on to the next
+    plain = experiments.Runner(quick=True, seeds=1, workdir=workdir)
+    assert plain.run("s", "m", config)["final_test_accuracy"] == 0.5  # waited for it
+    assert saved.is_set() and trained == []
+    trainer.join()
+
+    held.clear()
+    config = plain.config(experiments.seed002_config, seed=0, learning_rate=0.05)
+    key = plain.key(config)
+    died = threading.Thread(target=other_invocation, args=(False,))
+    died.start()
+    held.wait()
+    assert plain.run("s", "m", config)["final_test_accuracy"] == 0.05  # trained once free
+    assert trained == [0.05]
+    died.join()
+
+
 def test_published_runs_of_the_same_code_count_as_cached(tmp_path, monkeypatch):
     from bench import experiments
     from bench.experiments import cache

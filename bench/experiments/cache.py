@@ -12,6 +12,7 @@ never reused either, and never share an experiments.json with trained runs.
 from __future__ import annotations
 
 import ast
+import contextlib
 import fcntl
 import hashlib
 import json
@@ -110,6 +111,22 @@ def save_results(path: str, records: dict[str, dict]) -> None:
         with open(path + ".tmp", "w") as f:
             json.dump(merged, f)
         os.replace(path + ".tmp", path)
+
+
+@contextlib.contextmanager
+def claim(directory: str, key: str):
+    """Claims the training of run `key` for this process among the invocations sharing a
+    workdir: yields True while this process holds `directory`/<key>.claim locked, False
+    when another does (it is training that run now). The lock goes with its holder's
+    process however that ends, so a killed invocation leaves no stale claim."""
+    os.makedirs(directory, exist_ok=True)
+    with open(os.path.join(directory, f"{key}.claim"), "w") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            yield False
+            return
+        yield True
 
 
 def published_results(path: str, code: str) -> dict[str, dict]:

@@ -80,7 +80,8 @@ def main(argv=None) -> None:
         help="parts of method labels, separated by '|' (labels hold commas): train only "
         "those methods' runs "
         "(others come from the workdir's cache or wait), write no report; lets several "
-        "invocations share one study's runs",
+        "invocations share one study's runs (a run one of them is training is claimed: "
+        "the others skip it, or without --train-only wait for its record)",
     )
     parser.add_argument(
         "--keep-published",

@@ -9,6 +9,7 @@ import shutil
 import sys
 import tempfile
 import time
+from contextlib import nullcontext
 
 from bench.experiments import cache
 
@@ -23,6 +24,8 @@ from configs import mnist1d_seed003  # noqa: E402
 LM_METRIC = "val_bits_per_byte_avg_model"
 STEPS = 2000  # per run (about 64 epochs of 8,000 sequences on 8 nodes of batch 32)
 QUICK_STEPS = 20
+# How often an invocation waiting for another's run (its claim) looks for its record.
+CLAIM_POLL_S = 5.0
 
 
 def _recipe(module, quick: bool):
@@ -133,6 +136,8 @@ class Runner:
         self.trained_seconds = 0.0
         self.study_keys: set[str] = set()
         self.cache_path = os.path.join(workdir, "results.json")
+        # The claims of the runs invocations sharing this workdir are training now.
+        self.claims = os.path.join(workdir, "claims")
         # --keep-published: runs of earlier code that count as cached (below).
         self.kept: dict[str, dict] = {}
         # Every (study, method, seed) the published file lists, with its keys.
@@ -197,23 +202,42 @@ class Runner:
                     f"{config.seed} with this config; run the study instead of --render."
                 )
             record = self.replay[key]
-        elif key in self.cache or key in self._reload():
-            record = self.cache[key]
-        elif (kept := self._kept(study, method, config)) is not None:
-            record = {k: v for k, v in self.kept[kept].items() if k not in ("study", "method")}
-        elif self.train_only is not None and not any(part in method for part in self.train_only):
-            return None  # another invocation's run, not trained yet
         else:
-            record = self._train(config)
-            record["key"], record["code"] = key, self.code
-            self.cache[key] = record
-            self.save(study, method, config.seed, record)
+            record = self._cached_or_trained(study, method, key, config)
+            if record is None:
+                return None
         if key not in self.study_keys:  # a run two methods share counts once
             self.study_keys.add(key)
             self.trained_seconds += record["wall_clock_s"]
         entry = dict(record, study=study, method=method)
         self.entries.append(entry)
         return entry
+
+    def _cached_or_trained(self, study: str, method: str, key: str, config) -> dict | None:
+        """The record of `config`: cached (this code's, or --keep-published's), else
+        trained now. An invocation sharing the workdir may be training it already (its
+        claim, `cache.claim`): then this one waits for its record, or with --train-only
+        returns None and goes on, as for a run --train-only does not name."""
+        while True:
+            if key in self.cache or key in self._reload():
+                return self.cache[key]
+            if (kept := self._kept(study, method, config)) is not None:
+                return {k: v for k, v in self.kept[kept].items() if k not in ("study", "method")}
+            if self.train_only is not None and not any(p in method for p in self.train_only):
+                return None  # another invocation's run, not trained yet
+            claim = cache.claim(self.claims, key) if not self.dry_run else nullcontext(True)
+            with claim as mine:
+                # Saved by its trainer between the look above and the claim: not again.
+                if mine and key not in self._reload():
+                    record = self._train(config)
+                    record["key"], record["code"] = key, self.code
+                    self.cache[key] = record
+                    self.save(study, method, config.seed, record)
+                    return record
+            if not mine:  # another invocation is training it
+                if self.train_only is not None:
+                    return None
+                time.sleep(CLAIM_POLL_S)
 
     def _kept(self, study: str, method: str, config) -> str | None:
         """The key of the --keep-published run of `config` (None: none, or no such flag):
