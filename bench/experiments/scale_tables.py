@@ -96,6 +96,14 @@ def _batch_kept(out: dict) -> str | None:
     return None
 
 
+def _fields(record: dict) -> str:
+    """The re-tuned fields of a run's `record` as its config holds them ("H" for H)."""
+    config = record.get("config", {})
+    names = {"learning_rate": "learning_rate", "outer_lr": "outer_lr",
+             "outer_momentum": "outer_momentum", "local_steps": "H"}  # fmt: skip
+    return ", ".join(f"{n}={config[f]:g}" for f, n in names.items() if f in config)
+
+
 _RETUNE_FROM = {
     "together": "the winners together",
     "local_steps": "H alone",
@@ -336,7 +344,8 @@ def section(out: dict, config, docs: str) -> str:
                 f"The re-tuned recipe's winners went to 3 seeds as "
                 f"{_RETUNE_FROM.get(out['retune best from'], out['retune best from'])}"
                 + (
-                    f" (the winners together, seed 0: {score(out['retune together seed 0'][0]):.4f})"
+                    f" (the winners together, {_fields(out['retune together seed 0'][0])}, "
+                    f"seed 0: {score(out['retune together seed 0'][0]):.4f})"
                     if out.get("retune together seed 0")
                     else ""
                 )
