@@ -366,6 +366,16 @@ def load_config(path: str):
     return module.get_config()
 
 
+def link_share(summary: dict, devices: int) -> float:
+    """The bytes a host sends across the link per step by the compiled program: its
+    `devices` nodes' bytes on the machines axis (the workers' axis stays inside the
+    host), or one node's bytes when the run has no machines axis (a node a host)."""
+    by_axis = summary.get("wire_bytes_by_axis") or {}
+    if "machines" in by_axis:
+        return float(by_axis["machines"]) * devices
+    return float(summary["final"]["wire_bytes_per_step"])
+
+
 def ddp_layout(args, hosts: int) -> tuple[int, int, int]:
     """DDP's (processes a host, threads a process, a host's rows a step) on `hosts` hosts.
 
@@ -581,6 +591,7 @@ def measure(network, name, args, port, workdir) -> dict:
     result["link_bytes_per_step"] = (b.tx_bytes - a.tx_bytes) / (n2 - n1)
     result["link_rx_bytes_per_step"] = (b.rx_bytes - a.rx_bytes) / (n2 - n1)
     result["compiled_bytes_per_step"] = b.summary["final"]["wire_bytes_per_step"]
+    result["compiled_link_bytes_per_step"] = link_share(b.summary, args.devices)
     result["wire_bytes_source"] = b.summary["wire_bytes_source"]
     unshaped_rows = None
     for rate in [None] + args.rates:
@@ -695,7 +706,8 @@ def table(
         lines.append(
             f"| {r['label']} | {at['s_per_step']:.3f}{combined} "
             f"| {megabytes(r['link_bytes_per_step'])} "
-            f"| {megabytes(r['compiled_bytes_per_step'])} | {at['utilisation']:.0%} "
+            f"| {megabytes(r.get('compiled_link_bytes_per_step', r['compiled_bytes_per_step']))} "
+            f"| {at['utilisation']:.0%} "
             f"| {f'{ttt:.1f} s' if ttt is not None else 'not reached'} | {speedup} "
             f"| {ceiling} | {of_ceiling} | {equal} | {evaluation} "
             f"| {f'{final:.3f}' if lower else f'{final:.1%}'} |"
@@ -748,7 +760,9 @@ def section(all_results: dict, args, command: str) -> str:
         f"time per step over {args.steps} steps; link bytes: host 0's veth transmit counter, "
         f"difference of unshaped runs of {args.probe_steps[1]} and {args.probe_steps[0]} "
         "steps; compiled bytes: bytes one node sends per step (train.py's "
-        "`wire_bytes_per_step`); unshaped: the veth with no qdisc (as fast as the kernel "
+        "`wire_bytes_per_step`; with machines of several devices, the bytes a machine's "
+        "devices send between the machines: `wire_bytes_by_axis['machines']` times the "
+        "devices, what the link carries); unshaped: the veth with no qdisc (as fast as the kernel "
         "copies, on the same CPU cores); utilisation: unshaped s/step / shaped s/step; time to "
         f"target: training time until the node-averaged model reaches the target "
         f"{workload.metric_name} ({target_text}; compilation not counted); at equal "

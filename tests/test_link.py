@@ -380,3 +380,18 @@ def test_ddp_rows_that_do_not_split_over_its_processes_are_refused_before_traini
         link.main([*flags, "--set=batch_size=3"])
     per_host, threads, rows = link.ddp_layout(link.parse_args([*flags, "--set=batch_size=8"]), 2)
     assert (per_host, threads, rows) == (4, 1, 8)
+
+
+def test_the_compiled_link_bytes_are_a_machines_devices_bytes_between_machines():
+    """With machines of several devices the link carries the machines axis only: the
+    2 x 4 language model's fp32 all-reduce (train.py's bytes by axis, a node's, from
+    bench/link.py's 2026-12-03 run) sends one machine's 4 devices x 120,580 bytes, which
+    is a 2-party all-reduce of lm_study's 120,576 float32 parameters (4 bytes each way
+    per parameter) to 0.01%, not the 723,460 bytes a node sends with FSDP's gathers."""
+    summary = {
+        "wire_bytes_by_axis": {"workers": 602880.0, "machines": 120580.0},
+        "final": {"wire_bytes_per_step": 723460.0},
+    }
+    assert link.link_share(summary, 4) == pytest.approx(120_576 * 4, rel=1e-4)
+    flat = {"wire_bytes_by_axis": {"nodes": 9.0}, "final": {"wire_bytes_per_step": 9.0}}
+    assert link.link_share(flat, 1) == 9.0  # a node a host: its own bytes
