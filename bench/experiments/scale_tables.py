@@ -99,9 +99,10 @@ def _batch_kept(out: dict) -> str | None:
 def _fields(record: dict) -> str:
     """The re-tuned fields of a run's `record` as its config holds them ("H" for H)."""
     config = record.get("config", {})
-    names = {"learning_rate": "learning_rate", "outer_lr": "outer_lr",
-             "outer_momentum": "outer_momentum", "local_steps": "H"}  # fmt: skip
-    return ", ".join(f"{n}={config[f]:g}" for f, n in names.items() if f in config)
+    fields = ("learning_rate", "outer_lr", "outer_momentum", "local_steps")
+    return ", ".join(
+        f"{'H' if f == 'local_steps' else f}={config[f]:g}" for f in fields if f in config
+    )
 
 
 _RETUNE_FROM = {
@@ -344,9 +345,8 @@ def section(out: dict, config, docs: str) -> str:
                 f"The re-tuned recipe's winners went to 3 seeds as "
                 f"{_RETUNE_FROM.get(out['retune best from'], out['retune best from'])}"
                 + (
-                    f" (the winners together, {_fields(out['retune together seed 0'][0])}, "
-                    f"seed 0: {score(out['retune together seed 0'][0]):.4f})"
-                    if out.get("retune together seed 0")
+                    f" (the winners together, {_fields(together)}, seed 0: {score(together):.4f})"
+                    if (together := (out.get("retune together seed 0") or [None])[0])
                     else ""
                 )
                 + "; 8 machines at the same fields (H at least 10 there: below it 8 machines "
