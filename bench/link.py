@@ -19,9 +19,10 @@ What is measured, per method:
   one compiled chunk and one evaluation (`log_every` = its length). The
   difference over N2 - N1 steps cancels start-up, connection set-up, the one
   evaluation and the final checkpoint, which both runs share. Beside it: the
-  bytes the compiled program says one node sends per step (train.py's
-  `wire_bytes_per_step`). On a ring the process's two boundary nodes each send
-  one message across, which is one node's two messages: the two should agree.
+  bytes train.py's traffic meter says a host puts on the link per step
+  (`link_share`: `link_bytes_by_axis`, each collective by its bandwidth-optimal
+  algorithm, `lpdec.wire.LINK_SHARE`). The two should agree up to TCP/IP's
+  headers and acknowledgements.
 * Seconds per step: the median of `step_time_s` over the metrics.csv rows but
   the first (the warm-up) of a `--steps` run, on the unshaped link and at each
   rate (each row times one compiled chunk of `--log-every` steps; evaluation
@@ -367,13 +368,30 @@ def load_config(path: str):
 
 
 def link_share(summary: dict, devices: int) -> float:
-    """The bytes a host sends across the link per step by the compiled program: its
-    `devices` nodes' bytes on the machines axis (the workers' axis stays inside the
-    host), or one node's bytes when the run has no machines axis (a node a host)."""
-    by_axis = summary.get("wire_bytes_by_axis") or {}
+    """The bytes a host puts on the link per step, by train.py's traffic meter: its
+    `devices` nodes' link bytes on the machines axis (the workers' axis stays inside
+    the host), or one node's when the run has no machines axis (a node a host).
+
+    A summary from before the meter modelled links (no `link_bytes_by_axis`) gives
+    the collectives' operand bytes instead (`wire_bytes_by_axis`): the same for an
+    all-reduce or all-gather over 2 machines, 3/2 of the link's bytes for the
+    compressed mean's two rounds over 2 (its all-to-all's row to itself counted)."""
+    link = summary.get("link_bytes_by_axis")
+    by_axis = link if link is not None else summary.get("wire_bytes_by_axis") or {}
     if "machines" in by_axis:
         return float(by_axis["machines"]) * devices
+    if link is not None:
+        return float(summary["link_bytes_per_step"])
     return float(summary["final"]["wire_bytes_per_step"])
+
+
+def modelled_cell(result: dict) -> str:
+    """The table's "link bytes/step (model)" cell: `link_share`'s figure, or for a
+    results file from before it, the operand bytes it kept, marked "(operands)"."""
+    if "modelled_link_bytes_per_step" in result:
+        return megabytes(result["modelled_link_bytes_per_step"])
+    old = result.get("compiled_link_bytes_per_step", result["compiled_bytes_per_step"])
+    return megabytes(old) + ("" if math.isnan(old) else " (operands)")  # NaN: DDP, no count
 
 
 def ddp_layout(args, hosts: int) -> tuple[int, int, int]:
@@ -478,6 +496,7 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
     (_, tx10), (_, tx30) = run(UNSHAPED, 10), run(UNSHAPED, 30)
     result["link_bytes_per_step"] = (tx30 - tx10) / 20
     result["compiled_bytes_per_step"] = float("nan")
+    result["modelled_link_bytes_per_step"] = float("nan")
     result["rates"] = {}
     for rate in [None] + args.rates:
         network.shape(rate)
@@ -591,7 +610,7 @@ def measure(network, name, args, port, workdir) -> dict:
     result["link_bytes_per_step"] = (b.tx_bytes - a.tx_bytes) / (n2 - n1)
     result["link_rx_bytes_per_step"] = (b.rx_bytes - a.rx_bytes) / (n2 - n1)
     result["compiled_bytes_per_step"] = b.summary["final"]["wire_bytes_per_step"]
-    result["compiled_link_bytes_per_step"] = link_share(b.summary, args.devices)
+    result["modelled_link_bytes_per_step"] = link_share(b.summary, args.devices)
     result["wire_bytes_source"] = b.summary["wire_bytes_source"]
     unshaped_rows = None
     for rate in [None] + args.rates:
@@ -661,7 +680,7 @@ def table(
         shown_target = f"{target:.3f}" if lower else f"{target:.1%}"
     tokens = workload is WORKLOADS["lm"]
     lines = [
-        f"| method | s/step | link bytes/step (measured) | compiled bytes/step | utilisation "
+        f"| method | s/step | link bytes/step (measured) | link bytes/step (model) | utilisation "
         f"| time to {shown_target} | vs fp32 all-reduce | ceiling | of ceiling "
         f"| vs all-reduce at equal {workload.metric_name} | evaluation adds "
         f"| final {workload.metric_name} |" + (" tokens/s per machine |" if tokens else ""),
@@ -706,7 +725,7 @@ def table(
         lines.append(
             f"| {r['label']} | {at['s_per_step']:.3f}{combined} "
             f"| {megabytes(r['link_bytes_per_step'])} "
-            f"| {megabytes(r.get('compiled_link_bytes_per_step', r['compiled_bytes_per_step']))} "
+            f"| {modelled_cell(r)} "
             f"| {at['utilisation']:.0%} "
             f"| {f'{ttt:.1f} s' if ttt is not None else 'not reached'} | {speedup} "
             f"| {ceiling} | {of_ceiling} | {equal} | {evaluation} "
@@ -759,11 +778,13 @@ def section(all_results: dict, args, command: str) -> str:
         "joined by veth links shaped with htb at each host's egress. s/step: median chunk "
         f"time per step over {args.steps} steps; link bytes: host 0's veth transmit counter, "
         f"difference of unshaped runs of {args.probe_steps[1]} and {args.probe_steps[0]} "
-        "steps; compiled bytes: bytes one node sends per step (train.py's "
-        "`wire_bytes_per_step`; with machines of several devices, the bytes a machine's "
-        "devices send between the machines: `wire_bytes_by_axis['machines']` times the "
-        "devices, what the link carries); unshaped: the veth with no qdisc (as fast as the kernel "
-        "copies, on the same CPU cores); utilisation: unshaped s/step / shaped s/step; time to "
+        "steps; link bytes (model): what train.py's traffic meter says a host puts on the "
+        "link per step (`link_bytes_by_axis`, each collective by its bandwidth-optimal "
+        "algorithm, `lpdec.wire.LINK_SHARE`; with machines of several devices, the "
+        "machines axis's bytes times the devices; (operands): a run from before the meter "
+        "modelled links, its collectives' operand bytes); unshaped: the veth with no qdisc "
+        "(as fast as the kernel copies, on the same CPU cores); utilisation: unshaped "
+        "s/step / shaped s/step; time to "
         f"target: training time until the node-averaged model reaches the target "
         f"{workload.metric_name} ({target_text}; compilation not counted); at equal "
         f"{workload.metric_name}: the all-reduce's training time to this method's final value "

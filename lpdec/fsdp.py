@@ -115,10 +115,10 @@ class ShardPlan:
         for indices in groups.values():
             flat = jnp.concatenate([jnp.ravel(leaves[i]) for i in indices])
             if self.workers > 1:  # a machine of one worker sends nothing
-                wire.record(flat, axis_name)
+                wire.record(flat, axis_name, collective="all_gather")
             rows = jax.lax.all_gather(flat, axis_name)  # [k, S]: row w, worker w's blocks
             if self.workers > 1:  # the reduce-scatter of the whole leaves' gradient
-                wire.record(rows, axis_name)
+                wire.record(rows, axis_name, collective="psum_scatter")
             at = 0
             for i in indices:
                 block, dim = leaves[i], dims[i]

@@ -87,7 +87,8 @@ def all_to_all_payload(payload_chunks: PyTree, *, axis_name: AxisName) -> PyTree
     Returns:
       The same structure and shapes; row c is what node c sent to this node.
     """
-    wire.record(payload_chunks, axis_name)  # counted like compiled HLO counts it: the whole operand
+    # The operand counted like compiled HLO counts it (all n rows); its link bytes, n - 1.
+    wire.record(payload_chunks, axis_name, collective="all_to_all")
     split = _split_axes(axis_name)
     if split is None:
         return jax.lax.all_to_all(payload_chunks, axis_name, 0, 0)
@@ -112,7 +113,7 @@ def all_gather_payload(payload: PyTree, *, axis_name: AxisName) -> PyTree:
     `axis_name` as in `all_to_all_payload`; over (mesh axis, vmap axis) it gathers
     over the vmap axis, then the mesh axis (jax cannot gather over both at once).
     """
-    wire.record(payload, axis_name)
+    wire.record(payload, axis_name, collective="all_gather")
     split = _split_axes(axis_name)
     if split is None:
         return jax.lax.all_gather(payload, axis_name)
@@ -132,14 +133,14 @@ def local_reduce_scatter(x: PyTree, *, axis_name: str) -> PyTree:
     result's is 1/L of it.
     """
     size = jax.lax.axis_size(axis_name)
-    wire.record(x, axis_name)
+    wire.record(x, axis_name, collective="psum_scatter")
     summed = jax.lax.psum_scatter(x, axis_name, scatter_dimension=0, tiled=True)
     return jax.tree.map(lambda s: s / size, summed)
 
 
 def local_all_gather(x: PyTree, *, axis_name: str) -> PyTree:
     """Concatenation of every rank's `x` along the leading axis, in rank order (tiled)."""
-    wire.record(x, axis_name)
+    wire.record(x, axis_name, collective="all_gather")
     return jax.lax.all_gather(x, axis_name, tiled=True)
 
 
@@ -162,15 +163,18 @@ def local_sum(x: PyTree, *, axis_name: AxisName) -> PyTree:
     4.41, BENCHMARKS.md "bench/link.py parity mlp 2x4"). Every worker gets the same
     sum (each block is gathered from the one worker that summed it).
     """
-    wire.record(x, axis_name)
     # With one device per process and the axis exactly the processes, a process may
-    # have installed lpdec's TCP sum (`lpdec.host_sum`: jax's gloo stalls on one core).
+    # have installed lpdec's TCP sum (`lpdec.host_sum`: jax's gloo stalls on one core;
+    # its star sends 2 (P - 1) / P of the buffer a process on average, as a ring does).
     routed = host_sum.routes(axis_name)
 
     def total(flat: jax.Array) -> jax.Array:
         if routed:
+            wire.record(flat, axis_name, collective="psum")
             return host_sum.psum(flat)
-        return _hierarchical_sum(flat, axis_name)
+        split = _splits(flat, axis_name)
+        wire.record(flat, axis_name, collective="hierarchical_psum" if split else "psum")
+        return _hierarchical_sum(flat, axis_name) if split else jax.lax.psum(flat, axis_name)
 
     leaves, treedef = jax.tree.flatten(x)
     groups: dict[Any, list[int]] = {}
@@ -187,22 +191,25 @@ def local_sum(x: PyTree, *, axis_name: AxisName) -> PyTree:
     return jax.tree.unflatten(treedef, out)
 
 
-def _hierarchical_sum(flat: jax.Array, axis_name: AxisName) -> jax.Array:
-    """`psum(flat, axis_name)`; over two mesh axes (outer, inner) as reduce-scatter,
-    sum, all-gather (a vmap axis among them: one psum)."""
+def _splits(flat: jax.Array, axis_name: AxisName) -> bool:
+    """Whether a sum of `flat` over `axis_name` runs as `_hierarchical_sum`: two manual
+    mesh axes (outer, inner), each of more than one device, and at least a block per
+    inner rank (a vmap axis among them: one psum, which jax's psum_scatter cannot batch)."""
     if isinstance(axis_name, str) or len(axis_name) != 2:
-        return jax.lax.psum(flat, axis_name)
+        return False
     outer, inner = axis_name
     manual = jax.sharding.get_abstract_mesh().manual_axes
+    if outer not in manual or inner not in manual:
+        return False
     blocks = jax.lax.axis_size(inner)
-    if (
-        outer not in manual  # (a vmap axis: jax's psum_scatter does not batch over one)
-        or inner not in manual
-        or blocks == 1
-        or jax.lax.axis_size(outer) == 1
-        or flat.size < blocks
-    ):
-        return jax.lax.psum(flat, axis_name)
+    return blocks > 1 and jax.lax.axis_size(outer) > 1 and flat.size >= blocks
+
+
+def _hierarchical_sum(flat: jax.Array, axis_name: tuple[str, str]) -> jax.Array:
+    """`psum(flat, axis_name)` over two mesh axes (outer, inner) as reduce-scatter over
+    inner, sum over outer, all-gather over inner (where `_splits` holds)."""
+    outer, inner = axis_name
+    blocks = jax.lax.axis_size(inner)
     padded = jnp.pad(flat, (0, -flat.size % blocks))
     block = jax.lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)
     block = jax.lax.psum(block, outer)
@@ -285,7 +292,8 @@ def ppermute(tree: PyTree, perm: Sequence[tuple[int, int]], *, axis_name: AxisNa
     nodes per device) goes through `_nested_ppermute`.
     """
     buffers, unpack = wire.pack(tree)
-    wire.record(buffers, axis_name, senders=len(perm) / jax.lax.axis_size(axis_name))
+    senders = len(perm) / jax.lax.axis_size(axis_name)
+    wire.record(buffers, axis_name, senders, collective="ppermute")
     return unpack(_ppermute_array(buffers, perm, axis_name))
 
 

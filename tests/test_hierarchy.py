@@ -376,3 +376,32 @@ def test_the_sum_over_machines_and_workers_sends_one_buffer_between_machines(rng
     reduces = [line for line in hlo.splitlines() if " all-reduce(" in line]
     assert reduces and all("f32[250]" in line for line in reduces), reduces
     assert "reduce-scatter(" in hlo and "all-gather(" in hlo
+
+
+@pytest.mark.parametrize("machines, workers", [(2, 4), (4, 2)])
+def test_the_meter_puts_the_hierarchical_sum_on_the_links_it_runs_over(machines, workers):
+    """`lpdec.wire`'s link bytes for `gossip.local_sum` over (machines, workers), counted
+    from the schedule of the sum it runs: inside a machine a ring reduce-scatter of the
+    (padded) buffer, workers - 1 steps of one of its `workers` blocks, and an all-gather
+    of this worker's block to the workers - 1 others; between machines a ring all-reduce
+    of that block, 2 (machines - 1) steps of 1/machines of it. The meter counts the
+    buffer unpadded (999 floats of the padded 1,000): within 0.1%."""
+    _need(8)
+    names = ("machines", "workers")
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:8]).reshape(machines, workers), names)
+    spec = jax.sharding.PartitionSpec(*names)
+    total = jax.shard_map(
+        lambda a: lpdec.gossip.local_sum(a, axis_name=names),
+        mesh=mesh,
+        in_specs=spec,
+        out_specs=spec,
+    )
+    with lpdec.wire.traffic_meter() as meter:
+        jax.jit(total).lower(jax.ShapeDtypeStruct((machines, workers, 999), np.float32))
+    block = 4 * 1000 / workers  # bytes of one worker's block of the padded buffer
+    inside = (workers - 1) * block + (workers - 1) * block
+    between = 2 * (machines - 1) * block / machines
+    assert meter.link_bytes_by_axis == pytest.approx(
+        {"workers": inside, "machines": between}, rel=1e-3
+    )
+    assert meter.bytes_by_axis == {"machines+workers": 4 * 999}  # the operand, as before

@@ -382,16 +382,27 @@ def test_ddp_rows_that_do_not_split_over_its_processes_are_refused_before_traini
     assert (per_host, threads, rows) == (4, 1, 8)
 
 
-def test_the_compiled_link_bytes_are_a_machines_devices_bytes_between_machines():
-    """With machines of several devices the link carries the machines axis only: the
-    2 x 4 language model's fp32 all-reduce (train.py's bytes by axis, a node's, from
-    bench/link.py's 2026-12-03 run) sends one machine's 4 devices x 120,580 bytes, which
-    is a 2-party all-reduce of lm_study's 120,576 float32 parameters (4 bytes each way
-    per parameter) to 0.01%, not the 723,460 bytes a node sends with FSDP's gathers."""
+def test_the_link_bytes_are_a_machines_devices_bytes_between_machines():
+    """With machines of several devices the link carries the machines axis only. The 2 x 4
+    language model's DiLoCo, H=10, 4-bit (train.py's link bytes by axis, a node's, from
+    its meter): a machine's 4 devices send 4 x 1,513.6 bytes a step, one 4-bit payload
+    of lm_study's 120,576 parameters every 10 steps (codes 60,288 bytes, a float32 pair
+    per 8,192 of them: 60,408) to 0.3% (each worker's shard in two halves, each with its
+    own scales), not the operand count's 9,082 (its all-to-all's row to itself) nor a
+    node's 605,150 with FSDP's gathers. A results file from before the model keeps its
+    operand bytes, marked."""
     summary = {
-        "wire_bytes_by_axis": {"workers": 602880.0, "machines": 120580.0},
-        "final": {"wire_bytes_per_step": 723460.0},
+        "wire_bytes_by_axis": {"workers": 602880.0, "machines": 2270.4},
+        "link_bytes_by_axis": {"machines": 1513.6},  # (and the workers', unused here)
+        "final": {"wire_bytes_per_step": 605150.4},
     }
-    assert link.link_share(summary, 4) == pytest.approx(120_576 * 4, rel=1e-4)
-    flat = {"wire_bytes_by_axis": {"nodes": 9.0}, "final": {"wire_bytes_per_step": 9.0}}
-    assert link.link_share(flat, 1) == 9.0  # a node a host: its own bytes
+    payload = 120_576 * 4 // 8 + 8 * -(-120_576 // 8192)
+    assert link.link_share(summary, 4) == pytest.approx(payload / 10, rel=3e-3)
+    legacy = {k: v for k, v in summary.items() if not k.startswith("link")}
+    assert link.link_share(legacy, 4) == pytest.approx(1.5 * 4 * 1513.6)  # the operands
+    flat = {"link_bytes_by_axis": {"nodes": 9.0}, "link_bytes_per_step": 9.0}
+    assert link.link_share(dict(flat, final={"wire_bytes_per_step": 4.0}), 1) == 9.0
+    assert link.modelled_cell({"modelled_link_bytes_per_step": 6054.4}) == "0.006 MB"
+    old = {"compiled_link_bytes_per_step": 9081.6, "compiled_bytes_per_step": 605150.4}
+    assert link.modelled_cell(old) == "0.009 MB (operands)"
+    assert link.modelled_cell({"compiled_bytes_per_step": float("nan")}) == "—"  # DDP

@@ -90,7 +90,8 @@ def test_a_machine_sends_one_compressed_model_per_exchange(shared_run):
     elements, cut into 2 halves), so the program's all-to-all and all-gather over the
     machines axis carry 2 + 1 rows of a half's 4-bit payload per worker (the audit counts
     the all-to-all's row to itself, which stays on the device). Across the link a
-    machine sends 4 workers x 2 rows: one 4-bit payload of its whole model, not 4."""
+    machine sends 4 workers x 2 rows: one 4-bit payload of its whole model, not 4; the
+    meter's link bytes say so."""
     overrides = dict(
         ALGORITHMS["diloco"],
         compressor="minmax",
@@ -109,6 +110,8 @@ def test_a_machine_sends_one_compressed_model_per_exchange(shared_run):
     assert per_exchange == pytest.approx(3 * row), (per_exchange, row)
     crossing = 4 * 2 * row
     assert crossing <= 1.02 * lpdec.minmax(bits=4).wire_bytes(parameters), crossing
+    # The meter's link bytes count those 2 rows a worker (lpdec.wire.LINK_SHARE).
+    assert summary["link_bytes_by_axis"]["machines"] * 5 == pytest.approx(2 * row)
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,13 @@ The hand counts, from the documents of each piece (never from the code under tes
   summed); DiLoCo's exchange then runs on a worker's blocks, P / k elements.
 - DiLoCo (Douillard et al., 2023): the exchange once per H = local_steps steps: its
   bytes and collectives / H per step.
+
+Link bytes (`link_bytes_by_axis`): what a node puts on its links, from the schedule of
+each collective's textbook algorithm over n nodes: a ring all-reduce is n - 1 steps of
+reduce-scatter then n - 1 of all-gather, each sending one of the buffer's n blocks; an
+all-gather sends this node's piece to the n - 1 others; a reduce-scatter or all-to-all
+sends n - 1 of its n blocks (the block to itself stays); a neighbour exchange sends
+what it sends.
 """
 
 import csv
@@ -64,37 +71,51 @@ def minmax_bytes(d: int, bits: int) -> int:
 
 
 def compressed_mean_bytes(p: int, nodes: int, bits: int, rounds: int) -> int:
-    """One exchange of a P-element vector among `nodes`: (bytes, collectives)."""
+    """One exchange of a P-element vector among `nodes`: (bytes, collectives, link bytes).
+
+    On the links: one round sends the whole payload to each of the n - 1 others; two
+    send n - 1 encoded chunks (round 1: chunk c to node c) and this node's averaged
+    chunk to the n - 1 others (round 2)."""
     if rounds == 1:
-        return minmax_bytes(p, bits), 1
+        return minmax_bytes(p, bits), 1, (nodes - 1) * minmax_bytes(p, bits)
     chunk = math.ceil(p / nodes)
-    return (nodes + 1) * minmax_bytes(chunk, bits), 2
+    return (nodes + 1) * minmax_bytes(chunk, bits), 2, 2 * (nodes - 1) * minmax_bytes(chunk, bits)
+
+
+def ring_all_reduce(nbytes: float, n: int) -> float:
+    """Bytes a node sends in a ring all-reduce of `nbytes` over n nodes: n - 1
+    reduce-scatter steps and n - 1 all-gather steps of one block (nbytes / n) each."""
+    return sum(nbytes / n for _ in range(2 * (n - 1)))
 
 
 # The documented configs' counts, from their fields: (leaf sizes, fields, one device?) ->
-# ({axis: bytes per node and step}, collectives per step).
+# ({axis: bytes per node and step}, collectives per step, {axis: link bytes per node and
+# step}).
 
 
 def choco_ring(leaves, c, axis):
     assert (c.algorithm, c.topology, c.compressor) == ("choco", "ring", "minmax")
-    return {axis: 2 * sum(minmax_bytes(d, c.bits) for d in leaves)}, 2
+    sent = {axis: 2 * sum(minmax_bytes(d, c.bits) for d in leaves)}
+    return sent, 2, sent  # a neighbour exchange: the operand is what goes out
 
 
 def dpsgd_ring(leaves, c, axis):
     assert (c.algorithm, c.topology) == ("dpsgd", "ring")
-    return {axis: 2 * 4 * sum(leaves)}, 2
+    sent = {axis: 2 * 4 * sum(leaves)}
+    return sent, 2, sent
 
 
 def nothing(leaves, c, axis):
     assert c.algorithm == "none" and c.num_nodes == 1
-    return {}, 0
+    return {}, 0, {}
 
 
 def diloco_flat(leaves, c, axis):
     """DiLoCo with a compressed mean over all the nodes, no machines."""
     assert (c.algorithm, c.exchange, c.hierarchical) == ("diloco", "compressed_mean", False)
-    sent, collectives = compressed_mean_bytes(sum(leaves), c.num_nodes, c.bits, c.mean_rounds)
-    return {axis: sent / c.local_steps}, collectives / c.local_steps
+    sent, collectives, link = compressed_mean_bytes(sum(leaves), c.num_nodes, c.bits, c.mean_rounds)
+    h = c.local_steps
+    return {axis: sent / h}, collectives / h, {axis: link / h}
 
 
 def diloco_machines(leaves, c, axis):
@@ -105,10 +126,21 @@ def diloco_machines(leaves, c, axis):
     p, machines = sum(leaves), c.machines
     workers = c.num_nodes // machines
     shard = math.ceil(p / workers)
-    rounds, collectives = compressed_mean_bytes(shard, machines, c.bits, c.mean_rounds)
+    rounds, collectives, link = compressed_mean_bytes(shard, machines, c.bits, c.mean_rounds)
     h = c.local_steps
     inside = 4 * p + 4 + (4 * workers * shard + 4 * shard) / h
-    return {"workers": inside, "machines": rounds / h}, 1 + 2 / h + collectives / h
+    # The gradient's (and its count's) ring all-reduce; every H steps a reduce-scatter
+    # of the padded vector (workers - 1 of its blocks leave) and an all-gather of this
+    # worker's shard (to the workers - 1 others).
+    inside_link = (
+        ring_all_reduce(4 * p + 4, workers)
+        + ((workers - 1) * 4 * shard + (workers - 1) * 4 * shard) / h
+    )
+    return (
+        {"workers": inside, "machines": rounds / h},
+        1 + 2 / h + collectives / h,
+        {"workers": inside_link, "machines": link / h},
+    )
 
 
 def diloco_fsdp(leaves, c, axis):
@@ -118,11 +150,18 @@ def diloco_fsdp(leaves, c, axis):
     p, machines = sum(leaves), c.machines
     workers = c.num_nodes // machines
     assert all(d % workers == 0 for d in leaves)
-    rounds, collectives = compressed_mean_bytes(p // workers, machines, c.bits, c.mean_rounds)
+    rounds, collectives, link = compressed_mean_bytes(p // workers, machines, c.bits, c.mean_rounds)
     h = c.local_steps
     inside = sum(4 * d // workers + 4 * d for d in leaves)
-    # One all-gather of every block and its gradient's reduce-scatter (lpdec.fsdp).
-    return {"workers": inside, "machines": rounds / h}, 2 + collectives / h
+    # One all-gather of every block and its gradient's reduce-scatter (lpdec.fsdp): a
+    # worker's blocks go to the workers - 1 others; of the whole leaves' gradient, the
+    # workers - 1 blocks that others sum leave.
+    inside_link = sum((workers - 1) * 4 * d // workers * 2 for d in leaves)
+    return (
+        {"workers": inside, "machines": rounds / h},
+        2 + collectives / h,
+        {"workers": inside_link, "machines": link / h},
+    )
 
 
 SMALL_MNIST1D = dict(num_samples=2000)
@@ -230,7 +269,7 @@ def test_the_reported_wire_bytes_are_the_hand_count(tmp_path, monkeypatch, case)
         assert chunks.step_by_step is (path == "step"), chunks.step_by_step
     one_device = summary["devices"] == 1
     axis = "nodes+local" if one_device and config.num_nodes > 1 else "nodes"
-    by_axis, collectives = count(_leaf_sizes(tmp_path), config, axis)
+    by_axis, collectives, link = count(_leaf_sizes(tmp_path), config, axis)
     total = sum(by_axis.values())
     assert summary["steps"] == 4 and len(rows) == 2
     assert total > 0 or config.num_nodes == 1
@@ -239,6 +278,8 @@ def test_the_reported_wire_bytes_are_the_hand_count(tmp_path, monkeypatch, case)
         assert float(row["wire_bytes_per_step"]) == pytest.approx(total, rel=1e-9), row
     assert summary["wire_bytes_by_axis"] == pytest.approx(by_axis, rel=1e-9)
     assert summary["collectives_per_step"] == pytest.approx(collectives, rel=1e-9)
+    assert summary["link_bytes_by_axis"] == pytest.approx(link, rel=1e-9)
+    assert summary["link_bytes_per_step"] == pytest.approx(sum(link.values()), rel=1e-9)
     if config.num_nodes > 1:
         # The compiled program where every node has its own device and every collective
         # runs every step; else the meter (nodes share a device; DiLoCo's exchange).

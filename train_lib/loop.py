@@ -93,8 +93,9 @@ class Chunks:
         self.compiled: dict[int, Any] = {}
         # Lowered and not yet compiled, by length: (the lowering, what the meter counted).
         self.lowered: dict[int, tuple[Any, lpdec.wire.TrafficMeter]] = {}
-        # (bytes per node and step, their source, collectives per step, bytes by axis)
-        self.wire: tuple[float, str, float, dict] | None = None
+        # (bytes per node and step, their source, collectives per step, bytes by axis,
+        # link bytes per node and step, link bytes by axis: `lpdec.wire.TrafficMeter`)
+        self.wire: tuple[float, str, float, dict, float, dict] | None = None
 
     def _lower(self, args):
         """(the program for `args` lowered, what the traffic meter counted in its trace).
@@ -120,7 +121,14 @@ class Chunks:
                 sent, source = metrics_lib.wire_bytes(
                     self.compiled[length], meter, self.layout.per_device
                 )
-                self.wire = (float(sent), source, meter.collectives, dict(meter.bytes_by_axis))
+                self.wire = (
+                    float(sent),
+                    source,
+                    meter.collectives,
+                    dict(meter.bytes_by_axis),
+                    meter.link_bytes,
+                    dict(meter.link_bytes_by_axis),
+                )
         return self.compiled[length]
 
     def run(self, params, opt_state, model_state, batcher, length: int, step: int, key):
@@ -444,7 +452,7 @@ class SyncTrainer:
     def end(self, step: int, diverged: bool) -> dict[str, Any]:
         self.manager.wait_until_finished()
         layout = self.exp.layout
-        wire = self.chunks.wire or (None, None, None, {})
+        wire = self.chunks.wire or (None, None, None, {}, None, {})
         return {
             "num_nodes": layout.num_nodes,
             "devices": layout.mesh.devices.size,
@@ -455,6 +463,9 @@ class SyncTrainer:
             "wire_bytes_source": wire[1],
             "collectives_per_step": wire[2],
             "wire_bytes_by_axis": wire[3],
+            # What a node puts on its links (the meter's model: `lpdec.wire.LINK_SHARE`).
+            "link_bytes_per_step": wire[4],
+            "link_bytes_by_axis": wire[5],
         }
 
     def export(self, workdir: str) -> None:
