@@ -44,13 +44,11 @@ from __future__ import annotations
 import argparse
 import csv
 import dataclasses
-import datetime
 import importlib.util
 import json
 import math
 import os
 import pathlib
-import platform
 import statistics
 import sys
 import tempfile
@@ -60,11 +58,15 @@ from typing import NamedTuple
 from bench import _sections
 from bench import harness
 from bench import netns
+from bench.link_report import BASELINE
+from bench.link_report import UNSHAPED
+from bench.link_report import curve
+from bench.link_report import plot
+from bench.link_report import section
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SECTION = "bench/link.py"
 FIRST_PORT = 23456
-UNSHAPED = "unshaped"
 
 
 class Method(NamedTuple):
@@ -156,7 +158,6 @@ METHODS |= {
     "diloco4h20": _diloco("DiLoCo H=20, 4-bit EF mean", "compressed_mean", 20, **_EF4),
     "diloco4h40": _diloco("DiLoCo H=40, 4-bit EF mean", "compressed_mean", 40, **_EF4),
 }  # fmt: skip
-BASELINE = "allreduce"
 
 #: The language-model workload (`--workload lm`, configs/lm_study.py: the language-model
 #: study's recipe): every method runs with each machine's model split over its workers
@@ -231,6 +232,7 @@ class Workload(NamedTuple):
     metric: str  # the node-averaged model's column of metrics.csv
     lower_is_better: bool
     metric_name: str
+    tokens: bool = False  # the tables add tokens per second a machine
 
 
 WORKLOADS = {
@@ -247,6 +249,7 @@ WORKLOADS = {
         "val_bits_per_byte_avg_model",
         True,
         "validation bits per byte",
+        tokens=True,
     ),
 }
 
@@ -385,15 +388,6 @@ def link_share(summary: dict, devices: int) -> float:
     return float(summary["final"]["wire_bytes_per_step"])
 
 
-def modelled_cell(result: dict) -> str:
-    """The table's "link bytes/step (model)" cell: `link_share`'s figure, or for a
-    results file from before it, the operand bytes it kept, marked "(operands)"."""
-    if "modelled_link_bytes_per_step" in result:
-        return megabytes(result["modelled_link_bytes_per_step"])
-    old = result.get("compiled_link_bytes_per_step", result["compiled_bytes_per_step"])
-    return megabytes(old) + ("" if math.isnan(old) else " (operands)")  # NaN: DDP, no count
-
-
 def ddp_layout(args, hosts: int) -> tuple[int, int, int]:
     """DDP's (processes a host, threads a process, a host's rows a step) on `hosts` hosts.
 
@@ -522,50 +516,8 @@ def measure_ddp(network, args, port, workdir, baseline: dict) -> dict:
     return result
 
 
-def curve(
-    rows: list[dict], metric: str = "test_accuracy_avg_model", clock: bool = False
-) -> list[tuple[float, float]]:
-    """(seconds so far, the node-averaged model's `metric`) at each metrics.csv row.
-
-    Seconds of training (`step_time_s` x steps); with `clock`, plus each row's
-    evaluation (`eval_time_s`): the loop's own clock, without start-up and compilation.
-    """
-    points, elapsed, previous = [], 0.0, 0
-    for row in rows:
-        elapsed += row["step_time_s"] * (row["step"] - previous)
-        if clock:
-            elapsed += row.get("eval_time_s", 0.0)
-        previous = int(row["step"])
-        points.append((elapsed, row[metric]))
-    return points
-
-
-def time_to_target(
-    points: list[tuple[float, float]], target: float | None, lower_is_better: bool = False
-) -> float | None:
-    """The time of the first `curve` point at or past `target`, or None (or no target)."""
-    if target is None:
-        return None
-    for elapsed, value in points:
-        if (value <= target) if lower_is_better else (value >= target):
-            return elapsed
-    return None
-
-
 def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
-
-
-def targets(results: list[dict], rates: list[str], target: float | None) -> dict[str, float]:
-    """The target accuracy per rate: `target`, or (None) the baseline's final accuracy there."""
-    if target is not None:
-        return {rate: target for rate in rates}
-    base = next((r for r in results if r["method"] == BASELINE), None)
-    if base is None:
-        raise ValueError(f"--target=final needs the baseline {BASELINE!r} among the methods")
-    if "error" in base:  # the tables still show every method's other numbers
-        return {rate: None for rate in rates}
-    return {rate: base["rates"][rate]["final_accuracy"] for rate in rates}
 
 
 def measure(network, name, args, port, workdir) -> dict:
@@ -656,188 +608,6 @@ def measure(network, name, args, port, workdir) -> dict:
         at["utilisation"] = unshaped / at["s_per_step"]
     network.shape(None)
     return result
-
-
-def megabytes(value: float) -> str:
-    return "—" if math.isnan(value) else f"{value / 1e6:.3f} MB"
-
-
-def table(
-    results: list[dict], rate: str, target: float, workload: Workload = WORKLOADS["mlp"]
-) -> str:
-    lower = workload.lower_is_better
-    for r in results:
-        if "error" not in r and rate in r["rates"]:
-            at = r["rates"][rate]
-            at["target"] = target
-            at["time_to_target_s"] = time_to_target(at["curve"], target, lower)
-            at["clock_to_target_s"] = time_to_target(at.get("clock_curve", []), target, lower)
-    base = next((r for r in results if r["method"] == BASELINE and "error" not in r), None)
-    base_time = base["rates"][rate]["time_to_target_s"] if base else None
-    if target is None:
-        shown_target = "target (none: the baseline failed)"
-    else:
-        shown_target = f"{target:.3f}" if lower else f"{target:.1%}"
-    tokens = workload is WORKLOADS["lm"]
-    lines = [
-        f"| method | s/step | link bytes/step (measured) | link bytes/step (model) | utilisation "
-        f"| time to {shown_target} | vs fp32 all-reduce | ceiling | of ceiling "
-        f"| vs all-reduce at equal {workload.metric_name} | evaluation adds "
-        f"| final {workload.metric_name} |" + (" tokens/s per machine |" if tokens else ""),
-        "|---|---|---|---|---|---|---|---|---|---|---|---|" + ("---|" if tokens else ""),
-    ]
-    for r in results:
-        if "error" in r or rate not in r["rates"]:
-            why = f"failed: {r['error']}" if "error" in r else "not run at this rate"
-            lines.append(f"| {r['label']} | {why} |" + " |" * (10 + tokens))
-            continue
-        at = r["rates"][rate]
-        ttt = at["time_to_target_s"]
-        speedup = f"{base_time / ttt:.2f}x" if base_time and ttt else "—"
-        # The ceiling: the all-reduce's time to target on this link over the method's on
-        # the unshaped link (its steps to target at its compute-only speed), what these
-        # cores allow the method if the link cost it nothing; "of ceiling": the speed-up
-        # over it, i.e. the method's unshaped time over its time on this link.
-        ceiling = of_ceiling = "—"
-        free = r["rates"].get(UNSHAPED, {}).get("curve")
-        free_ttt = time_to_target(free, target, lower) if free else None
-        if base_time and free_ttt:
-            ceiling = f"{base_time / free_ttt:.2f}x"
-            if ttt:
-                of_ceiling = f"{free_ttt / ttt:.0%}"
-        final = at["final_accuracy"]
-        combined = " (c)" if at.get("combined") else ""
-        # The all-reduce's time to this method's own final value, over this method's time.
-        equal = "—"
-        if base is not None and at["curve"]:
-            reached = time_to_target(base["rates"][rate]["curve"], final, lower)
-            if reached:
-                equal = f"{reached / at['curve'][-1][0]:.2f}x"
-                # Its ceiling: the same over the method's whole time on the unshaped link.
-                if free and ttt is None:
-                    equal += (
-                        f" (ceiling {reached / free[-1][0]:.2f}x, "
-                        f"{free[-1][0] / at['curve'][-1][0]:.0%} of it)"
-                    )
-        evaluation = "—"
-        if at.get("clock_curve") and at["curve"]:
-            evaluation = f"+{at['clock_curve'][-1][0] / at['curve'][-1][0] - 1:.1%}"
-        lines.append(
-            f"| {r['label']} | {at['s_per_step']:.3f}{combined} "
-            f"| {megabytes(r['link_bytes_per_step'])} "
-            f"| {modelled_cell(r)} "
-            f"| {at['utilisation']:.0%} "
-            f"| {f'{ttt:.1f} s' if ttt is not None else 'not reached'} | {speedup} "
-            f"| {ceiling} | {of_ceiling} | {equal} | {evaluation} "
-            f"| {f'{final:.3f}' if lower else f'{final:.1%}'} |"
-            + (f" {at.get('tokens_per_s_per_machine', 0):,.0f} |" if tokens else "")
-        )
-    return "\n".join(lines)
-
-
-def shown(path: str) -> str:
-    """`path` relative to the repository when it lies inside it."""
-    relative = os.path.relpath(path, ROOT)
-    return path if relative.startswith("..") else relative
-
-
-def section(all_results: dict, args, command: str) -> str:
-    workload = WORKLOADS[args.workload]
-    quick = " (QUICK SMOKE RUN: not representative)" if args.quick else ""
-    if args.target is None:
-        target_text = f"the fp32 all-reduce's final {workload.metric_name} on the same link"
-    elif workload.lower_is_better:
-        target_text = f"{args.target:g}"
-    else:
-        target_text = f"{args.target:.0%}"
-    machine = f"{platform.machine()}, {os.cpu_count()} CPU cores shared by every process"
-    what = "language model, " if args.workload == "lm" else ""
-    combined = ""
-    if args.shaped_steps:
-        combined = (
-            f" (c): the run at this rate was {args.shaped_steps} steps long, for its seconds "
-            "per step and per evaluation; its times to target put those on the unshaped "
-            f"run's {workload.metric_name} per step, which lpdec's synchronous methods "
-            "compute the same whatever the link's speed."
-        )
-    parts = [
-        f"## Training across a shaped link (`bench/link.py`), {what}{args.workload}{quick}",
-        "",
-        f"`{command}`",
-        "",
-        f"Measured {datetime.date.today().isoformat()} on {machine}; {_sections.versions()}.",
-        "",
-        f"P processes of `train.py` (`{shown(args.config)}` plus each method's "
-        f"fields; {args.devices} CPU devices each, gloo"
-        + (
-            "; each process pinned to a core of its own with one thread, PyTorch DDP too"
-            if getattr(args, "pin", False)
-            else ""
-        )
-        + "), each in its own network namespace, "
-        "joined by veth links shaped with htb at each host's egress. s/step: median chunk "
-        f"time per step over {args.steps} steps; link bytes: host 0's veth transmit counter, "
-        f"difference of unshaped runs of {args.probe_steps[1]} and {args.probe_steps[0]} "
-        "steps; link bytes (model): what train.py's traffic meter says a host puts on the "
-        "link per step (`link_bytes_by_axis`, each collective by its bandwidth-optimal "
-        "algorithm, `lpdec.wire.LINK_SHARE`; with machines of several devices, the "
-        "machines axis's bytes times the devices; (operands): a run from before the meter "
-        "modelled links, its collectives' operand bytes); unshaped: the veth with no qdisc "
-        "(as fast as the kernel copies, on the same CPU cores); utilisation: unshaped "
-        "s/step / shaped s/step; time to "
-        f"target: training time until the node-averaged model reaches the target "
-        f"{workload.metric_name} ({target_text}; compilation not counted); at equal "
-        f"{workload.metric_name}: the all-reduce's training time to this method's final value "
-        "over this method's whole training time (for methods that end short of the target), "
-        "with its ceiling: the same over the method's whole time on the unshaped link, and "
-        "the fraction of it reached; "
-        "ceiling: the all-reduce's time to target on this link over the method's on the "
-        "unshaped link (the speed-up these cores allow if the link cost nothing), and of "
-        "ceiling: the speed-up over it; "
-        "evaluation adds: the run's evaluations at the config's logging interval over its "
-        "training time. "
-        "DiLoCo runs are measured over whole rounds (probes, rows and runs are multiples of "
-        f"H).{combined} Plot: `{shown(args.plot)}`.",
-    ]
-    for processes, results in all_results.items():
-        rates = [UNSHAPED] + args.rates
-        for rate, target in targets(results, rates, args.target).items():
-            parts += [
-                "",
-                f"### {processes} processes x {args.devices} devices, {rate} link",
-                "",
-                table(results, rate, target, workload),
-            ]
-    return "\n".join(parts)
-
-
-def plot(all_results: dict, args) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    panels = [(p, rate) for p in all_results for rate in [UNSHAPED] + args.rates]
-    fig, axes = plt.subplots(
-        1, len(panels), figsize=(5 * len(panels), 4), squeeze=False, sharey=True
-    )
-    for ax, (processes, rate) in zip(axes[0], panels, strict=True):
-        for r in all_results[processes]:
-            if "error" in r or rate not in r["rates"]:
-                continue
-            xs, ys = zip(*r["rates"][rate]["curve"], strict=True)
-            ax.plot(xs, ys, marker=".", label=r["label"])
-        target = targets(all_results[processes], [rate], args.target)[rate]
-        if target is not None:
-            ax.axhline(target, color="gray", linestyle="--", linewidth=0.8)
-        ax.set_title(f"{processes} processes x {args.devices} devices, {rate} link")
-        ax.set_xlabel("training time (s)")
-        ax.grid(alpha=0.3)
-    axes[0][0].set_ylabel(f"{WORKLOADS[args.workload].metric_name} (node-averaged model)")
-    axes[0][-1].legend(fontsize=8)
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-    fig.savefig(args.plot, dpi=120)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -989,10 +759,11 @@ def main(argv=None) -> int:
             data = json.load(f)
         saved = argparse.Namespace(**dict(data["args"], output=args.output, plot=args.plot))
         all_results = {int(p): results for p, results in data["results"].items()}
-        body = section(all_results, saved, data.get("command", "python -m bench.link"))
+        workload = WORKLOADS[saved.workload]
+        body = section(all_results, saved, data.get("command", "python -m bench.link"), workload)
         header = _sections.BENCHMARKS_HEADER
         _sections.replace_section(args.output, args.section, body, header=header)
-        plot(all_results, saved)
+        plot(all_results, saved, workload)
         print(body)
         return 0
     if args.torch_python:  # (DDP's batch split checked before anything trains)
@@ -1058,9 +829,9 @@ def main(argv=None) -> int:
     finally:
         netns.teardown()
     save()
-    body = section(all_results, args, command)
+    body = section(all_results, args, command, WORKLOADS[args.workload])
     _sections.replace_section(args.output, args.section, body, header=_sections.BENCHMARKS_HEADER)
-    plot(all_results, args)
+    plot(all_results, args, WORKLOADS[args.workload])
     print(body)
     print(f"results: {results_path}; section: {args.output}; plot: {args.plot}")
     return 0

@@ -174,7 +174,7 @@ def local_sum(x: PyTree, *, axis_name: AxisName) -> PyTree:
             return host_sum.psum(flat)
         split = _splits(flat, axis_name)
         wire.record(flat, axis_name, collective="hierarchical_psum" if split else "psum")
-        return _hierarchical_sum(flat, axis_name) if split else jax.lax.psum(flat, axis_name)
+        return _hierarchical_sum(flat, *axis_name) if split else jax.lax.psum(flat, axis_name)
 
     leaves, treedef = jax.tree.flatten(x)
     groups: dict[Any, list[int]] = {}
@@ -205,10 +205,9 @@ def _splits(flat: jax.Array, axis_name: AxisName) -> bool:
     return blocks > 1 and jax.lax.axis_size(outer) > 1 and flat.size >= blocks
 
 
-def _hierarchical_sum(flat: jax.Array, axis_name: tuple[str, str]) -> jax.Array:
-    """`psum(flat, axis_name)` over two mesh axes (outer, inner) as reduce-scatter over
-    inner, sum over outer, all-gather over inner (where `_splits` holds)."""
-    outer, inner = axis_name
+def _hierarchical_sum(flat: jax.Array, outer: str, inner: str) -> jax.Array:
+    """`psum(flat, (outer, inner))` over two mesh axes as reduce-scatter over inner, sum
+    over outer, all-gather over inner (where `_splits` holds)."""
     blocks = jax.lax.axis_size(inner)
     padded = jnp.pad(flat, (0, -flat.size % blocks))
     block = jax.lax.psum_scatter(padded, inner, scatter_dimension=0, tiled=True)

@@ -47,7 +47,7 @@ class TrafficMeter:
         whole, in a branch of a conditional.
     """
 
-    def __init__(self):
+    def __init__(self) -> None:
         self.bytes = 0.0
         self.collectives = 0.0
         self.bytes_by_axis: dict[str, float] = {}

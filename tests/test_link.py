@@ -15,6 +15,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from bench import link  # noqa: E402
+from bench import link_report  # noqa: E402
 from bench import netns  # noqa: E402
 
 REASON = netns.unavailable()
@@ -199,9 +200,9 @@ def test_time_to_target_sums_step_times_over_the_rows():
         {"step": 40.0, "step_time_s": 0.125, "test_accuracy_avg_model": 0.8},
     ]
     # 10 x 0.5 = 5 s, then 10 x 0.25 = 2.5 s, then 20 x 0.125 = 2.5 s.
-    assert link.curve(rows) == [(5.0, 0.4), (7.5, 0.72), (10.0, 0.8)]
-    assert link.time_to_target(link.curve(rows), 0.7) == 7.5
-    assert link.time_to_target(link.curve(rows), 0.9) is None
+    assert link_report.curve(rows) == [(5.0, 0.4), (7.5, 0.72), (10.0, 0.8)]
+    assert link_report.time_to_target(link_report.curve(rows), 0.7) == 7.5
+    assert link_report.time_to_target(link_report.curve(rows), 0.9) is None
 
 
 def test_target_final_is_the_baseline_final_accuracy_per_link():
@@ -226,19 +227,19 @@ def test_target_final_is_the_baseline_final_accuracy_per_link():
         {"unshaped": 0.8, "100mbit": 0.8},
         {"unshaped": [(0.5, 0.74), (1.0, 0.8)], "100mbit": [(1.0, 0.71), (2.0, 0.8)]},
     )
-    assert link.targets([base, fast], ["unshaped", "100mbit"], None) == {
+    assert link_report.targets([base, fast], ["unshaped", "100mbit"], None) == {
         "unshaped": 0.75,
         "100mbit": 0.7,
     }
-    assert link.targets([base, fast], ["100mbit"], 0.6) == {"100mbit": 0.6}
-    rows = link.table([base, fast], "100mbit", 0.7).splitlines()
+    assert link_report.targets([base, fast], ["100mbit"], 0.6) == {"100mbit": 0.6}
+    rows = link_report.table([base, fast], "100mbit", 0.7, link.WORKLOADS["mlp"]).splitlines()
     # all-reduce reaches 70% at 20 s, DiLoCo at 1 s: 20x; unshaped, DiLoCo would at 0.5 s:
     # its ceiling is 20 / 0.5 = 40x, of which it reaches 0.5 / 1 = 50%. The all-reduce's
     # own unshaped time to 70% is 2 s: ceiling 10x, reached 2 / 20 = 10%.
     assert "| 20.0 s | 1.00x | 10.00x | 10% |" in rows[2], rows
     assert "| 1.0 s | 20.00x | 40.00x | 50% |" in rows[3], rows
     with pytest.raises(ValueError, match="needs the baseline"):
-        link.targets([fast], ["100mbit"], None)
+        link_report.targets([fast], ["100mbit"], None)
     # A method that ends short of the target (0.65 < 0.7): the all-reduce reaches 0.65
     # at 20 s on this link; the method's whole run took 2 s here and 0.8 s unshaped:
     # 10x at equal accuracy, its ceiling 20 / 0.8 = 25x, reached 0.8 / 2 = 40%.
@@ -247,7 +248,7 @@ def test_target_final_is_the_baseline_final_accuracy_per_link():
         {"unshaped": 0.65, "100mbit": 0.65},
         {"unshaped": [(0.4, 0.6), (0.8, 0.65)], "100mbit": [(1.0, 0.6), (2.0, 0.65)]},
     )
-    rows = link.table([base, short], "100mbit", 0.7).splitlines()
+    rows = link_report.table([base, short], "100mbit", 0.7, link.WORKLOADS["mlp"]).splitlines()
     assert "| not reached | — | — | — | 10.00x (ceiling 25.00x, 40% of it) |" in rows[3], rows
 
 
@@ -316,10 +317,11 @@ def test_a_language_model_curve_counts_down_to_its_target_with_evaluation():
         {"step": 40.0, "step_time_s": 0.5, "eval_time_s": 1.0, "val_bits_per_byte_avg_model": 4.5},
     ]
     metric = link.WORKLOADS["lm"].metric
-    assert link.curve(rows, metric) == [(10.0, 6.0), (20.0, 4.5)]
-    assert link.curve(rows, metric, clock=True) == [(11.0, 6.0), (22.0, 4.5)]
-    assert link.time_to_target(link.curve(rows, metric), 5.0, lower_is_better=True) == 20.0
-    assert link.time_to_target(link.curve(rows, metric), 4.0, lower_is_better=True) is None
+    assert link_report.curve(rows, metric) == [(10.0, 6.0), (20.0, 4.5)]
+    assert link_report.curve(rows, metric, clock=True) == [(11.0, 6.0), (22.0, 4.5)]
+    points = link_report.curve(rows, metric)
+    assert link_report.time_to_target(points, 5.0, lower_is_better=True) == 20.0
+    assert link_report.time_to_target(points, 4.0, lower_is_better=True) is None
     args = link.parse_args(["--workload=lm"])
     assert args.target is None and args.methods == list(link.LM_METHODS)
     assert args.config.endswith("lm_study.py")
@@ -402,7 +404,7 @@ def test_the_link_bytes_are_a_machines_devices_bytes_between_machines():
     assert link.link_share(legacy, 4) == pytest.approx(1.5 * 4 * 1513.6)  # the operands
     flat = {"link_bytes_by_axis": {"nodes": 9.0}, "link_bytes_per_step": 9.0}
     assert link.link_share(dict(flat, final={"wire_bytes_per_step": 4.0}), 1) == 9.0
-    assert link.modelled_cell({"modelled_link_bytes_per_step": 6054.4}) == "0.006 MB"
+    assert link_report.modelled_cell({"modelled_link_bytes_per_step": 6054.4}) == "0.006 MB"
     old = {"compiled_link_bytes_per_step": 9081.6, "compiled_bytes_per_step": 605150.4}
-    assert link.modelled_cell(old) == "0.009 MB (operands)"
-    assert link.modelled_cell({"compiled_bytes_per_step": float("nan")}) == "—"  # DDP
+    assert link_report.modelled_cell(old) == "0.009 MB (operands)"
+    assert link_report.modelled_cell({"compiled_bytes_per_step": float("nan")}) == "—"  # DDP
