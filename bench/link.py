@@ -373,19 +373,13 @@ def load_config(path: str):
 def link_share(summary: dict, devices: int) -> float:
     """The bytes a host puts on the link per step, by train.py's traffic meter: its
     `devices` nodes' link bytes on the machines axis (the workers' axis stays inside
-    the host), or one node's when the run has no machines axis (a node a host).
-
-    A summary from before the meter modelled links (no `link_bytes_by_axis`) gives
-    the collectives' operand bytes instead (`wire_bytes_by_axis`): the same for an
-    all-reduce or all-gather over 2 machines, 3/2 of the link's bytes for the
-    compressed mean's two rounds over 2 (its all-to-all's row to itself counted)."""
-    link = summary.get("link_bytes_by_axis")
-    by_axis = link if link is not None else summary.get("wire_bytes_by_axis") or {}
+    the host), or one node's when the run has no machines axis (a node a host). It
+    reads the summary of a run `measure` has just made (results files from before the
+    link model keep their operand bytes: `link_report.modelled_cell`)."""
+    by_axis = summary["link_bytes_by_axis"]
     if "machines" in by_axis:
         return float(by_axis["machines"]) * devices
-    if link is not None:
-        return float(summary["link_bytes_per_step"])
-    return float(summary["final"]["wire_bytes_per_step"])
+    return float(summary["link_bytes_per_step"])
 
 
 def ddp_layout(args, hosts: int) -> tuple[int, int, int]:

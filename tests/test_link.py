@@ -400,8 +400,6 @@ def test_the_link_bytes_are_a_machines_devices_bytes_between_machines():
     }
     payload = 120_576 * 4 // 8 + 8 * -(-120_576 // 8192)
     assert link.link_share(summary, 4) == pytest.approx(payload / 10, rel=3e-3)
-    legacy = {k: v for k, v in summary.items() if not k.startswith("link")}
-    assert link.link_share(legacy, 4) == pytest.approx(1.5 * 4 * 1513.6)  # the operands
     flat = {"link_bytes_by_axis": {"nodes": 9.0}, "link_bytes_per_step": 9.0}
     assert link.link_share(dict(flat, final={"wire_bytes_per_step": 4.0}), 1) == 9.0
     assert link_report.modelled_cell({"modelled_link_bytes_per_step": 6054.4}) == "0.006 MB"
