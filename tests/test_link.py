@@ -270,8 +270,9 @@ def test_runs_that_exchange_every_h_steps_are_measured_over_whole_rounds(
         every = overrides["log_every"]
         rows = [{"step": float(s), "step_time_s": 0.1, "test_accuracy_avg_model": 0.5}
                 for s in range(every, n + 1, every)]  # fmt: skip
-        return link.Run(rows, {"final": {"wire_bytes_per_step": 1.0},
-                               "wire_bytes_source": "x"}, n * 100, n * 100, 1.0)  # fmt: skip
+        summary = {"final": {"wire_bytes_per_step": 1.0}, "wire_bytes_source": "x",
+                   "link_bytes_by_axis": {"nodes": 1.0}, "link_bytes_per_step": 1.0}  # fmt: skip
+        return link.Run(rows, summary, n * 100, n * 100, 1.0)
 
     class FakeNetwork:
         def shape(self, rate):
