@@ -216,9 +216,18 @@ def test_convergence_on_a_heterogeneous_quadratic(rng):
     for name, (_, final) in errors.items():
         if name != "naive_quantized":
             assert final < 5e-6, (name, final)
+    # Naive gossip's floor is of the order of the variance that stochastic rounding to 8
+    # bits of the model's own range adds to each entry every step, at most delta^2 / 4
+    # with delta = range / 255 (seed 003, Theorem 1). Over 31 seeds its error at step 599
+    # was 7-14x that bound; every other method's stayed below 0.6e-6 (two seeds).
     middle, final = errors["naive_quantized"]
-    assert final > 1e-5, final  # a floor well above every other method's error
-    assert final > 0.5 * middle, (middle, final)  # ... that halving the step does not lower
+    floor = ((x_star.max() - x_star.min()) / 255) ** 2 / 4
+    assert final > 2 * floor, (final, floor)
+    others = max(final for name, (_, final) in errors.items() if name != "naive_quantized")
+    assert final > 4 * others, (final, others)  # well above every other method's error
+    # From step 299 to 599 the step size falls 64x: D-PSGD's error falls with its square
+    # (~4,000x); naive gossip's ended at 0.37-1.39 of its value over those seeds.
+    assert final > middle / 10, (middle, final)
 
 
 def _compiled_update_traffic(name, d):
