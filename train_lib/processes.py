@@ -207,11 +207,12 @@ def _join_handshake(
     fields: dict,
     deadline: float,
     sum_channel: bool = False,
-) -> tuple[socket.socket, socket.socket | None]:
+) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
     """Processes 1..: say hello to process 0 and wait for its verdict.
 
-    Returns the open connection to process 0 and, with `sum_channel`, a second one
-    for `lpdec.host_sum` (else None).
+    Returns, as `_serve_handshake` returns process 0's, the open connection to
+    process 0 by its id and, with `sum_channel`, a second one for `lpdec.host_sum`
+    (else no sum connection).
     """
     while True:
         remaining = deadline - time.monotonic()
@@ -261,7 +262,7 @@ def _join_handshake(
             raise ProcessError(
                 f"{verdict['error']}. Start every process with the same config and flags."
             )
-        return conn, sums
+        return {0: conn}, ({} if sums is None else {0: sums})
 
 
 def start(
@@ -316,9 +317,9 @@ def start(
         except OSError:
             # The port is taken: most likely by another process started as process 0,
             # whose handshake then names the duplicate id to everyone.
-            connections, sums = _join(*join)
+            connections, sums = _join_handshake(*join)
     else:
-        connections, sums = _join(*join)
+        connections, sums = _join_handshake(*join)
     peers = watchdog.PeerWatch(
         process_id,
         num_processes,
@@ -355,12 +356,6 @@ def start(
             for conn in sums.values():
                 conn.close()
     return peers
-
-
-def _join(*args) -> tuple[dict[int, socket.socket], dict[int, socket.socket]]:
-    """`_join_handshake`'s connections to process 0, as `_serve_handshake` gives its own."""
-    conn, sums = _join_handshake(*args)
-    return {0: conn}, ({} if sums is None else {0: sums})
 
 
 def _gather_strings(text: str) -> list[str]:
