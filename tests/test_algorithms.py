@@ -223,7 +223,7 @@ def test_convergence_on_a_heterogeneous_quadratic(rng):
     middle, final = errors["naive_quantized"]
     floor = ((x_star.max() - x_star.min()) / 255) ** 2 / 4
     assert final > 2 * floor, (final, floor)
-    others = max(final for name, (_, final) in errors.items() if name != "naive_quantized")
+    others = max(e for name, (_, e) in errors.items() if name != "naive_quantized")
     assert final > 4 * others, (final, others)  # well above every other method's error
     # From step 299 to 599 the step size falls 64x: D-PSGD's error falls with its square
     # (~4,000x); naive gossip's ended at 0.37-1.39 of its value over those seeds.
